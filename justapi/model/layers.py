@@ -1,0 +1,64 @@
+"""Shared building blocks: RMSNorm, rotary embeddings, and a linear layer whose rows never see each other."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Rows of a matmul are computed in tiles of this many rows, each tile one GEMM of the same shape, so a row's
+# result never depends on how many other rows share the batch (BLAS picks different kernels and reduction
+# orders for different M; measured: a 1536-wide reduction differs in the last bits between M=64 and M=128).
+BATCH_INVARIANT_TILE = 16
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension, computed in fp32 as the reference implementations do."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, batch_invariant: bool) -> torch.Tensor:
+    """``x @ weight.T + bias``; with ``batch_invariant``, row tiles of fixed height, padded at the end.
+
+    ::
+
+        x rows:  [ 0 .. 15 ][ 16 .. 31 ][ 32 33 pad .. ]   each tile one [16, K] x [K, N] GEMM
+    """
+    if not batch_invariant:
+        return F.linear(x, weight, bias)
+    tile = BATCH_INVARIANT_TILE
+    m = x.shape[0]
+    num_tiles = -(-m // tile)
+    if num_tiles * tile != m:
+        x = torch.cat([x, x.new_zeros(num_tiles * tile - m, x.shape[1])])
+    out = x.new_empty(num_tiles * tile, weight.shape[0])
+    wt = weight.t()
+    for t in range(num_tiles):
+        torch.mm(x[t * tile : (t + 1) * tile], wt, out=out[t * tile : (t + 1) * tile])
+    out = out[:m]
+    if bias is not None:
+        out = out + bias
+    return out
+
+
+class RotaryEmbedding:
+    """Precomputed cos/sin tables; ``style`` "norm" rotates adjacent pairs (llama.cpp's llama layout), "neox" halves."""
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int, style: str, device: str) -> None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        pos = torch.arange(max_positions, dtype=torch.int64).float()
+        freqs = torch.outer(pos, inv_freq)  # [positions, head_dim/2]
+        self.cos = freqs.cos().to(device)
+        self.sin = freqs.sin().to(device)
+        self.style = style
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` of shape [tokens, heads, head_dim] by each token's position."""
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [tokens, 1, head_dim/2]
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        if self.style == "neox":
+            x1, x2 = x.chunk(2, dim=-1)
+            return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)

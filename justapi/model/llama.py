@@ -1,0 +1,112 @@
+"""The Llama family (llama, qwen2 with QKV biases, qwen3 with QK norm) over a paged KV cache.
+
+``forward`` takes one flat batch: the new tokens of many sequences, each with its own positions and blocks.
+Q/K/V and gate/up projections are fused into one matmul each at load time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+from .attention import AttentionMetadata, paged_attention, write_kv
+from .gguf_loader import ModelLoadError
+from .layers import RotaryEmbedding, linear, rms_norm
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor
+    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: torch.Tensor
+    ffn_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor
+
+
+class LlamaModel:
+    """Weights and the forward pass of a decoder-only Llama-family model."""
+
+    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], device: str, batch_invariant: bool):
+        self.config = config
+        self.batch_invariant = batch_invariant
+
+        def take(name: str, required: bool = True) -> torch.Tensor | None:
+            t = tensors.pop(name, None)
+            if t is None and required:
+                raise ModelLoadError(f"{config.path}: tensor {name} is missing")
+            return t.to(device) if t is not None else None
+
+        self.embed = take("token_embd.weight")
+        self.layers: list[LayerWeights] = []
+        for i in range(config.num_layers):
+            p = f"blk.{i}."
+            q, k, v = take(p + "attn_q.weight"), take(p + "attn_k.weight"), take(p + "attn_v.weight")
+            bias = None
+            if config.qkv_bias:
+                bias = torch.cat([take(p + "attn_q.bias"), take(p + "attn_k.bias"), take(p + "attn_v.bias")])
+            self.layers.append(
+                LayerWeights(
+                    attn_norm=take(p + "attn_norm.weight"),
+                    qkv=torch.cat([q, k, v]).contiguous(),
+                    qkv_bias=bias,
+                    q_norm=take(p + "attn_q_norm.weight") if config.qk_norm else None,
+                    k_norm=take(p + "attn_k_norm.weight") if config.qk_norm else None,
+                    o=take(p + "attn_output.weight"),
+                    ffn_norm=take(p + "ffn_norm.weight"),
+                    gate_up=torch.cat([take(p + "ffn_gate.weight"), take(p + "ffn_up.weight")]).contiguous(),
+                    down=take(p + "ffn_down.weight"),
+                )
+            )
+        self.norm = take("output_norm.weight")
+        head = take("output.weight", required=False)
+        self.lm_head = head if head is not None else self.embed
+        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.context_length, config.rope_style, device)
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim ** -0.5
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        logits_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """Logits (fp32) for the rows ``logits_rows`` of the flat batch; writes every new token's K/V."""
+        cfg = self.config
+        bi = self.batch_invariant
+        x = F.embedding(input_ids, self.embed)
+        n = x.shape[0]
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
+            qkv = linear(h, layer.qkv, layer.qkv_bias, bi)
+            q = qkv[:, : self.q_size].view(n, cfg.num_heads, cfg.head_dim)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(n, cfg.num_kv_heads, cfg.head_dim)
+            v = qkv[:, self.q_size + self.kv_size :].view(n, cfg.num_kv_heads, cfg.head_dim)
+            if layer.q_norm is not None:
+                q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+                k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+            q = self.rope(q, positions)
+            k = self.rope(k, positions)
+            write_kv(k_cache, v_cache, k, v.contiguous(), meta.slot_mapping)
+            attn = paged_attention(q, k_cache, v_cache, meta, self.scale)
+            x = x + linear(attn.reshape(n, self.q_size), layer.o, None, bi)
+            h = rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps)
+            gate_up = linear(h, layer.gate_up, None, bi)
+            gate, up = gate_up.chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, layer.down, None, bi)
+        x = rms_norm(x[logits_rows], self.norm, cfg.rms_norm_eps)
+        return linear(x, self.lm_head, None, bi).float()

@@ -1,0 +1,97 @@
+"""Turn a batch of logits into tokens, each row with its own sampling settings.
+
+Randomness is drawn from a generator seeded by (request seed, output position), so a request's sampled text
+depends only on its seed: not on what else is in the batch, nor on whether it was preempted and recomputed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..core.outputs import Logprob
+from ..sampling_params import SamplingParams
+
+_MIX = 0x9E3779B97F4A7C15
+
+
+@dataclass
+class SampleRow:
+    """One row to sample: its settings, its seed, and the tokens it has generated so far."""
+
+    params: SamplingParams
+    seed: int
+    output_token_ids: list[int]
+
+
+def row_generator(seed: int, position: int, device: str) -> torch.Generator:
+    """The generator for output position ``position`` of a request seeded with ``seed``."""
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * _MIX + position * 0x632BE59BD9B4E019 + 1) % (1 << 63))
+    return g
+
+
+def apply_penalties(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
+    """OpenAI presence and frequency penalties from the tokens generated so far."""
+    p = row.params
+    if (p.presence_penalty == 0 and p.frequency_penalty == 0) or not row.output_token_ids:
+        return logits
+    ids = torch.tensor(row.output_token_ids, device=logits.device)
+    counts = torch.bincount(ids, minlength=logits.shape[-1])[: logits.shape[-1]].to(logits.dtype)
+    return logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a request samples from: temperature, then top-k, top-p and min-p filters."""
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        cum = torch.cumsum(sorted_probs, dim=-1)
+        drop_sorted = cum - sorted_probs >= params.top_p  # keep the smallest prefix reaching top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    return probs / probs.sum()
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[Logprob | None]]:
+    """One token per row of ``logits`` [num_rows, vocab] (fp32), and logprobs where a row asked for them."""
+    tokens: list[int] = [0] * len(rows)
+    greedy_rows = [i for i, r in enumerate(rows) if r.params.greedy and not _has_penalty(r)]
+    if greedy_rows:
+        picked = logits[greedy_rows].argmax(dim=-1).tolist()
+        for i, t in zip(greedy_rows, picked):
+            tokens[i] = t
+    greedy_set = set(greedy_rows)
+    for i, row in enumerate(rows):
+        if i in greedy_set:
+            continue
+        row_logits = apply_penalties(logits[i], row)
+        if row.params.greedy:
+            tokens[i] = int(row_logits.argmax())
+            continue
+        probs = processed_probs(row_logits, row.params)
+        g = row_generator(row.seed, len(row.output_token_ids), str(logits.device))
+        tokens[i] = int(torch.multinomial(probs, 1, generator=g))
+    logprobs: list[Logprob | None] = [None] * len(rows)
+    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    if want:
+        lp = torch.log_softmax(logits[want], dim=-1)
+        for j, i in enumerate(want):
+            k = rows[i].params.logprobs
+            top = []
+            if k:
+                vals, ids = torch.topk(lp[j], k)
+                top = list(zip(ids.tolist(), vals.tolist()))
+            logprobs[i] = Logprob(tokens[i], float(lp[j, tokens[i]]), top)
+    return tokens, logprobs
+
+
+def _has_penalty(row: SampleRow) -> bool:
+    return row.params.presence_penalty != 0 or row.params.frequency_penalty != 0

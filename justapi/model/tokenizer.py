@@ -1,0 +1,95 @@
+"""The tokenizer stored in a GGUF file (GPT-2 BPE or SentencePiece), built by transformers' GGUF converter."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from .gguf_loader import ModelLoadError, field_value
+
+log = logging.getLogger(__name__)
+
+
+class Tokenizer:
+    """Encode/decode with the file's vocabulary; BOS and EOS as the file says."""
+
+    def __init__(self, path: str, reader) -> None:
+        model = field_value(reader, "tokenizer.ggml.model")
+        if model is None:
+            raise ModelLoadError(f"{path}: the file has no tokenizer (tokenizer.ggml.model is missing)")
+        if model not in ("gpt2", "llama"):
+            raise ModelLoadError(f"{path}: unsupported tokenizer model {model!r}; supported: gpt2 (BPE), llama (SentencePiece)")
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        import transformers
+        from transformers import AutoTokenizer
+
+        transformers.logging.set_verbosity_error()
+        try:
+            self._hf = AutoTokenizer.from_pretrained(
+                os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path), local_files_only=True
+            )
+        except Exception as e:
+            raise ModelLoadError(f"{path}: the tokenizer cannot be built ({type(e).__name__}: {e})") from None
+        self.vocab_size = len(field_value(reader, "tokenizer.ggml.tokens") or [])
+        self.bos_token_id = field_value(reader, "tokenizer.ggml.bos_token_id")
+        self.eos_token_id = field_value(reader, "tokenizer.ggml.eos_token_id")
+        self.add_bos = bool(field_value(reader, "tokenizer.ggml.add_bos_token", model == "llama"))
+        eos = {self.eos_token_id}
+        for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+            value = field_value(reader, key)
+            if value is not None:
+                eos.add(value)
+        self.eos_token_ids = frozenset(t for t in eos if t is not None)
+        self.chat_template: str | None = field_value(reader, "tokenizer.chat_template")
+        self.bos_token = self._token_str(self.bos_token_id)
+        self.eos_token = self._token_str(self.eos_token_id)
+
+    def _token_str(self, token_id: int | None) -> str:
+        if token_id is None:
+            return ""
+        return self._hf.convert_ids_to_tokens(int(token_id)) or ""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; special-token strings in it are parsed; BOS is prepended when the file asks."""
+        ids = self._hf.encode(text, add_special_tokens=False)
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
+            if not ids or ids[0] != self.bos_token_id:
+                ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_piece(self, token_id: int) -> str:
+        return self._hf.convert_ids_to_tokens(int(token_id))
+
+
+class IncrementalDetokenizer:
+    """Text of a growing token sequence, released only when it no longer ends inside a UTF-8 character.
+
+    Decodes a short window (a few tokens of context, then the unreleased ones) each time, so the cost per token
+    stays constant and SentencePiece's leading-space rules see the token before.
+    """
+
+    CONTEXT_TOKENS = 5
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.ids = list(prompt_token_ids[-self.CONTEXT_TOKENS :])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def add(self, token_ids: list[int], final: bool = False) -> str:
+        """Append tokens; return the newly complete text (everything left when ``final``)."""
+        self.ids.extend(token_ids)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], self.skip)
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :], self.skip)
+        if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
+            delta = full[len(prefix) :]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            self.text += delta
+            return delta
+        return ""

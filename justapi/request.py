@@ -1,0 +1,78 @@
+"""A request as the scheduler sees it: token ids, how many of them have KV computed, and its blocks."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from .sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated. Invariant: ``num_computed_tokens <= len(all_token_ids)``.
+
+    Every kind of work (prefill chunk, decode token, prefix-cache hit, recompute after preemption) moves
+    ``num_computed_tokens`` towards ``num_tokens``; when they meet, the runner samples the next token.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+    seed: int
+    arrival_index: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first admission; -1 before it
+    num_preemptions: int = 0
+    cache_node: object = None  # the radix node this request holds locked
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        assert self.sampling_params.max_tokens is not None
+        return self.sampling_params.max_tokens
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self) -> RequestStatus | None:
+        """The finish status after the latest token, if it ends the request (stop strings are checked later)."""
+        last = self.output_token_ids[-1]
+        params = self.sampling_params
+        if last in params.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids):
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

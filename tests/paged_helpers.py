@@ -1,0 +1,26 @@
+"""Test helpers: run a model over a prompt through the paged path in chunks, with shuffled block tables."""
+
+from __future__ import annotations
+
+import torch
+
+from justapi.model.attention import AttentionMetadata, SeqSpan
+
+
+def paged_prefill_logits(model, token_ids: list[int], block_size: int = 4, chunk: int = 5, seed: int = 0) -> torch.Tensor:
+    """Logits for every position of ``token_ids``, computed chunk by chunk through a shuffled block table."""
+    cfg = model.config
+    num_blocks = -(-len(token_ids) // block_size) + 3
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randperm(num_blocks, generator=g)
+    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    caches = [(torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype)) for _ in range(cfg.num_layers)]
+    out = []
+    for start in range(0, len(token_ids), chunk):
+        end = min(start + chunk, len(token_ids))
+        pos = torch.arange(start, end)
+        slots = table[pos // block_size] * block_size + pos % block_size
+        span = SeqSpan(0, end - start, end, table[: -(-end // block_size)])
+        meta = AttentionMetadata(slot_mapping=slots, seqs=[span])
+        out.append(model.forward(torch.tensor(token_ids[start:end]), pos, meta, caches, torch.arange(end - start)))
+    return torch.cat(out)

@@ -1,0 +1,155 @@
+"""The model core against references: transformers on the same GGUF, and dense attention."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from justapi import SamplingParams
+from justapi.model.attention import AttentionMetadata, SeqSpan, paged_attention
+from justapi.model.gguf_loader import load_tensors, open_gguf, read_model_config
+from justapi.model.llama import LlamaModel
+from paged_helpers import paged_prefill_logits
+from tiny_gguf import write_tiny_model
+
+
+def load_model(path: str, batch_invariant: bool = True) -> LlamaModel:
+    reader = open_gguf(path)
+    cfg = read_model_config(reader, path)
+    return LlamaModel(cfg, load_tensors(reader, path, torch.float32, False), "cpu", batch_invariant)
+
+
+def hf_model(path: str, **overrides):
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    return AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32, **overrides
+    ).eval()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_tiny_architectures_match_transformers(tmp_path, arch, tied):
+    path = write_tiny_model(str(tmp_path / f"{arch}.gguf"), arch, tied=tied, seed=3)
+    model = load_model(path)
+    assert model.config.qkv_bias == (arch == "qwen2")
+    assert model.config.qk_norm == (arch == "qwen3")
+    assert model.config.tie_word_embeddings == tied
+    # transformers ignores qwen3's key_length and assumes head_dim 128
+    ref_model = hf_model(path, **({"head_dim": model.config.head_dim} if arch == "qwen3" else {}))
+    ids = [(7 * i + 3) % 260 + 3 for i in range(45)]  # 45 tokens: crosses many 4-token blocks
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([ids])).logits[0]
+    got = paged_prefill_logits(model, ids, block_size=4, chunk=6)
+    assert (got - ref).abs().max().item() < 1e-4
+
+
+def test_paged_attention_equals_dense_for_mixed_batch():
+    """A prefill chunk, two decode tokens and a draft tree in one call, against dense attention."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim, bs, num_blocks = 4, 2, 8, 4, 32
+    k_cache = torch.randn(num_blocks, bs, kv_heads, dim)
+    v_cache = torch.randn(num_blocks, bs, kv_heads, dim)
+    perm = torch.randperm(num_blocks)
+    tables = [perm[0:5], perm[5:9], perm[9:12], perm[12:20]]
+    #          (context, new tokens, mask)
+    seqs = [(18, 6, None), (13, 1, None), (9, 1, None), (30, 4, torch.tensor(
+        [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool))]  # a tree: 0 → {1, 2}, 2 → 3
+    spans, row = [], 0
+    for (ctx, n, mask), table in zip(seqs, tables):
+        spans.append(SeqSpan(row, n, ctx, table[: -(-ctx // bs)], mask))
+        row += n
+    q = torch.randn(row, heads, dim)
+    decode = [s for s in spans if s.num_query_tokens == 1]
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.long), seqs=spans,
+        decode_rows=torch.tensor([s.query_start for s in decode]),
+        decode_block_tables=torch.stack([torch.nn.functional.pad(s.block_table, (0, 4 - len(s.block_table))) for s in decode]),
+        decode_context_lens=torch.tensor([s.context_len for s in decode]),
+        decode_max_context=max(s.context_len for s in decode),
+    )
+    got = paged_attention(q, k_cache, v_cache, meta, dim ** -0.5)
+    for span in spans:
+        n, ctx = span.num_query_tokens, span.context_len
+        k = k_cache[span.block_table].flatten(0, 1)[:ctx].repeat_interleave(heads // kv_heads, dim=1)
+        v = v_cache[span.block_table].flatten(0, 1)[:ctx].repeat_interleave(heads // kv_heads, dim=1)
+        own = span.mask if span.mask is not None else torch.ones(n, n, dtype=torch.bool).tril()
+        allowed = torch.cat([torch.ones(n, ctx - n, dtype=torch.bool), own], dim=1)
+        qs = q[span.query_start : span.query_start + n]
+        scores = torch.einsum("qhd,khd->hqk", qs, k) * dim ** -0.5
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        want = torch.einsum("hqk,khd->qhd", probs, v)
+        torch.testing.assert_close(got[span.query_start : span.query_start + n], want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+def test_quantized_tensor_types_load_and_run(tmp_path, qtype):
+    import gguf
+
+    path = write_tiny_model(str(tmp_path / "q.gguf"), "llama", hidden=256, intermediate=256, num_heads=4,
+                            num_kv_heads=2, qtype=qtype, weight_scale=0.05)
+    reader = open_gguf(path)
+    tensors = load_tensors(reader, path, torch.float32, False)
+    raw = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
+    assert raw.tensor_type == gguf.GGMLQuantizationType[qtype]
+    want = torch.from_numpy(gguf.quants.dequantize(raw.data, raw.tensor_type).astype("float32")).reshape(256, 256)
+    assert torch.equal(tensors["blk.0.ffn_down.weight"], want)
+    model = load_model(path)
+    logits = paged_prefill_logits(model, list(range(3, 20)))
+    assert torch.isfinite(logits).all()
+
+
+@pytest.fixture(scope="module")
+def smollm_reference(real_model_path):
+    return hf_model(real_model_path)
+
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, there was a little",
+    "def fibonacci(n):",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+    "import numpy as np\n\narr = np.",
+    "The largest planet in our solar system is",
+    "To make a cup of tea, first",
+    "1, 2, 3, 4, 5,",
+    "Q: What is the opposite of hot?\nA:",
+]
+
+
+@pytest.mark.real_model
+def test_smollm2_logits_match_transformers(real_llm, smollm_reference):
+    model = real_llm.engine.model
+    ids = real_llm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
+    with torch.no_grad():
+        ref = smollm_reference(torch.tensor([ids])).logits[0]
+    got = paged_prefill_logits(model, ids, block_size=16, chunk=11)
+    assert (got - ref).abs().max().item() < 1e-3
+
+
+def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
+    """Plain argmax decoding with transformers' KV cache, never stopping early (like ignore_eos)."""
+    out, past, x = [], None, torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(n):
+            res = hf(x, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            tok = int(res.logits[0, -1].argmax())
+            out.append(tok)
+            x = torch.tensor([[tok]])
+    return out
+
+
+@pytest.mark.real_model
+def test_smollm2_greedy_matches_transformers_plain_and_chat(real_llm, smollm_reference):
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    chats = [real_llm.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
+    plain = [real_llm.tokenizer.encode(p) for p in PROMPTS]
+    results = real_llm.generate(plain + chats, params)
+    for ids, res in zip(plain + chats, results):
+        assert res.token_ids == _hf_greedy(smollm_reference, ids, 32), real_llm.tokenizer.decode(ids)

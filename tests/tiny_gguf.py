@@ -1,0 +1,122 @@
+"""Write tiny random-weight GGUF models (llama, qwen2, qwen3) with a real byte-level BPE tokenizer."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import gguf
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ s", "r e", "a t", "e n", "o r"]
+
+
+def _byte_tokens() -> list[str]:
+    """GPT-2's printable stand-ins for the 256 byte values."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    table = dict(zip(bs, cs))
+    return [chr(table[b]) for b in range(256)]
+
+
+def vocab() -> tuple[list[str], list[str], list[int]]:
+    tokens = SPECIALS + _byte_tokens() + ["".join(m.split()) for m in MERGES]
+    types = [gguf.TokenType.CONTROL] * len(SPECIALS) + [gguf.TokenType.NORMAL] * (len(tokens) - len(SPECIALS))
+    return tokens, MERGES, [int(t) for t in types]
+
+
+def write_tiny_model(
+    path: str,
+    arch: str = "llama",
+    *,
+    num_layers: int = 2,
+    hidden: int = 64,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate: int = 128,
+    context_length: int = 512,
+    tied: bool = True,
+    qtype: str = "F32",
+    seed: int = 0,
+    weight_scale: float = 0.2,
+) -> str:
+    """A random model whose linear weights are stored as ``qtype``; returns ``path``."""
+    rng = np.random.default_rng(seed)
+    tokens, merges, types = vocab()
+    vocab_size = len(tokens)
+    head_dim = hidden // num_heads
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(num_layers)
+    w.add_context_length(context_length)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(intermediate)
+    w.add_head_count(num_heads)
+    w.add_head_count_kv(num_kv_heads)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(vocab_size)
+    if arch == "qwen3":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+    def rand(*shape, scale=weight_scale):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    def add_linear(name, arr):
+        if qtype == "F32":
+            w.add_tensor(name, arr)
+        elif qtype in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"):
+            # gguf cannot quantize K-quants; random blocks whose bytes stay below 0x3C keep every fp16 scale finite
+            qt = gguf.GGMLQuantizationType[qtype]
+            block, nbytes = gguf.GGML_QUANT_SIZES[qt]
+            raw = rng.integers(0, 0x3C, size=(arr.shape[0], arr.shape[1] // block * nbytes), dtype=np.uint8)
+            w.add_tensor(name, raw, raw_dtype=qt)
+        else:
+            qt = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(name, gguf.quants.quantize(arr, qt), raw_dtype=qt)
+
+    w.add_tensor("token_embd.weight", rand(vocab_size, hidden, scale=1.0))
+    for i in range(num_layers):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", (1 + rand(hidden, scale=0.1)))
+        add_linear(p + "attn_q.weight", rand(num_heads * head_dim, hidden))
+        add_linear(p + "attn_k.weight", rand(num_kv_heads * head_dim, hidden))
+        add_linear(p + "attn_v.weight", rand(num_kv_heads * head_dim, hidden))
+        if arch == "qwen2":
+            w.add_tensor(p + "attn_q.bias", rand(num_heads * head_dim))
+            w.add_tensor(p + "attn_k.bias", rand(num_kv_heads * head_dim))
+            w.add_tensor(p + "attn_v.bias", rand(num_kv_heads * head_dim))
+        if arch == "qwen3":
+            w.add_tensor(p + "attn_q_norm.weight", (1 + rand(head_dim, scale=0.1)))
+            w.add_tensor(p + "attn_k_norm.weight", (1 + rand(head_dim, scale=0.1)))
+        add_linear(p + "attn_output.weight", rand(hidden, num_heads * head_dim))
+        w.add_tensor(p + "ffn_norm.weight", (1 + rand(hidden, scale=0.1)))
+        add_linear(p + "ffn_gate.weight", rand(intermediate, hidden))
+        add_linear(p + "ffn_up.weight", rand(intermediate, hidden))
+        add_linear(p + "ffn_down.weight", rand(hidden, intermediate))
+    w.add_tensor("output_norm.weight", (1 + rand(hidden, scale=0.1)))
+    if not tied:
+        w.add_tensor("output.weight", rand(vocab_size, hidden))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
