@@ -1,0 +1,174 @@
+"""End-to-end engine behaviour: batching equivalence, preemption, prefix cache, sampling, stop handling."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from justapi import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def prompts_for(llm, n, seed=0, lo=3, hi=90):
+    rng = random.Random(seed)
+    vocab = llm.engine.model_config.vocab_size
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def tokens(results):
+    return [r.token_ids for r in results]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model):
+    def build(**kw):
+        opts = dict(pool_blocks=512, show_progress=False, batch_invariant=True)
+        opts.update(kw)
+        return LLM(tiny_model, **opts)
+
+    return build
+
+
+def test_batching_never_changes_greedy_output(engines):
+    """Alone vs 32 at once, chunk sizes 1/7/512, a pool small enough to preempt often, static vs continuous."""
+    base = engines()
+    prompts = prompts_for(base, 32, seed=1)
+    params = [SamplingParams(temperature=0, max_tokens=8 + (i * 7) % 40, ignore_eos=True) for i in range(32)]
+    alone = [base.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
+    assert tokens(base.generate(prompts, params)) == alone
+    for chunk in (1, 7, 512):
+        assert tokens(engines(chunk_size=chunk).generate(prompts, params)) == alone, f"chunk_size={chunk}"
+    small = engines(pool_blocks=40, block_size=4, max_seqs=32)
+    assert tokens(small.generate(prompts, params)) == alone
+    assert small.engine.scheduler.stats.num_preemptions > 10
+    static = engines(scheduled=False)
+    assert tokens(static.generate(prompts, params)) == alone
+    assert static.engine.scheduler.stats.batch_utilizations
+    for llm in (base, small, static):
+        sched = llm.engine.scheduler
+        sched.check_integrity()
+        assert not sched.running and sched.pool.num_free + sched.num_cached_blocks == sched.pool.num_blocks
+
+
+def test_prefix_cache_on_and_off_agree_under_eviction(engines):
+    """~400 prompts drawn from a random tree of shared prefixes, pool far smaller than their total."""
+    rng = random.Random(5)
+    on = engines(pool_blocks=40, block_size=4)
+    off = engines(pool_blocks=40, block_size=4, prefix_cache=False)
+    vocab = on.engine.model_config.vocab_size
+    nodes = [[]]
+    for _ in range(60):  # a random tree: each node extends a random earlier one
+        parent = rng.choice(nodes)
+        nodes.append(parent + [rng.randrange(3, vocab) for _ in range(rng.randint(2, 12))])
+    prompts = [rng.choice(nodes[1:]) + [rng.randrange(3, vocab) for _ in range(rng.randint(1, 5))] for _ in range(400)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    total_blocks = sum(-(-(len(p) + 6) // 4) for p in prompts)
+    assert total_blocks > 10 * 40
+    got_on = tokens(on.generate(prompts, params))
+    got_off = tokens(off.generate(prompts, params))
+    assert got_on == got_off
+    cache = on.engine.scheduler.cache
+    assert cache.hits > 0 and cache.hit_ratio > 0.2
+    sched = on.engine.scheduler
+    sched.check_integrity()
+    assert sched.pool.num_free + sched.num_cached_blocks == sched.pool.num_blocks
+
+
+def test_multi_turn_chat_reuses_previous_turns(engines):
+    on = engines(block_size=4)
+    off = engines(block_size=4, prefix_cache=False)
+    for llm in (on, off):
+        history = [{"role": "system", "content": "You are terse."}]
+        replies = []
+        for turn in range(4):
+            history.append({"role": "user", "content": f"question number {turn} about the world"})
+            res = llm.chat(history, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+            replies.append(res.token_ids)
+            history.append({"role": "assistant", "content": res.text})
+        llm.replies = replies
+        llm.last_cached = res.num_cached_tokens
+    assert on.replies == off.replies
+    assert on.last_cached > 20 and off.last_cached == 0
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(engines):
+    llm = engines()
+    prompts = prompts_for(llm, 6, seed=2)
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=20, ignore_eos=True)
+    alone = [llm.generate([p], params)[0].token_ids for p in prompts]
+    assert tokens(llm.generate(prompts, params)) == alone
+    small = engines(pool_blocks=30, block_size=4)
+    assert tokens(small.generate(prompts, params)) == alone  # preempted and recomputed: same draws
+    assert small.engine.scheduler.stats.num_preemptions > 0
+    other = llm.generate(prompts[:1], SamplingParams(temperature=0.9, seed=99, max_tokens=20, ignore_eos=True))
+    assert other[0].token_ids != alone[0]
+
+
+def test_sampling_filters_and_penalties(engines):
+    llm = engines()
+    p = prompts_for(llm, 1, seed=3)[0]
+    top1 = llm.generate([p], SamplingParams(temperature=1.0, top_k=1, max_tokens=10, ignore_eos=True))[0]
+    greedy = llm.generate([p], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+    assert top1.token_ids == greedy.token_ids
+    tiny_p = llm.generate([p], SamplingParams(temperature=1.0, top_p=1e-6, seed=3, max_tokens=10, ignore_eos=True))[0]
+    assert tiny_p.token_ids == greedy.token_ids
+    min_p = llm.generate([p], SamplingParams(temperature=1.0, min_p=1.0, seed=3, max_tokens=10, ignore_eos=True))[0]
+    assert min_p.token_ids == greedy.token_ids
+    rep = llm.generate([p], SamplingParams(temperature=0, frequency_penalty=2.0, presence_penalty=2.0, max_tokens=30,
+                                           ignore_eos=True))[0]
+    plain = llm.generate([p], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+    assert len(set(rep.token_ids)) > len(set(plain.token_ids))
+
+
+def test_stop_tokens_stop_strings_and_logprobs(engines):
+    llm = engines()
+    p = prompts_for(llm, 1, seed=4)[0]
+    ref = llm.generate([p], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3))[0]
+    assert ref.finish_reason == "length" and len(ref.logprobs) == 20
+    for lp, tok in zip(ref.logprobs, ref.token_ids):
+        assert lp.token_id == tok and len(lp.top) == 3 and lp.top[0][0] == tok  # greedy: the top token
+        assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
+    stop_tok = ref.token_ids[5]
+    first = ref.token_ids.index(stop_tok)
+    res = llm.generate([p], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop_tok]))[0]
+    assert res.finish_reason == "stop" and res.token_ids == ref.token_ids[: first + 1]
+    text = ref.text
+    needle = text[len(text) // 2 : len(text) // 2 + 2]
+    res = llm.generate([p], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[needle]))[0]
+    assert res.finish_reason == "stop" and res.text == text[: text.index(needle)]
+    sched = llm.engine.scheduler
+    assert not sched.running and sched.pool.num_free + sched.num_cached_blocks == sched.pool.num_blocks
+
+
+def test_eos_ends_a_request_unless_ignored(engines):
+    llm = engines()
+    eos = llm.tokenizer.eos_token_id
+    p = prompts_for(llm, 1, seed=4)[0]
+    ref = llm.generate([p], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    res = llm.generate([p], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[ref.token_ids[3]]))[0]
+    assert res.token_ids == ref.token_ids[:4]
+    assert eos in llm.engine.tokenizer.eos_token_ids
+
+
+def test_n_completions_and_token_prompts(engines):
+    llm = engines()
+    p = prompts_for(llm, 1, seed=6)[0]
+    res = llm.generate(p, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=12, ignore_eos=True))[0]
+    assert len(res.outputs) == 3 and len({tuple(o.token_ids) for o in res.outputs}) > 1
+    assert res.prompt_token_ids == p
+
+
+@pytest.mark.real_model
+def test_smollm2_batching_and_preemption_equivalence(real_model_path):
+    prompts = ["The capital of France is", "List three fruits:", "def add(a, b):", "Roses are red,",
+               "The meaning of life is", "In 1492, Columbus", "Water is made of", "My favourite book is"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    base = LLM(real_model_path, pool_blocks=256, batch_invariant=True, show_progress=False)
+    alone = [base.generate([p], params)[0].token_ids for p in prompts]
+    assert tokens(base.generate(prompts, params)) == alone
+    del base
+    chunked = LLM(real_model_path, pool_blocks=12, block_size=4, chunk_size=3, batch_invariant=True, show_progress=False)
+    assert tokens(chunked.generate(prompts, params)) == alone
+    assert chunked.engine.scheduler.stats.num_preemptions > 0
