@@ -67,7 +67,7 @@ class EngineConfig:
     max_prefill: int = DEFAULT_MAX_PREFILL
     max_decode: int = DEFAULT_MAX_DECODE
     chunk_size: int = DEFAULT_CHUNK_SIZE
-    scheduled: bool = True  # continuous batching; False: the static-batching baseline
+    scheduled: bool = False  # False: the static-batching baseline, as `justapi serve` without --scheduled
     prefix_cache: bool = True
     max_model_len: int | None = None  # None: the model's context length
     batch_invariant: bool = False  # True: a sequence's results never depend on what else is in the batch
@@ -105,7 +105,6 @@ class SchedulerConfig:
     max_decode: int = DEFAULT_MAX_DECODE
     chunk_size: int = DEFAULT_CHUNK_SIZE
     max_model_len: int = 8192
-    scheduled: bool = True
     prefix_cache: bool = True
 
     def __post_init__(self) -> None:

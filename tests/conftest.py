@@ -30,7 +30,7 @@ def tiny_model(tiny_dir) -> str:
 def tiny_llm(tiny_model):
     from justapi import LLM
 
-    return LLM(tiny_model, pool_blocks=256, show_progress=False)
+    return LLM(tiny_model, pool_blocks=256, show_progress=False, scheduled=True)
 
 
 @pytest.fixture(scope="session")
@@ -47,4 +47,4 @@ def real_model_path() -> str:
 def real_llm(real_model_path):
     from justapi import LLM
 
-    return LLM(real_model_path, pool_blocks=1024, show_progress=False)
+    return LLM(real_model_path, pool_blocks=1024, show_progress=False, scheduled=True)

@@ -24,7 +24,7 @@ def tokens(results):
 @pytest.fixture(scope="module")
 def engines(tiny_model):
     def build(**kw):
-        opts = dict(pool_blocks=512, show_progress=False, batch_invariant=True)
+        opts = dict(pool_blocks=512, show_progress=False, batch_invariant=True, scheduled=True)
         opts.update(kw)
         return LLM(tiny_model, **opts)
 
@@ -165,10 +165,10 @@ def test_smollm2_batching_and_preemption_equivalence(real_model_path):
     prompts = ["The capital of France is", "List three fruits:", "def add(a, b):", "Roses are red,",
                "The meaning of life is", "In 1492, Columbus", "Water is made of", "My favourite book is"]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    base = LLM(real_model_path, pool_blocks=256, batch_invariant=True, show_progress=False)
+    base = LLM(real_model_path, pool_blocks=256, batch_invariant=True, show_progress=False, scheduled=True)
     alone = [base.generate([p], params)[0].token_ids for p in prompts]
     assert tokens(base.generate(prompts, params)) == alone
     del base
-    chunked = LLM(real_model_path, pool_blocks=12, block_size=4, chunk_size=3, batch_invariant=True, show_progress=False)
+    chunked = LLM(real_model_path, pool_blocks=12, block_size=4, chunk_size=3, batch_invariant=True, show_progress=False, scheduled=True)
     assert tokens(chunked.generate(prompts, params)) == alone
     assert chunked.engine.scheduler.stats.num_preemptions > 0

@@ -21,7 +21,7 @@ def make(num_blocks=64, block_size=4, chunk_size=8, max_seqs=32, max_prefill=4, 
          prefix_cache=False, max_model_len=4096):
     cfg = SchedulerConfig(num_blocks=num_blocks, block_size=block_size, chunk_size=chunk_size, max_seqs=max_seqs,
                           max_prefill=max_prefill, max_decode=max_decode, max_model_len=max_model_len,
-                          prefix_cache=prefix_cache, scheduled=not static)
+                          prefix_cache=prefix_cache)
     return (StaticScheduler if static else Scheduler)(cfg)
 
 

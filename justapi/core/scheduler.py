@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..config import SchedulerConfig
 from ..request import Request, RequestStatus
@@ -55,21 +55,17 @@ class Scheduler:
         self._new_ids: set[str] = set()  # admitted (or resumed) since the last step
 
     # --- requests in and out ------------------------------------------------------------------------------
-    def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, eos_token_ids, seed: int
-    ) -> Request:
-        """Queue a request, or raise AdmissionError if it could never fit."""
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        if not prompt_token_ids:
+    def check_admissible(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+        """Raise AdmissionError if such a request could never fit; return its max_tokens. Reads state only."""
+        if num_prompt_tokens == 0:
             raise AdmissionError("the prompt is empty")
         limit = self.config.max_model_len
-        n = len(prompt_token_ids)
+        n = num_prompt_tokens
         if n >= limit:
             raise AdmissionError(
                 f"the prompt has {n} tokens; the maximum context length is {limit} tokens including the output"
             )
-        max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
+        max_tokens = max_tokens if max_tokens is not None else limit - n
         if n + max_tokens > limit:
             raise AdmissionError(
                 f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds the maximum context length of "
@@ -81,8 +77,17 @@ class Scheduler:
                 f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds the KV cache pool of {capacity} "
                 f"tokens ({self.pool.num_blocks} blocks of {self.block_size})"
             )
+        return max_tokens
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, eos_token_ids, seed: int
+    ) -> Request:
+        """Queue a request, or raise AdmissionError if it could never fit."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        max_tokens = self.check_admissible(len(prompt_token_ids), params.max_tokens)
         if params.max_tokens is None:
-            params = _with_max_tokens(params, max_tokens)
+            params = replace(params, max_tokens=max_tokens)
         req = Request(request_id, list(prompt_token_ids), params, frozenset(eos_token_ids), seed, next(self._arrivals))
         self.requests[request_id] = req
         self.waiting.append(req)
@@ -375,9 +380,3 @@ class StaticScheduler(Scheduler):
             if max(lengths) > 0:
                 self.stats.batch_utilizations.append(sum(lengths) / (len(lengths) * max(lengths)))
             self._batch = []
-
-
-def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
-    from dataclasses import replace
-
-    return replace(params, max_tokens=max_tokens)

@@ -61,7 +61,6 @@ class EngineCore:
             max_decode=config.max_decode,
             chunk_size=config.chunk_size,
             max_model_len=self.max_model_len,
-            scheduled=config.scheduled,
             prefix_cache=config.prefix_cache,
         )
         self.scheduler = (Scheduler if config.scheduled else StaticScheduler)(sched_config)
@@ -98,12 +97,17 @@ class EngineCore:
     def new_seed(self) -> int:
         return self._seeds.getrandbits(62)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request; raises AdmissionError (a ValueError) when it can never be served."""
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError (AdmissionError) for a request that can never be served. Reads state only."""
         vocab = self.model_config.vocab_size
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        self.scheduler.check_admissible(len(prompt_token_ids), params.max_tokens)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; raises AdmissionError (a ValueError) when it can never be served."""
+        self.check_request(prompt_token_ids, params)
         seed = params.seed if params.seed is not None else self.new_seed()
         req = self.scheduler.add_request(request_id, prompt_token_ids, params, self.tokenizer.eos_token_ids, seed)
         self.outputs.add_request(request_id, prompt_token_ids, req.sampling_params)

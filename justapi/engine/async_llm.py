@@ -1,0 +1,182 @@
+"""AsyncLLM: the engine's asyncio front. The step loop runs in its own thread; requests stream back via queues.
+
+The event loop never waits for a step: adds and aborts go through a command queue that the engine thread
+drains between steps, and outputs come back with ``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+from ..core.scheduler import AdmissionError
+from ..sampling_params import SamplingParams
+from .engine_core import EngineCore
+from .output_processor import RequestOutput
+
+log = logging.getLogger("justapi.engine")
+
+
+class QueueFullError(Exception):
+    """Too many requests are waiting; the server answers 429."""
+
+
+class EngineDeadError(Exception):
+    """The engine loop failed; no more requests can be served."""
+
+
+@dataclass
+class RequestTiming:
+    """When a request arrived, produced its first token, and finished (``time.monotonic`` seconds)."""
+
+    arrival: float
+    first_token: float | None = None
+    finished: float | None = None
+    num_output_tokens: int = 0
+    token_times: list[float] = field(default_factory=list)
+
+
+class AsyncLLM:
+    """Add a request, receive its outputs as they are produced, abort it."""
+
+    def __init__(self, engine: EngineCore, max_queue: int = 1024, stats_interval_s: float = 10.0,
+                 on_finish: Callable[[str, RequestOutput, RequestTiming], None] | None = None) -> None:
+        self.engine = engine
+        self.max_queue = max_queue
+        self.stats_interval_s = stats_interval_s
+        self.on_finish = on_finish
+        self._commands: collections.deque = collections.deque()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, RequestTiming]] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="justapi-engine", daemon=True)
+        self._pending_adds = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting) + self._pending_adds
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; abandoning the iterator (client gone) aborts the request."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine stopped: {self._dead}")
+        self.validate(prompt_token_ids, params)
+        if self.num_waiting >= self.max_queue:
+            raise QueueFullError(f"the server is busy: {self.num_waiting} requests are already waiting")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        timing = RequestTiming(arrival=time.monotonic())
+        self._streams[request_id] = (loop, queue, timing)
+        self._pending_adds += 1
+        self._commands.append(("add", request_id, prompt_token_ids, params))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise AdmissionError/ValueError now for a request that could never run (reads engine state only)."""
+        self.engine.check_request(prompt_token_ids, params)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its KV blocks are freed before the next step."""
+        if request_id in self._streams:
+            self._commands.append(("abort", request_id))
+            self._wake.set()
+
+    # --- the engine thread ------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        last_stats = time.monotonic()
+        try:
+            while not self._stop:
+                self._apply_commands()
+                if not self.engine.has_unfinished:
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                outputs = self.engine.step()
+                now = time.monotonic()
+                for out in outputs:
+                    self._deliver(out, now)
+                if now - last_stats >= self.stats_interval_s:
+                    self._log_stats()
+                    last_stats = now
+        except BaseException as e:  # a bug in the engine: fail every open request instead of hanging
+            log.exception("engine loop failed")
+            self._dead = e
+            for rid in list(self._streams):
+                self._fail(rid, EngineDeadError(f"the engine stopped: {type(e).__name__}: {e}"))
+
+    def _apply_commands(self) -> None:
+        while self._commands:
+            cmd = self._commands.popleft()
+            if cmd[0] == "add":
+                _, rid, ids, params = cmd
+                self._pending_adds -= 1
+                if rid not in self._streams:
+                    continue  # aborted before it was added
+                try:
+                    self.engine.add_request(rid, ids, params)
+                except (AdmissionError, ValueError) as e:
+                    self._fail(rid, e)
+            else:
+                rid = cmd[1]
+                out = self.engine.abort_request(rid)
+                stream = self._streams.pop(rid, None)
+                if out is not None and stream is not None and self.on_finish is not None:
+                    stream[2].finished = time.monotonic()
+                    self.on_finish(rid, out, stream[2])
+
+    def _deliver(self, out: RequestOutput, now: float) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        loop, queue, timing = stream
+        if out.new_token_ids:
+            if timing.first_token is None:
+                timing.first_token = now
+            timing.num_output_tokens += len(out.new_token_ids)
+        if out.finished:
+            timing.finished = now
+            del self._streams[out.request_id]
+            if self.on_finish is not None:
+                self.on_finish(out.request_id, out, timing)
+        loop.call_soon_threadsafe(queue.put_nowait, out)
+
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream[0].call_soon_threadsafe(stream[1].put_nowait, error)
+
+    def _log_stats(self) -> None:
+        sched = self.engine.scheduler
+        log.info(
+            "engine: %d running, %d waiting, KV blocks %d/%d used (%d cached), %d preemptions, %d tokens last step",
+            len(sched.running), len(sched.waiting), sched.pool.num_used, sched.pool.num_blocks,
+            sched.num_cached_blocks, sched.stats.num_preemptions, sched.stats.last_step_tokens,
+        )

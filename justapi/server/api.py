@@ -1,0 +1,403 @@
+"""The HTTP server: OpenAI-compatible routes, SSE streaming, /metrics, and OpenAI-style errors."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from contextlib import asynccontextmanager
+from typing import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..config import ServerConfig
+from ..core.scheduler import AdmissionError
+from ..engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
+from ..engine.engine_core import EngineCore
+from ..model.chat_template import ChatTemplateError
+from .metrics import Metrics
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .serving import (Choice, chat_logprobs, completion_logprobs, make_choices, new_id, now, run_choices, sse,
+                      usage)
+
+log = logging.getLogger("justapi.server")
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's ``{"error": {...}}`` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}}, status_code=status)
+
+
+class ServerState:
+    """What the routes share: the engine once it is loaded, the metrics, the settings."""
+
+    def __init__(self, config: ServerConfig, model_name: str) -> None:
+        self.config = config
+        self.model_name = model_name
+        self.metrics = Metrics()
+        self.engine: EngineCore | None = None
+        self.llm: AsyncLLM | None = None
+        self.load_error: str | None = None
+
+    def ready_llm(self) -> AsyncLLM:
+        if self.llm is None:
+            raise ApiError(503, self.load_error or "the model is still loading", "service_unavailable")
+        return self.llm
+
+
+class BodyLimit:
+    """ASGI middleware: refuse request bodies over ``max_bytes`` with 413, streamed or not."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        too_big = length is not None and length.isdigit() and int(length) > self.max_bytes
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen, too_big
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                too_big = True
+                raise _BodyTooLarge()
+            return message
+
+        if too_big:
+            return await self._reject(scope, receive, send)
+        try:
+            await self.app(scope, limited_receive, send)
+        except _BodyTooLarge:
+            await self._reject(scope, receive, send)
+
+    async def _reject(self, scope, receive, send):
+        resp = error_response(413, f"the request body exceeds the limit of {self.max_bytes} bytes")
+        await resp(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], EngineCore]) -> FastAPI:
+    """The FastAPI app; ``load_engine`` runs in a thread at start-up while /health answers 503."""
+    state = ServerState(config, model_name)
+
+    def on_finish(rid, out, timing) -> None:
+        state.metrics.observe(out, timing)
+        ttft = (timing.first_token - timing.arrival) if timing.first_token else float("nan")
+        total = (timing.finished or timing.arrival) - timing.arrival
+        log.info("request %s: %d prompt tokens (%d cached), %d output tokens, TTFT %.3f s, total %.3f s, %s",
+                 rid, out.num_prompt_tokens, out.num_cached_tokens, len(out.token_ids), ttft, total, out.finish_reason)
+
+    def load() -> None:
+        try:
+            engine = load_engine()
+        except Exception as e:
+            state.load_error = f"the model failed to load: {e}"
+            log.error(state.load_error)
+            return
+        llm = AsyncLLM(engine, config.max_queue, config.stats_interval_s, on_finish)
+        state.metrics.attach_engine(engine)
+        llm.start()
+        state.engine, state.llm = engine, llm
+        log.info("ready: serving %s as %r", engine.config.model, model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loader = threading.Thread(target=load, name="justapi-load", daemon=True)
+        loader.start()
+        yield
+        if state.llm is not None:
+            state.llm.shutdown()
+
+    app = FastAPI(title="JustAPI", lifespan=lifespan)
+    app.state.justapi = state
+    _install_error_handlers(app)
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next):
+        if config.api_key and request.url.path.startswith(("/v1", "/tokenize", "/detokenize")):
+            if request.headers.get("authorization") != f"Bearer {config.api_key}":
+                return error_response(401, "invalid or missing API key", "authentication_error")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if state.llm is None:
+            return error_response(503, state.load_error or "the model is loading", "service_unavailable")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        engine_len = state.engine.max_model_len if state.engine else None
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "justapi",
+                                              "max_model_len": engine_len}]}
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        llm = state.ready_llm()
+        _check_model(req.model)
+        tok = llm.engine.tokenizer
+        if req.messages is not None:
+            ids = _chat_prompt(llm.engine, [m.model_dump() for m in req.messages], req.add_generation_prompt)
+        elif req.prompt is not None:
+            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            raise ApiError(400, "give prompt or messages", param="prompt")
+        return {"tokens": ids, "count": len(ids), "max_model_len": llm.engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        llm = state.ready_llm()
+        _check_model(req.model)
+        vocab = llm.engine.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in req.tokens):
+            raise ApiError(400, f"token ids must be in 0..{vocab - 1}", param="tokens")
+        return {"prompt": llm.engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    def _check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
+                           "not_found_error", "model")
+
+    def _common_checks(req) -> None:
+        _check_model(req.model)
+        problem = req.unsupported()
+        if problem:
+            raise ApiError(400, problem)
+        if req.n > config.max_n:
+            raise ApiError(400, f"n must be at most {config.max_n}, got {req.n}", param="n")
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request):
+        llm = state.ready_llm()
+        _common_checks(req)
+        tok = llm.engine.tokenizer
+        prompts = req.prompt if isinstance(req.prompt, list) and not isinstance(req.prompt[0], int) else [req.prompt]
+        ids_list = [tok.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        echo = [p if isinstance(p, str) else tok.decode(p) for p in prompts] if req.echo else None
+        params = _params(req, req.max_tokens, req.logprobs)
+        choices = make_choices(ids_list, params, echo)
+        for c in choices:
+            _validate(llm, c)
+        rid = new_id("cmpl")
+        if req.stream:
+            return _stream(raw, llm, rid, choices, req, _completion_chunk(rid, model_name, tok))
+        await _collect(raw, llm, rid, choices)
+        return {"id": rid, "object": "text_completion", "created": now(), "model": model_name,
+                "choices": [{"index": c.index, "text": c.prefix + c.final.text,
+                             "logprobs": completion_logprobs(tok, c.final.logprobs, len(c.prefix)),
+                             "finish_reason": c.final.finish_reason, "stop_reason": c.final.stop_reason}
+                            for c in choices],
+                "usage": usage(choices)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request):
+        llm = state.ready_llm()
+        _common_checks(req)
+        try:
+            ids = _chat_prompt(llm.engine, req.message_dicts(), req.add_generation_prompt)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        choices = make_choices([ids], _params(req, max_tokens, top))
+        for c in choices:
+            _validate(llm, c)
+        rid = new_id("chatcmpl")
+        tok = llm.engine.tokenizer
+        if req.stream:
+            return _stream(raw, llm, rid, choices, req, _chat_chunk(rid, model_name, tok))
+        await _collect(raw, llm, rid, choices)
+        return {"id": rid, "object": "chat.completion", "created": now(), "model": model_name,
+                "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.final.text},
+                             "logprobs": chat_logprobs(tok, c.final.logprobs),
+                             "finish_reason": c.final.finish_reason, "stop_reason": c.final.stop_reason}
+                            for c in choices],
+                "usage": usage(choices)}
+
+    return app
+
+
+def _params(req, max_tokens, logprobs):
+    if max_tokens is not None and max_tokens < 1:
+        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    try:
+        return req.sampling_params(max_tokens, logprobs)
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+
+
+def _validate(llm: AsyncLLM, choice: Choice) -> None:
+    try:
+        llm.validate(choice.prompt_ids, choice.params)
+    except (AdmissionError, ValueError) as e:
+        raise ApiError(400, str(e), param="prompt") from None
+
+
+def _chat_prompt(engine: EngineCore, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    tok = engine.tokenizer
+    try:
+        text = engine.chat_template.render(messages, add_generation_prompt, tok.bos_token, tok.eos_token)
+    except ChatTemplateError as e:
+        raise ApiError(400, str(e), param="messages") from None
+    return tok.encode(text)
+
+
+async def _collect(raw: Request, llm: AsyncLLM, rid: str, choices: list[Choice]) -> None:
+    """Run the choices to the end; a client that goes away aborts them."""
+
+    async def consume():
+        async for _ in run_choices(llm, rid, choices):
+            pass
+
+    work = asyncio.create_task(consume())
+
+    async def watch():
+        while not await raw.is_disconnected():
+            await asyncio.sleep(0.25)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await asyncio.wait([work, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            raise ApiError(499, "client disconnected")
+    _raise_engine_error(work.exception())
+
+
+def _raise_engine_error(exc: BaseException | None) -> None:
+    if exc is None:
+        return
+    if isinstance(exc, QueueFullError):
+        raise ApiError(429, str(exc), "rate_limit_error")
+    if isinstance(exc, (AdmissionError, ValueError)):
+        raise ApiError(400, str(exc))
+    if isinstance(exc, EngineDeadError):
+        raise ApiError(500, str(exc), "server_error")
+    raise exc
+
+
+def _stream(raw: Request, llm: AsyncLLM, rid: str, choices: list[Choice], req, chunk) -> StreamingResponse:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    gen = run_choices(llm, rid, choices)
+
+    async def events():
+        try:
+            for c in choices:
+                first = chunk.start(c)
+                if first is not None:
+                    yield sse(first)
+            async for choice, out in gen:
+                for payload in chunk.delta(choice, out):
+                    yield sse(payload)
+            if include_usage:
+                yield sse(chunk.usage(usage(choices)))
+            yield sse("[DONE]")
+        except (QueueFullError, AdmissionError, ValueError, EngineDeadError) as e:
+            status = 429 if isinstance(e, QueueFullError) else 500 if isinstance(e, EngineDeadError) else 400
+            yield sse({"error": {"message": str(e), "type": "invalid_request_error", "code": status}})
+            yield sse("[DONE]")
+        finally:
+            await gen.aclose()
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+class _completion_chunk:
+    def __init__(self, rid: str, model: str, tok) -> None:
+        self.base = {"id": rid, "object": "text_completion", "created": now(), "model": model}
+        self.tok = tok
+        self.offsets: dict[int, int] = {}
+
+    def start(self, c: Choice):
+        self.offsets[c.index] = len(c.prefix)
+        if c.prefix:
+            return dict(self.base, choices=[{"index": c.index, "text": c.prefix, "logprobs": None, "finish_reason": None}])
+        return None
+
+    def delta(self, c: Choice, out):
+        if not out.new_text and not out.finished and not out.new_logprobs:
+            return []
+        lps = completion_logprobs(self.tok, out.new_logprobs, self.offsets[c.index])
+        self.offsets[c.index] += len(out.new_text)
+        return [dict(self.base, choices=[{"index": c.index, "text": out.new_text, "logprobs": lps,
+                                          "finish_reason": out.finish_reason}])]
+
+    def usage(self, u: dict):
+        return dict(self.base, choices=[], usage=u)
+
+
+class _chat_chunk:
+    def __init__(self, rid: str, model: str, tok) -> None:
+        self.base = {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model}
+        self.tok = tok
+
+    def start(self, c: Choice):
+        return dict(self.base, choices=[{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                         "logprobs": None, "finish_reason": None}])
+
+    def delta(self, c: Choice, out):
+        chunks = []
+        if out.new_text or out.new_logprobs:
+            chunks.append(dict(self.base, choices=[{"index": c.index, "delta": {"content": out.new_text},
+                                                    "logprobs": chat_logprobs(self.tok, out.new_logprobs),
+                                                    "finish_reason": None}]))
+        if out.finished:
+            chunks.append(dict(self.base, choices=[{"index": c.index, "delta": {}, "logprobs": None,
+                                                    "finish_reason": out.finish_reason}]))
+        return chunks
+
+    def usage(self, u: dict):
+        return dict(self.base, choices=[], usage=u)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(request, exc: ApiError):
+        return error_response(exc.status, exc.message, exc.type, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request, exc: RequestValidationError):
+        problems = []
+        for err in exc.errors():
+            loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+            if err.get("type") == "json_invalid":
+                problems.append("the request body is not valid JSON")
+            else:
+                problems.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+        param = None
+        errs = exc.errors()
+        if errs:
+            loc = [str(x) for x in errs[0].get("loc", ()) if x != "body"]
+            param = loc[0] if loc else None
+        return error_response(400, "; ".join(problems[:5]), param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, exc: StarletteHTTPException):
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 400 and "parsing the body" in message:
+            message = "the request body could not be parsed (it must be UTF-8 JSON)"
+        return error_response(exc.status_code, message)

@@ -1,0 +1,81 @@
+"""Prometheus metrics: request latencies, token counters, and live scheduler / prefix-cache state."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ..engine.async_llm import RequestTiming
+from ..engine.output_processor import RequestOutput
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+
+
+class _SchedulerCollector:
+    """Reads the scheduler at scrape time. The prefix-cache names are the documented contract, kept exact."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        sched = self.engine.scheduler
+        cache = sched.cache
+        hits = cache.hits if cache else 0
+        misses = cache.misses if cache else 0
+        # Plain gauges so the exposed names are exactly these (a Prometheus counter would gain "_total").
+        yield GaugeMetricFamily("prefix_cache_hits", "Prompt KV blocks found in the prefix cache", value=hits)
+        yield GaugeMetricFamily("prefix_cache_misses", "Prompt KV blocks looked up and not found", value=misses)
+        yield GaugeMetricFamily("prefix_cache_hit_ratio", "hits / (hits + misses)",
+                                value=hits / (hits + misses) if hits + misses else 0.0)
+        yield GaugeMetricFamily("prefix_cache_blocks", "KV blocks currently held by the prefix cache",
+                                value=sched.num_cached_blocks)
+        yield GaugeMetricFamily("justapi_requests_running", "Requests being computed", value=len(sched.running))
+        yield GaugeMetricFamily("justapi_requests_waiting", "Requests queued or preempted", value=len(sched.waiting))
+        yield GaugeMetricFamily("justapi_kv_blocks_used", "KV blocks in use (requests and cache)", value=sched.pool.num_used)
+        yield GaugeMetricFamily("justapi_kv_blocks_total", "KV blocks in the pool", value=sched.pool.num_blocks)
+        yield GaugeMetricFamily("justapi_kv_blocks_used_by_requests", "KV blocks owned by running requests",
+                                value=len({b for r in list(sched.running) for b in r.block_ids}))
+        yield CounterMetricFamily("justapi_preemptions", "Requests preempted for lack of KV blocks",
+                                  value=sched.stats.num_preemptions)
+        yield CounterMetricFamily("justapi_engine_steps", "Engine iterations", value=sched.stats.num_steps)
+        yield GaugeMetricFamily("justapi_step_tokens", "Tokens computed in the last step", value=sched.stats.last_step_tokens)
+        utils = sched.stats.batch_utilizations
+        if utils:
+            yield GaugeMetricFamily("justapi_static_batch_utilization", "U of the last static batch", value=utils[-1])
+
+
+class Metrics:
+    """All metrics of one server, in their own registry."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("justapi_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("justapi_time_per_output_token_seconds", "Time per output token after the first",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("justapi_e2e_request_latency_seconds", "End-to-end request latency",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("justapi_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.cached_prompt_tokens = Counter("justapi_cached_prompt_tokens", "Prompt tokens served from the prefix cache",
+                                            registry=r)
+        self.generation_tokens = Counter("justapi_generation_tokens", "Tokens generated", registry=r)
+        self.finished = Counter("justapi_requests_finished", "Requests finished", ["finish_reason"], registry=r)
+
+    def attach_engine(self, engine) -> None:
+        self.registry.register(_SchedulerCollector(engine))
+
+    def observe(self, out: RequestOutput, timing: RequestTiming) -> None:
+        """Record one finished request (called from the engine thread)."""
+        self.finished.labels(out.finish_reason or "unknown").inc()
+        self.prompt_tokens.inc(out.num_prompt_tokens)
+        self.cached_prompt_tokens.inc(out.num_cached_tokens)
+        self.generation_tokens.inc(len(out.token_ids))
+        if timing.finished is not None:
+            self.e2e.observe(timing.finished - timing.arrival)
+        if timing.first_token is not None:
+            self.ttft.observe(timing.first_token - timing.arrival)
+            if timing.finished is not None and timing.num_output_tokens > 1:
+                self.tpot.observe((timing.finished - timing.first_token) / (timing.num_output_tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

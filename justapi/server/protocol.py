@@ -1,0 +1,161 @@
+"""OpenAI request schemas. Unknown fields are rejected; fields the engine cannot honour fail with a message."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ..sampling_params import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> str | None:
+        """A message naming the first field set to something the engine cannot do, else None."""
+        if self.repetition_penalty not in (None, 1.0):
+            return "repetition_penalty is not supported (only 1.0); use presence_penalty / frequency_penalty"
+        if self.logit_bias:
+            return "logit_bias is not supported"
+        if self.best_of not in (None, 1) and self.best_of != self.n:
+            return "best_of is not supported"
+        if self.stream_options is not None and not self.stream:
+            return "stream_options is only allowed with stream: true"
+        return None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            n=self.n,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, v: Any) -> Any:
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt must not be an empty list")
+        return v
+
+    def unsupported(self) -> str | None:
+        if self.suffix:
+            return "suffix is not supported"
+        if self.echo and self.logprobs is not None:
+            return "echo together with logprobs is not supported (prompt logprobs are not computed)"
+        return super().unsupported()
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _non_empty(cls, v: list) -> list:
+        if not v:
+            raise ValueError("messages must not be empty")
+        return v
+
+    def unsupported(self) -> str | None:
+        if self.tools:
+            return "tools (function calling) are not supported"
+        if self.tool_choice not in (None, "none"):
+            return "tool_choice is not supported"
+        if self.response_format and self.response_format.get("type") != "text":
+            return "response_format other than text is not supported"
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs requires logprobs: true"
+        return super().unsupported()
+
+    def message_dicts(self) -> list[dict]:
+        out = []
+        for m in self.messages:
+            content = m.content
+            if isinstance(content, list):  # the parts form: only text parts can be served
+                texts = []
+                for part in content:
+                    if part.get("type") != "text":
+                        raise ValueError(f"message content of type {part.get('type')!r} is not supported; only text")
+                    texts.append(part.get("text", ""))
+                content = "".join(texts)
+            out.append({"role": m.role, "content": content or ""})
+        return out
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
