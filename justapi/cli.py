@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import sys
 
 from . import config as C
@@ -121,6 +123,8 @@ def cmd_serve(args) -> int:
     from .engine.engine_core import EngineCore
     from .server.api import build_app
 
+    _Server = _uvicorn_server_class()
+
     cfg = engine_config(args)
     try:
         server_cfg = C.ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
@@ -139,9 +143,28 @@ def cmd_serve(args) -> int:
     mode = "continuous batching" if cfg.scheduled else "static batching (pass --scheduled for continuous batching)"
     logging.getLogger("justapi").info("loading %s; scheduler: %s", cfg.model, mode)
     app = build_app(server_cfg, name, lambda: EngineCore(cfg))
-    uvicorn.run(app, host=server_cfg.host, port=server_cfg.port, log_level=server_cfg.log_level.lower(),
-                timeout_graceful_shutdown=5, access_log=False)
-    return 0
+    server = _Server(uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port, access_log=False,
+                                    log_level=server_cfg.log_level.lower(), timeout_graceful_shutdown=5))
+    server.run()
+    return 0 if server.started else 1
+
+
+def _uvicorn_server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, but SIGTERM/SIGINT end it with exit status 0 instead of re-raising the signal."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
+
+    return Server
 
 
 def cmd_generate(args) -> int:

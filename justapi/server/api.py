@@ -128,6 +128,7 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
     app = FastAPI(title="JustAPI", lifespan=lifespan)
     app.state.justapi = state
     _install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):

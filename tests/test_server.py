@@ -1,0 +1,213 @@
+"""A real ``justapi serve`` process on loopback, driven by the official openai client and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from server_helpers import ServerProcess, metric
+
+KEY = "test-key"
+NAME = "tiny"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    log = tmp_path_factory.mktemp("logs") / "server.log"
+    srv = ServerProcess(["--model", tiny_model, "--scheduled", "--pool-blocks", "300", "--api-key", KEY,
+                         "--served-model-name", NAME, "--max-model-len", "512", "--max-n", "4",
+                         "--threads", "1"], str(log))
+    yield srv
+    assert srv.stop() == 0, "SIGTERM should end the server cleanly"
+    assert "request cmpl-" in srv.read_log()  # one INFO line per request
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+def post(server, path, body, key=KEY, **kw):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if isinstance(body, (bytes, str)):
+        headers["Content-Type"] = "application/json"
+        return httpx.post(server.url + path, content=body, headers=headers, timeout=60, **kw)
+    return httpx.post(server.url + path, json=body, headers=headers, timeout=60, **kw)
+
+
+def assert_still_serving(client):
+    r = client.completions.create(model=NAME, prompt="the cat", max_tokens=3, temperature=0)
+    assert r.choices[0].finish_reason in ("length", "stop")
+
+
+def test_completions_and_chat_with_the_openai_client(client):
+    r = client.completions.create(model=NAME, prompt="the cat sat", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    assert r.object == "text_completion" and r.model == NAME
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 8
+    c = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hello there"}],
+                                       max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    assert c.choices[0].message.role == "assistant" and c.usage.completion_tokens == 6
+    models = client.models.list()
+    assert [m.id for m in models.data] == [NAME]
+
+
+def test_streamed_text_equals_non_streamed(client):
+    kw = dict(model=NAME, prompt="in the beginning", max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw).choices[0].text
+    pieces, usage = [], None
+    for chunk in client.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        if chunk.usage:
+            usage = chunk.usage
+        pieces.extend(ch.text for ch in chunk.choices)
+    assert "".join(pieces) == whole
+    assert usage.completion_tokens == 20
+    msgs = [{"role": "user", "content": "tell me a story"}]
+    whole = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=15, temperature=0).choices[0].message.content
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
+        model=NAME, messages=msgs, max_tokens=15, temperature=0, stream=True) if ch.choices)
+    assert streamed == whole
+
+
+def test_32_concurrent_streaming_clients_each_get_their_own_text(server, client):
+    prompts = [f"story number {i} begins with" for i in range(32)]
+    expected = [client.completions.create(model=NAME, prompt=p, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+                .choices[0].text for p in prompts]
+
+    async def one(aclient, prompt):
+        text = ""
+        stream = await aclient.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0,
+                                                  extra_body={"ignore_eos": True}, stream=True)
+        async for chunk in stream:
+            text += "".join(c.text for c in chunk.choices)
+        return text
+
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+        return await asyncio.gather(*(one(aclient, p) for p in prompts))
+
+    assert asyncio.run(main()) == expected
+
+
+def test_n_logprobs_echo_and_token_prompts(client):
+    r = client.completions.create(model=NAME, prompt=["ab", "cd"], n=2, max_tokens=4, temperature=0.8, seed=1,
+                                  logprobs=2)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert all(len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) for c in r.choices)
+    # keyed by token text: two byte-level tokens that both decode to U+FFFD share a key
+    assert all(1 <= len(top) <= 2 and max(top.values()) <= 0 for c in r.choices for top in c.logprobs.top_logprobs)
+    e = client.completions.create(model=NAME, prompt="hello", max_tokens=3, temperature=0, echo=True)
+    assert e.choices[0].text.startswith("hello")
+    ids = client.completions.create(model=NAME, prompt=[10, 20, 30], max_tokens=3, temperature=0)
+    assert ids.usage.prompt_tokens == 3
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    assert len(chat.choices[0].logprobs.content) == chat.usage.completion_tokens
+
+
+def test_stop_strings_and_seeds(client):
+    base = client.completions.create(model=NAME, prompt="once upon", max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    text = base.choices[0].text
+    stop = text[5:7]
+    r = client.completions.create(model=NAME, prompt="once upon", max_tokens=20, temperature=0, extra_body={"ignore_eos": True}, stop=[stop])
+    assert r.choices[0].text == text[: text.index(stop)] and r.choices[0].finish_reason == "stop"
+    a = client.completions.create(model=NAME, prompt="x", max_tokens=10, temperature=1.0, seed=42, extra_body={"ignore_eos": True})
+    b = client.completions.create(model=NAME, prompt="x", max_tokens=10, temperature=1.0, seed=42, extra_body={"ignore_eos": True})
+    assert a.choices[0].text == b.choices[0].text
+
+
+BAD_REQUESTS = [
+    ("malformed JSON", b'{"prompt": "hi", ', 400, "not valid JSON"),
+    ("invalid UTF-8", b'{"prompt": "\xff\xfe"}', 400, "UTF-8"),
+    ("wrong type", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    ("missing prompt", {"max_tokens": 3}, 400, "prompt"),
+    ("max_tokens zero", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens must be at least 1"),
+    ("negative temperature", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("top_p zero", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("top_p above one", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("n too large", {"prompt": "hi", "n": 100}, 400, "n must be at most 4"),
+    ("unknown model", {"prompt": "hi", "model": "gpt-9"}, 404, "gpt-9"),
+    ("prompt too long", {"prompt": "word " * 600, "max_tokens": 4}, 400, "maximum context length"),
+    ("unknown field", {"prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
+    ("unsupported field", {"prompt": "hi", "logit_bias": {"5": 1.0}}, 400, "logit_bias is not supported"),
+    ("token id outside vocab", {"prompt": [1, 999999]}, 400, "0.."),
+]
+
+
+@pytest.mark.parametrize("what,body,status,message", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_completion_requests_get_clear_errors(server, client, what, body, status, message):
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert message in err["message"], err
+    assert err["code"] == status
+    assert_still_serving(client)
+
+
+def test_bad_chat_requests_and_auth(server, client):
+    r = post(server, "/v1/chat/completions", {"messages": []})
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    r = post(server, "/v1/chat/completions", {"prompt": "hi"})
+    assert r.status_code == 400
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"a": 1}]})
+    assert r.status_code == 400 and "tools" in r.json()["error"]["message"]
+    assert post(server, "/v1/completions", {"prompt": "hi"}, key=None).status_code == 401
+    assert post(server, "/v1/completions", {"prompt": "hi"}, key="wrong").status_code == 401
+    r = post(server, "/v1/completions", json.dumps({"prompt": "x" * 5_000_000}))
+    assert r.status_code == 413
+    assert_still_serving(client)
+
+
+def test_tokenize_and_detokenize(server):
+    r = post(server, "/tokenize", {"prompt": "hello world"})
+    assert r.status_code == 200 and r.json()["count"] == len(r.json()["tokens"])
+    back = post(server, "/detokenize", {"tokens": r.json()["tokens"]})
+    assert back.json()["prompt"] == "hello world"
+    chat = post(server, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
+    assert chat.json()["count"] > 3
+
+
+def _metrics(server) -> str:
+    return httpx.get(server.url + "/metrics", timeout=10).text
+
+
+def test_metrics_parse_and_move(server, client):
+    before = _metrics(server)
+    long_prompt = "the same long shared prefix " * 10
+    for suffix in ("one", "two"):
+        client.completions.create(model=NAME, prompt=long_prompt + suffix, max_tokens=4, temperature=0)
+    after = _metrics(server)
+    assert metric(after, "justapi_prompt_tokens_total") > metric(before, "justapi_prompt_tokens_total")
+    assert metric(after, "justapi_generation_tokens_total") >= metric(before, "justapi_generation_tokens_total") + 8
+    assert metric(after, "prefix_cache_hits") > metric(before, "prefix_cache_hits")
+    assert metric(after, "prefix_cache_misses") >= metric(before, "prefix_cache_misses")
+    hits, misses = metric(after, "prefix_cache_hits"), metric(after, "prefix_cache_misses")
+    assert metric(after, "prefix_cache_hit_ratio") == pytest.approx(hits / (hits + misses))
+    assert metric(after, "prefix_cache_blocks") > 0
+    assert metric(after, "justapi_kv_blocks_total") == 300
+    assert metric(after, "justapi_time_to_first_token_seconds_count") > metric(before, "justapi_time_to_first_token_seconds_count")
+    assert "justapi_e2e_request_latency_seconds_bucket" in after
+    assert "justapi_time_per_output_token_seconds_bucket" in after
+
+
+def test_full_queue_answers_429_then_recovers(tiny_model, tmp_path):
+    srv = ServerProcess(["--model", tiny_model, "--scheduled", "--max-seqs", "1", "--max-queue", "1",
+                         "--pool-blocks", "200", "--threads", "1"], str(tmp_path / "q.log"))
+    try:
+        async def burst():
+            async with httpx.AsyncClient(timeout=120) as c:
+                body = {"prompt": "x", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+                return await asyncio.gather(*(c.post(srv.url + "/v1/completions", json=body) for _ in range(6)))
+
+        statuses = [r.status_code for r in asyncio.run(burst())]
+        assert 429 in statuses and 200 in statuses
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "y", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200
+    finally:
+        assert srv.stop() == 0

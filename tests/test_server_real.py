@@ -1,0 +1,60 @@
+"""``justapi serve`` on the real SmolLM2 GGUF: loading state, streaming equivalence, disconnects."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from server_helpers import ServerProcess, metric
+
+pytestmark = pytest.mark.real_model
+NAME = "smollm2-135m"
+
+
+@pytest.fixture(scope="module")
+def server(real_model_path, tmp_path_factory):
+    log = tmp_path_factory.mktemp("logs") / "real.log"
+    srv = ServerProcess(["--model", real_model_path, "--scheduled", "--pool-blocks", "512",
+                         "--served-model-name", NAME], str(log))
+    yield srv
+    assert srv.stop() == 0
+
+
+def test_health_is_503_while_the_model_loads(server):
+    assert 503 in server.health_statuses and 200 in server.health_statuses
+
+
+def test_streamed_chat_equals_non_streamed_on_smollm2(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    whole = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=24, temperature=0)
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
+        model=NAME, messages=msgs, max_tokens=24, temperature=0, stream=True) if ch.choices)
+    assert streamed == whole.choices[0].message.content
+    assert "Paris" in streamed
+
+
+def test_client_disconnect_mid_stream_frees_blocks(server):
+    body = {"model": NAME, "prompt": "Write a long story about a dragon.", "max_tokens": 1000, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data: ")
+            if seen >= 3:
+                break
+        m = httpx.get(server.url + "/metrics").text
+        assert metric(m, "justapi_kv_blocks_used_by_requests") > 0 and metric(m, "justapi_requests_running") == 1
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        m = httpx.get(server.url + "/metrics").text
+        if metric(m, "justapi_kv_blocks_used_by_requests") == 0 and metric(m, "justapi_requests_running") == 0:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("KV blocks still held after the client went away")
+    assert metric(m, "justapi_kv_blocks_used") == metric(m, "prefix_cache_blocks")
+    assert metric(m, "justapi_generation_tokens_total") < 1000  # it was stopped, not run to the end
