@@ -1,0 +1,147 @@
+"""Bad model files and flags fail fast with one clear line; templates from files are sandboxed; CLI works."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import gguf
+from justapi.model.chat_template import ChatTemplate, ChatTemplateError
+from justapi.model.gguf_loader import ModelLoadError, load_tensors, open_gguf, read_model_config
+from tiny_gguf import write_tiny_model
+
+
+def run_cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "justapi.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def assert_clean_error(proc, *needles):
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    for n in needles:
+        assert n in proc.stderr, proc.stderr
+
+
+def test_missing_not_gguf_truncated_and_unsupported_files(tmp_path, tiny_model):
+    assert_clean_error(run_cli("serve", "--model", str(tmp_path / "nope.gguf")), "nope.gguf", "no such file")
+    text = tmp_path / "notes.gguf"
+    text.write_text("hello, I am not a model")
+    assert_clean_error(run_cli("serve", "--model", str(text)), "notes.gguf", "not a GGUF file")
+    data = open(tiny_model, "rb").read()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) // 2])
+    assert_clean_error(run_cli("serve", "--model", str(cut)), "cut.gguf", "truncated")
+    head = tmp_path / "head.gguf"
+    head.write_bytes(data[:40])
+    assert_clean_error(run_cli("generate", "--model", str(head), "--prompt", "x"), "head.gguf", "corrupt")
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path):
+    path = str(tmp_path / "gpt2.gguf")
+    w = gguf.GGUFWriter(path, "gpt2")
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert_clean_error(run_cli("serve", "--model", path), "unsupported architecture 'gpt2'", "llama, qwen2, qwen3")
+
+
+def test_unsupported_tensor_type_is_named(tmp_path):
+    import gguf.quants
+
+    qtype = next(q for q in gguf.GGMLQuantizationType
+                 if q not in gguf.quants._type_traits and q not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
+                 and q in gguf.GGML_QUANT_SIZES)
+    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    path = write_tiny_model(str(tmp_path / "odd.gguf"), hidden=256, intermediate=256)
+    # rewrite with one tensor of the unsupported type
+    path2 = str(tmp_path / "odd2.gguf")
+    reader = open_gguf(path)
+    w = gguf.GGUFWriter(path2, "llama")
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = field.contents()
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            w.add_array(key, value)
+        else:
+            w.add_key_value(key, value, vtype)
+    for t in reader.tensors:
+        arr = np.array(t.data)
+        if t.name == "blk.0.ffn_down.weight":
+            raw = np.zeros((256, 256 // block * nbytes), dtype=np.uint8)
+            w.add_tensor(t.name, raw, raw_dtype=qtype)
+        else:
+            w.add_tensor(t.name, arr, raw_dtype=t.tensor_type if t.tensor_type != gguf.GGMLQuantizationType.F32 else None)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    reader = open_gguf(path2)
+    read_model_config(reader, path2)
+    with pytest.raises(ModelLoadError, match=f"blk.0.ffn_down.weight has type {qtype.name}"):
+        load_tensors(reader, path2, __import__("torch").float32, False)
+
+
+def test_flags_of_unbuilt_parts_are_refused(tiny_model):
+    for flag in (["--gamma", "4"], ["--branch", "2"], ["--tp", "2"], ["--disaggregate"], ["--draft-model", "x.gguf"]):
+        assert_clean_error(run_cli("serve", "--model", tiny_model, *flag), "not available yet")
+    assert_clean_error(run_cli("serve", "--model", tiny_model, "--max-seqs", "0"), "--max-seqs")
+    assert_clean_error(run_cli("serve", "--model", tiny_model, "--port", "70000"), "--port")
+
+
+def test_serve_help_documents_every_flag_with_defaults():
+    out = run_cli("serve", "--help").stdout
+    for flag in ("--model", "--gpu", "--scheduled", "--max-seqs", "--max-prefill", "--max-decode", "--chunk-size",
+                 "--pool-blocks", "--gamma", "--branch", "--host", "--port", "--api-key", "--served-model-name",
+                 "--max-model-len", "--max-queue", "--no-prefix-cache", "--log-level"):
+        assert flag in out, flag
+    assert "default: 127.0.0.1" in out and "default: 8000" in out and "default: 32" in out and "default: 512" in out
+
+
+def test_generate_streams_a_completion(tiny_model):
+    proc = run_cli("generate", "--model", tiny_model, "--prompt", "the cat", "--max-tokens", "8", "--scheduled")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip()
+
+
+def test_gpu_flag_without_cuda_fails_clearly(tiny_model):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert_clean_error(run_cli("generate", "--model", tiny_model, "--prompt", "x", "--gpu"), "CUDA")
+
+
+def test_chat_template_sandbox_blocks_python_internals():
+    evil = ChatTemplate("{{ ''.__class__.__mro__[1].__subclasses__() }}")
+    with pytest.raises(ChatTemplateError):
+        evil.render([{"role": "user", "content": "hi"}])
+    evil2 = ChatTemplate("{{ messages.__class__.__init__.__globals__['os'].system('echo pwned') }}")
+    with pytest.raises(ChatTemplateError):
+        evil2.render([{"role": "user", "content": "hi"}])
+    ok = ChatTemplate("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    assert ok.render([{"role": "user", "content": "hi"}]) == "user: hi\n"
+    raising = ChatTemplate("{{ raise_exception('only user and assistant roles') }}")
+    with pytest.raises(ChatTemplateError, match="only user and assistant roles"):
+        raising.render([])
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        ChatTemplate(None).render([])
+
+
+def test_incremental_detokenizer_never_splits_a_character(tiny_llm):
+    from justapi.model.tokenizer import IncrementalDetokenizer
+
+    tok = tiny_llm.tokenizer
+    text = "héllo wörld ✓ 日本"
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok, [], True)
+    pieces = [detok.add([i]) for i in ids]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+    assert sum(1 for p in pieces if p == "") > 0  # multi-byte characters waited for their last byte
