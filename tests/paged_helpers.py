@@ -13,7 +13,7 @@ def paged_prefill_logits(model, token_ids: list[int], block_size: int = 4, chunk
     num_blocks = -(-len(token_ids) // block_size) + 3
     g = torch.Generator().manual_seed(seed)
     table = torch.randperm(num_blocks, generator=g)
-    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
     caches = [(torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype)) for _ in range(cfg.num_layers)]
     out = []
     for start in range(0, len(token_ids), chunk):

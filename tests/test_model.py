@@ -52,8 +52,8 @@ def test_paged_attention_equals_dense_for_mixed_batch():
     """A prefill chunk, two decode tokens and a draft tree in one call, against dense attention."""
     torch.manual_seed(0)
     heads, kv_heads, dim, bs, num_blocks = 4, 2, 8, 4, 32
-    k_cache = torch.randn(num_blocks, bs, kv_heads, dim)
-    v_cache = torch.randn(num_blocks, bs, kv_heads, dim)
+    k_cache = torch.randn(kv_heads, num_blocks, bs, dim)
+    v_cache = torch.randn(kv_heads, num_blocks, bs, dim)
     perm = torch.randperm(num_blocks)
     tables = [perm[0:5], perm[5:9], perm[9:12], perm[12:20]]
     #          (context, new tokens, mask)
@@ -75,8 +75,8 @@ def test_paged_attention_equals_dense_for_mixed_batch():
     got = paged_attention(q, k_cache, v_cache, meta, dim ** -0.5)
     for span in spans:
         n, ctx = span.num_query_tokens, span.context_len
-        k = k_cache[span.block_table].flatten(0, 1)[:ctx].repeat_interleave(heads // kv_heads, dim=1)
-        v = v_cache[span.block_table].flatten(0, 1)[:ctx].repeat_interleave(heads // kv_heads, dim=1)
+        k = k_cache[:, span.block_table].flatten(1, 2)[:, :ctx].transpose(0, 1).repeat_interleave(heads // kv_heads, dim=1)
+        v = v_cache[:, span.block_table].flatten(1, 2)[:, :ctx].transpose(0, 1).repeat_interleave(heads // kv_heads, dim=1)
         own = span.mask if span.mask is not None else torch.ones(n, n, dtype=torch.bool).tril()
         allowed = torch.cat([torch.ones(n, ctx - n, dtype=torch.bool), own], dim=1)
         qs = q[span.query_start : span.query_start + n]

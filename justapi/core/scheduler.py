@@ -33,6 +33,8 @@ class SchedulerStats:
 
     num_steps: int = 0
     num_preemptions: int = 0
+    num_preempted_tokens: int = 0  # computed tokens whose KV preemption gave up
+    num_resumed_cached_tokens: int = 0  # of those, found again in the prefix cache on resumption
     num_scheduled_tokens_total: int = 0
     last_step_tokens: int = 0
     batch_utilizations: list[float] = field(default_factory=list)  # static batching: U per finished batch
@@ -187,6 +189,8 @@ class Scheduler:
             self._add_to_output(out, req, n, new_blocks)
 
     def _admit(self, req: Request) -> None:
+        if req.status is RequestStatus.PREEMPTED:
+            self.stats.num_resumed_cached_tokens += req.num_computed_tokens
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         self._new_ids.add(req.request_id)
@@ -305,6 +309,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        self.stats.num_preempted_tokens += req.num_computed_tokens
         self._release(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED

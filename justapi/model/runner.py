@@ -41,7 +41,7 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
         # zero-filled: padded decode rows read unused slots, and 0 * garbage could be NaN
         self.kv_caches = [
             (torch.zeros(shape, dtype=model.dtype, device=device), torch.zeros(shape, dtype=model.dtype, device=device))

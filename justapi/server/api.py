@@ -149,9 +149,9 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
 
     @app.get("/v1/models")
     async def models():
-        engine_len = state.engine.max_model_len if state.engine else None
+        llm = state.ready_llm()  # 503 while loading: clients poll this route for readiness
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "justapi",
-                                              "max_model_len": engine_len}]}
+                                              "max_model_len": llm.engine.max_model_len}]}
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
