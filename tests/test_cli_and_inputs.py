@@ -145,3 +145,21 @@ def test_incremental_detokenizer_never_splits_a_character(tiny_llm):
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
     assert sum(1 for p in pieces if p == "") > 0  # multi-byte characters waited for their last byte
+
+
+def test_sentencepiece_vocabulary_from_gguf(tmp_path):
+    from justapi import LLM, SamplingParams
+    from justapi.model.tokenizer import IncrementalDetokenizer
+
+    path = write_tiny_model(str(tmp_path / "spm.gguf"), tokenizer="llama")
+    llm = LLM(path, pool_blocks=64, show_progress=False)
+    tok = llm.tokenizer
+    text = "hello world, the cat sat é"
+    ids = tok.encode(text)
+    assert ids[0] == tok.bos_token_id == 1  # SentencePiece files add BOS unless they say otherwise
+    assert tok.decode(ids) == text
+    assert [i for i in ids if 3 <= i < 259] == [3 + 0xC3, 3 + 0xA9]  # é falls back to its two UTF-8 bytes
+    detok = IncrementalDetokenizer(tok, ids[:1], True)
+    assert "".join(detok.add([i]) for i in ids[1:]) == text
+    out = llm.generate(text, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    assert len(out.token_ids) == 5 and out.prompt_token_ids == ids

@@ -34,10 +34,22 @@ def vocab() -> tuple[list[str], list[str], list[int]]:
     return tokens, MERGES, [int(t) for t in types]
 
 
+def spm_vocab() -> tuple[list[str], list[float], list[int]]:
+    """A small SentencePiece (llama) vocabulary: control tokens, 256 byte fallbacks, and scored pieces."""
+    pieces = ["▁", "▁the", "▁cat", "▁sat", "▁on", "▁mat", "▁hello", "▁world", "the", "at", "e", "h", "l", "o", "w",
+              "r", "d", "c", "s", "t", "m", "n", "▁a"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    scores = [0.0, 0.0, 0.0] + [0.0] * 256 + [-float(i) for i in range(len(pieces))]
+    types = ([int(gguf.TokenType.UNKNOWN), int(gguf.TokenType.CONTROL), int(gguf.TokenType.CONTROL)]
+             + [int(gguf.TokenType.BYTE)] * 256 + [int(gguf.TokenType.NORMAL)] * len(pieces))
+    return tokens, scores, types
+
+
 def write_tiny_model(
     path: str,
     arch: str = "llama",
     *,
+    tokenizer: str = "gpt2",
     num_layers: int = 2,
     hidden: int = 64,
     num_heads: int = 4,
@@ -51,7 +63,10 @@ def write_tiny_model(
 ) -> str:
     """A random model whose linear weights are stored as ``qtype``; returns ``path``."""
     rng = np.random.default_rng(seed)
-    tokens, merges, types = vocab()
+    if tokenizer == "gpt2":
+        tokens, merges, types = vocab()
+    else:
+        tokens, scores, types = spm_vocab()
     vocab_size = len(tokens)
     head_dim = hidden // num_heads
     w = gguf.GGUFWriter(path, arch)
@@ -67,14 +82,18 @@ def write_tiny_model(
     if arch == "qwen3":
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
+    w.add_tokenizer_model(tokenizer)
     w.add_token_list(tokens)
-    w.add_token_merges(merges)
     w.add_token_types(types)
+    if tokenizer == "gpt2":
+        w.add_tokenizer_pre("default")
+        w.add_token_merges(merges)
+        w.add_add_bos_token(False)
+    else:
+        w.add_token_scores(scores)
+        w.add_unk_token_id(0)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
 
     def rand(*shape, scale=weight_scale):

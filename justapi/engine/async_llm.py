@@ -11,7 +11,7 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from ..core.scheduler import AdmissionError
@@ -38,7 +38,6 @@ class RequestTiming:
     first_token: float | None = None
     finished: float | None = None
     num_output_tokens: int = 0
-    token_times: list[float] = field(default_factory=list)
 
 
 class AsyncLLM:

@@ -202,7 +202,7 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
             _validate(llm, c)
         rid = new_id("cmpl")
         if req.stream:
-            return _stream(raw, llm, rid, choices, req, _completion_chunk(rid, model_name, tok))
+            return _stream(raw, llm, rid, choices, req, _CompletionChunks(rid, model_name, tok))
         await _collect(raw, llm, rid, choices)
         return {"id": rid, "object": "text_completion", "created": now(), "model": model_name,
                 "choices": [{"index": c.index, "text": c.prefix + c.final.text,
@@ -227,7 +227,7 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
         rid = new_id("chatcmpl")
         tok = llm.engine.tokenizer
         if req.stream:
-            return _stream(raw, llm, rid, choices, req, _chat_chunk(rid, model_name, tok))
+            return _stream(raw, llm, rid, choices, req, _ChatChunks(rid, model_name, tok))
         await _collect(raw, llm, rid, choices)
         return {"id": rid, "object": "chat.completion", "created": now(), "model": model_name,
                 "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.final.text},
@@ -327,7 +327,9 @@ def _stream(raw: Request, llm: AsyncLLM, rid: str, choices: list[Choice], req, c
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-class _completion_chunk:
+class _CompletionChunks:
+    """SSE payloads of /v1/completions: text deltas with their logprobs and text offsets."""
+
     def __init__(self, rid: str, model: str, tok) -> None:
         self.base = {"id": rid, "object": "text_completion", "created": now(), "model": model}
         self.tok = tok
@@ -351,7 +353,9 @@ class _completion_chunk:
         return dict(self.base, choices=[], usage=u)
 
 
-class _chat_chunk:
+class _ChatChunks:
+    """SSE payloads of /v1/chat/completions: a role chunk, content deltas, a finish chunk per choice."""
+
     def __init__(self, rid: str, model: str, tok) -> None:
         self.base = {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model}
         self.tok = tok
