@@ -99,10 +99,12 @@ class LlamaModel:
             if layer.q_norm is not None:
                 q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
                 k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-            q = self.rope(q, positions)
-            k = self.rope(k, positions)
-            write_kv(k_cache, v_cache, k, v.contiguous(), meta.slot_mapping)
-            attn = paged_attention(q, k_cache, v_cache, meta, self.scale)
+            # attention runs in the KV cache's dtype (fp32): bf16 batched matmuls with 3-row GQA groups are slower
+            # than fp32 on CPU, and the cache keeps full precision whatever the weights' dtype
+            q = self.rope(q.to(k_cache.dtype), positions)
+            k = self.rope(k.to(k_cache.dtype), positions)
+            write_kv(k_cache, v_cache, k, v.to(v_cache.dtype), meta.slot_mapping)
+            attn = paged_attention(q, k_cache, v_cache, meta, self.scale).to(x.dtype)
             x = x + linear(attn.reshape(n, self.q_size), layer.o, None, bi)
             h = rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps)
             gate_up = linear(h, layer.gate_up, None, bi)

@@ -27,10 +27,13 @@ class _RequestState:
     seed: int
 
 
+KV_DTYPE = torch.float32  # the cache keeps full precision whatever the weights' dtype
+
+
 def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
     """Bytes of K and V that one block takes across all layers."""
     cfg = model.config
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * KV_DTYPE.itemsize
 
 
 class ModelRunner:
@@ -44,7 +47,7 @@ class ModelRunner:
         shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
         # zero-filled: padded decode rows read unused slots, and 0 * garbage could be NaN
         self.kv_caches = [
-            (torch.zeros(shape, dtype=model.dtype, device=device), torch.zeros(shape, dtype=model.dtype, device=device))
+            (torch.zeros(shape, dtype=KV_DTYPE, device=device), torch.zeros(shape, dtype=KV_DTYPE, device=device))
             for _ in range(cfg.num_layers)
         ]
         self.states: dict[str, _RequestState] = {}
