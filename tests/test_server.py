@@ -207,6 +207,24 @@ def test_full_queue_answers_429_then_recovers(tiny_model, tmp_path):
 
         statuses = [r.status_code for r in asyncio.run(burst())]
         assert 429 in statuses and 200 in statuses
+
+        async def stream_while_full():
+            async with httpx.AsyncClient(timeout=120) as c:
+                body = {"prompt": "x", "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+                busy = []
+                for gauge in ("justapi_requests_running", "justapi_requests_waiting"):  # one runs, then one waits
+                    busy.append(asyncio.create_task(c.post(srv.url + "/v1/completions", json=body)))
+                    for _ in range(300):
+                        if metric((await c.get(srv.url + "/metrics")).text, gauge) == 1:
+                            break
+                        await asyncio.sleep(0.01)
+                streamed = await c.post(srv.url + "/v1/completions", json=dict(body, stream=True))
+                await asyncio.gather(*busy)
+                return streamed
+
+        streamed = asyncio.run(stream_while_full())
+        assert streamed.status_code == 429  # refused before the stream starts, not inside it
+        assert "busy" in streamed.json()["error"]["message"]
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "y", "max_tokens": 2}, timeout=60)
         assert r.status_code == 200
     finally:

@@ -55,7 +55,8 @@ class AsyncLLM:
         self._stop = False
         self._dead: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="justapi-engine", daemon=True)
-        self._pending_adds = 0
+        self._pending_adds = 0  # adds queued for the engine thread, guarded by _count_lock
+        self._count_lock = threading.Lock()
 
     def start(self) -> None:
         self._thread.start()
@@ -75,13 +76,13 @@ class AsyncLLM:
         if self._dead is not None:
             raise EngineDeadError(f"the engine stopped: {self._dead}")
         self.validate(prompt_token_ids, params)
-        if self.num_waiting >= self.max_queue:
-            raise QueueFullError(f"the server is busy: {self.num_waiting} requests are already waiting")
+        self.check_queue()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         timing = RequestTiming(arrival=time.monotonic())
         self._streams[request_id] = (loop, queue, timing)
-        self._pending_adds += 1
+        with self._count_lock:
+            self._pending_adds += 1
         self._commands.append(("add", request_id, prompt_token_ids, params))
         self._wake.set()
         finished = False
@@ -97,6 +98,11 @@ class AsyncLLM:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    def check_queue(self) -> None:
+        """Raise QueueFullError when ``max_queue`` requests are already waiting."""
+        if self.num_waiting >= self.max_queue:
+            raise QueueFullError(f"the server is busy: {self.num_waiting} requests are already waiting")
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise AdmissionError/ValueError now for a request that could never run (reads engine state only)."""
@@ -136,7 +142,8 @@ class AsyncLLM:
             cmd = self._commands.popleft()
             if cmd[0] == "add":
                 _, rid, ids, params = cmd
-                self._pending_adds -= 1
+                with self._count_lock:
+                    self._pending_adds -= 1
                 if rid not in self._streams:
                     continue  # aborted before it was added
                 try:

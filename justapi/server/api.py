@@ -251,6 +251,9 @@ def _params(req, max_tokens, logprobs):
 def _validate(llm: AsyncLLM, choice: Choice) -> None:
     try:
         llm.validate(choice.prompt_ids, choice.params)
+        llm.check_queue()  # before a stream starts: once it has, errors can only travel inside it
+    except QueueFullError as e:
+        raise ApiError(429, str(e), "rate_limit_error") from None
     except (AdmissionError, ValueError) as e:
         raise ApiError(400, str(e), param="prompt") from None
 
