@@ -21,7 +21,7 @@ def server(tiny_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "server.log"
     srv = ServerProcess(["--model", tiny_model, "--scheduled", "--pool-blocks", "300", "--api-key", KEY,
                          "--served-model-name", NAME, "--max-model-len", "512", "--max-n", "4",
-                         "--threads", "1"], str(log))
+                         "--threads", "1", "--batch-invariant"], str(log))
     yield srv
     assert srv.stop() == 0, "SIGTERM should end the server cleanly"
     assert "request cmpl-" in srv.read_log()  # one INFO line per request
