@@ -6,7 +6,7 @@ number of KV blocks that fit, EOS ids) are returned by the code that learns them
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 
@@ -23,8 +23,6 @@ DEFAULT_MAX_QUEUE = 1024
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_N = 16
 DEFAULT_SERVED_MODEL_NAME = None  # None: the model file's stem
-DEFAULT_GAMMA = 4
-DEFAULT_BRANCH = 1
 
 
 @dataclass(frozen=True)
@@ -126,7 +124,6 @@ class ServerConfig:
     max_n: int = DEFAULT_MAX_N
     log_level: str = "info"
     stats_interval_s: float = 10.0
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:

@@ -16,10 +16,6 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
 
-    @property
-    def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
-
 
 @dataclass(eq=False)
 class Request:
@@ -34,7 +30,6 @@ class Request:
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int]
     seed: int
-    arrival_index: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)

@@ -191,6 +191,8 @@ def test_metrics_parse_and_move(server, client):
     assert metric(after, "prefix_cache_hit_ratio") == pytest.approx(hits / (hits + misses))
     assert metric(after, "prefix_cache_blocks") > 0
     assert metric(after, "justapi_kv_blocks_total") == 300
+    assert metric(after, "justapi_scheduled_tokens_total") > metric(before, "justapi_scheduled_tokens_total")
+    assert metric(after, "justapi_engine_steps_total") > metric(before, "justapi_engine_steps_total")
     assert metric(after, "justapi_time_to_first_token_seconds_count") > metric(before, "justapi_time_to_first_token_seconds_count")
     assert "justapi_e2e_request_latency_seconds_bucket" in after
     assert "justapi_time_per_output_token_seconds_bucket" in after

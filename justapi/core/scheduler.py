@@ -11,7 +11,6 @@ restarts at 0 and recomputes (cheaply, since its blocks went into the prefix cac
 
 from __future__ import annotations
 
-import itertools
 from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 
@@ -52,7 +51,6 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the last one is preempted first
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
-        self._arrivals = itertools.count()
         self._finished_ids: set[str] = set()  # runner state to drop at the next step
         self._new_ids: set[str] = set()  # admitted (or resumed) since the last step
 
@@ -90,7 +88,7 @@ class Scheduler:
         max_tokens = self.check_admissible(len(prompt_token_ids), params.max_tokens)
         if params.max_tokens is None:
             params = replace(params, max_tokens=max_tokens)
-        req = Request(request_id, list(prompt_token_ids), params, frozenset(eos_token_ids), seed, next(self._arrivals))
+        req = Request(request_id, list(prompt_token_ids), params, frozenset(eos_token_ids), seed)
         self.requests[request_id] = req
         self.waiting.append(req)
         return req

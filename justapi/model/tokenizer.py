@@ -60,9 +60,6 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def id_to_piece(self, token_id: int) -> str:
-        return self._hf.convert_ids_to_tokens(int(token_id))
-
 
 class IncrementalDetokenizer:
     """Text of a growing token sequence, released only when it no longer ends inside a UTF-8 character.

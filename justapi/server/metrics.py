@@ -39,6 +39,8 @@ class _SchedulerCollector:
                                   value=sched.stats.num_preemptions)
         yield CounterMetricFamily("justapi_engine_steps", "Engine iterations", value=sched.stats.num_steps)
         yield GaugeMetricFamily("justapi_step_tokens", "Tokens computed in the last step", value=sched.stats.last_step_tokens)
+        yield CounterMetricFamily("justapi_scheduled_tokens", "Tokens computed over all steps",
+                                  value=sched.stats.num_scheduled_tokens_total)
         utils = sched.stats.batch_utilizations
         if utils:
             yield GaugeMetricFamily("justapi_static_batch_utilization", "U of the last static batch", value=utils[-1])
