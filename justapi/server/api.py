@@ -14,7 +14,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import ServerConfig
-from ..core.scheduler import AdmissionError
 from ..engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from ..engine.engine_core import EngineCore
 from ..model.chat_template import ChatTemplateError
@@ -248,14 +247,23 @@ def _params(req, max_tokens, logprobs):
         raise ApiError(400, str(e)) from None
 
 
+def _engine_error(exc: BaseException) -> ApiError | None:
+    """The HTTP answer for an error the engine front raised about a request; None for anything else (a bug)."""
+    if isinstance(exc, QueueFullError):
+        return ApiError(429, str(exc), "rate_limit_error")
+    if isinstance(exc, EngineDeadError):
+        return ApiError(500, str(exc), "server_error")
+    if isinstance(exc, ValueError):  # AdmissionError included
+        return ApiError(400, str(exc), param="prompt")
+    return None
+
+
 def _validate(llm: AsyncLLM, choice: Choice) -> None:
     try:
         llm.validate(choice.prompt_ids, choice.params)
         llm.check_queue()  # before a stream starts: once it has, errors can only travel inside it
-    except QueueFullError as e:
-        raise ApiError(429, str(e), "rate_limit_error") from None
-    except (AdmissionError, ValueError) as e:
-        raise ApiError(400, str(e), param="prompt") from None
+    except (QueueFullError, ValueError) as e:
+        raise _engine_error(e) from None
 
 
 def _chat_prompt(engine: EngineCore, messages: list[dict], add_generation_prompt: bool) -> list[int]:
@@ -285,23 +293,14 @@ async def _collect(raw: Request, llm: AsyncLLM, rid: str, choices: list[Choice])
         await asyncio.wait([work, watcher], return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
-        if not work.done():
+        if not work.done():  # the client went away (or the handler was cancelled): abort the choices
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
-            raise ApiError(499, "client disconnected")
-    _raise_engine_error(work.exception())
-
-
-def _raise_engine_error(exc: BaseException | None) -> None:
-    if exc is None:
-        return
-    if isinstance(exc, QueueFullError):
-        raise ApiError(429, str(exc), "rate_limit_error")
-    if isinstance(exc, (AdmissionError, ValueError)):
-        raise ApiError(400, str(exc))
-    if isinstance(exc, EngineDeadError):
-        raise ApiError(500, str(exc), "server_error")
-    raise exc
+    if work.cancelled():
+        raise ApiError(499, "client disconnected")
+    exc = work.exception()
+    if exc is not None:
+        raise _engine_error(exc) or exc
 
 
 def _stream(raw: Request, llm: AsyncLLM, rid: str, choices: list[Choice], req, chunk) -> StreamingResponse:
@@ -320,9 +319,9 @@ def _stream(raw: Request, llm: AsyncLLM, rid: str, choices: list[Choice], req, c
             if include_usage:
                 yield sse(chunk.usage(usage(choices)))
             yield sse("[DONE]")
-        except (QueueFullError, AdmissionError, ValueError, EngineDeadError) as e:
-            status = 429 if isinstance(e, QueueFullError) else 500 if isinstance(e, EngineDeadError) else 400
-            yield sse({"error": {"message": str(e), "type": "invalid_request_error", "code": status}})
+        except (QueueFullError, ValueError, EngineDeadError) as e:
+            err = _engine_error(e)
+            yield sse({"error": {"message": err.message, "type": err.type, "code": err.status}})
             yield sse("[DONE]")
         finally:
             await gen.aclose()
