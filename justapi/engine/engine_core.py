@@ -23,6 +23,18 @@ log = logging.getLogger("justapi.engine")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def resolve_dtype(name: str, reader, gpu: bool) -> tuple[torch.dtype, bool]:
+    """The compute dtype for ``--dtype name`` and whether Q4 weights stay 4-bit (see config.DTYPES)."""
+    if name != "auto":
+        return _DTYPES[name], False
+    import gguf
+
+    matrices = [t for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2]
+    if all(t.tensor_type == gguf.GGMLQuantizationType.F32 for t in matrices):
+        return torch.float32, False
+    return torch.bfloat16, not gpu
+
+
 def available_memory_bytes() -> int:
     """MemAvailable from /proc/meminfo (host memory the KV pool may take a share of)."""
     try:
@@ -48,7 +60,8 @@ class EngineCore:
         self.model_config = read_model_config(reader, config.model)
         self.tokenizer = Tokenizer(config.model, reader)
         self.chat_template = ChatTemplate(self.tokenizer.chat_template)
-        tensors = load_tensors(reader, config.model, _DTYPES[config.dtype], config.show_progress)
+        dtype, keep_q4 = resolve_dtype("float32" if config.batch_invariant else config.dtype, reader, config.gpu)
+        tensors = load_tensors(reader, config.model, dtype, config.show_progress, keep_q4)
         del reader
         self.model = LlamaModel(self.model_config, tensors, config.device, config.batch_invariant)
         self.max_model_len = self._max_model_len()

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from ..config import SUPPORTED_ARCHS, ModelConfig
+from .quant import Q4Unpacked, unpack_q4
 
 
 class ModelLoadError(Exception):
@@ -131,15 +132,27 @@ def _progress(items: list, desc: str, enabled: bool) -> Iterator:
     return iter(tqdm(items, desc=desc, unit="tensor", disable=not sys.stderr.isatty(), leave=False))
 
 
-def load_tensors(reader, path: str, dtype: torch.dtype, show_progress: bool = True) -> dict[str, torch.Tensor]:
-    """All tensors of the file, dequantized to ``dtype``, in PyTorch's [out, in] layout."""
+def load_tensors(
+    reader, path: str, dtype: torch.dtype, show_progress: bool = True, keep_q4: bool = False
+) -> dict[str, torch.Tensor | Q4Unpacked]:
+    """All tensors of the file in PyTorch's [out, in] layout, dequantized to ``dtype``.
+
+    With ``keep_q4``, 2-D Q4_0/Q4_1 weights other than the token embedding (looked up, not multiplied) stay
+    4-bit, as Q4Unpacked, for the int4 kernel.
+    """
     import gguf
+
+    q4_types = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1)
 
     for t in reader.tensors:
         if not _dequantizable(t.tensor_type):
             raise ModelLoadError(f"{path}: tensor {t.name} has type {t.tensor_type.name}, which cannot be dequantized")
     out: dict[str, torch.Tensor] = {}
     for t in _progress(list(reader.tensors), f"loading {os.path.basename(path)}", show_progress):
+        shape = tuple(int(d) for d in reversed(t.shape))
+        if keep_q4 and t.tensor_type in q4_types and len(shape) == 2 and t.name != "token_embd.weight":
+            out[t.name] = unpack_q4(t.data, t.tensor_type == gguf.GGMLQuantizationType.Q4_1, shape)
+            continue
         try:
             if t.tensor_type == gguf.GGMLQuantizationType.F32:
                 arr = np.asarray(t.data, dtype=np.float32)
@@ -149,6 +162,5 @@ def load_tensors(reader, path: str, dtype: torch.dtype, show_progress: bool = Tr
                 arr = gguf.quants.dequantize(t.data, t.tensor_type)
         except Exception as e:
             raise ModelLoadError(f"{path}: tensor {t.name} cannot be read ({type(e).__name__}: {e})") from None
-        shape = tuple(int(d) for d in reversed(t.shape))
         out[t.name] = torch.from_numpy(np.array(arr, copy=True).reshape(shape)).to(dtype)
     return out

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .quant import Int4Weight
+
 # Rows of a matmul are computed in tiles of this many rows, each tile one GEMM of the same shape, so a row's
 # result never depends on how many other rows share the batch (BLAS picks different kernels and reduction
 # orders for different M; measured: a 1536-wide reduction differs in the last bits between M=64 and M=128).
@@ -18,14 +20,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, batch_invariant: bool) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | Int4Weight, bias: torch.Tensor | None, batch_invariant: bool
+) -> torch.Tensor:
     """``x @ weight.T + bias``; with ``batch_invariant``, row tiles of fixed height, padded at the end.
 
     ::
 
         x rows:  [ 0 .. 15 ][ 16 .. 31 ][ 32 33 pad .. ]   each tile one [16, K] x [K, N] GEMM
     """
+    quantized = isinstance(weight, Int4Weight)
     if not batch_invariant:
+        if quantized:
+            out = weight.matmul(x).to(x.dtype)
+            return out + bias if bias is not None else out
         return F.linear(x, weight, bias)
     tile = BATCH_INVARIANT_TILE
     m = x.shape[0]
@@ -33,9 +41,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bat
     if num_tiles * tile != m:
         x = torch.cat([x, x.new_zeros(num_tiles * tile - m, x.shape[1])])
     out = x.new_empty(num_tiles * tile, weight.shape[0])
-    wt = weight.t()
     for t in range(num_tiles):
-        torch.mm(x[t * tile : (t + 1) * tile], wt, out=out[t * tile : (t + 1) * tile])
+        rows = slice(t * tile, (t + 1) * tile)
+        if quantized:
+            out[rows] = weight.matmul(x[rows])
+        else:
+            torch.mm(x[rows], weight.t(), out=out[rows])
     out = out[:m]
     if bias is not None:
         out = out + bias

@@ -15,19 +15,20 @@ from ..config import ModelConfig
 from .attention import AttentionMetadata, paged_attention, write_kv
 from .gguf_loader import ModelLoadError
 from .layers import RotaryEmbedding, linear, rms_norm
+from .quant import Int4Weight, Q4Unpacked, cat_q4
 
 
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor
-    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    qkv: torch.Tensor | Int4Weight  # [q_size + 2 * kv_size, hidden]; linears are 4-bit with --dtype auto
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o: torch.Tensor
+    o: torch.Tensor | Int4Weight
     ffn_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor
+    gate_up: torch.Tensor | Int4Weight  # [2 * intermediate, hidden]
+    down: torch.Tensor | Int4Weight
 
 
 class LlamaModel:
@@ -41,32 +42,43 @@ class LlamaModel:
             t = tensors.pop(name, None)
             if t is None and required:
                 raise ModelLoadError(f"{config.path}: tensor {name} is missing")
-            return t.to(device) if t is not None else None
+            if t is None or isinstance(t, Q4Unpacked):
+                return t
+            return t.to(device)
+
+        def matrix(*names: str) -> torch.Tensor | Int4Weight:
+            """The weights ``names`` stacked along the output dimension: 4-bit if all are, else dense."""
+            parts = [take(n) for n in names]
+            if all(isinstance(p, Q4Unpacked) for p in parts):
+                return Int4Weight(cat_q4(parts))
+            dtype = next((p.dtype for p in parts if isinstance(p, torch.Tensor)), self_dtype)
+            dense = [p.dequantize().to(device, dtype) if isinstance(p, Q4Unpacked) else p for p in parts]
+            return dense[0] if len(dense) == 1 else torch.cat(dense).contiguous()
+
+        self_dtype = tensors["token_embd.weight"].dtype if "token_embd.weight" in tensors else torch.float32
 
         self.embed = take("token_embd.weight")
         self.layers: list[LayerWeights] = []
         for i in range(config.num_layers):
             p = f"blk.{i}."
-            q, k, v = take(p + "attn_q.weight"), take(p + "attn_k.weight"), take(p + "attn_v.weight")
             bias = None
             if config.qkv_bias:
                 bias = torch.cat([take(p + "attn_q.bias"), take(p + "attn_k.bias"), take(p + "attn_v.bias")])
             self.layers.append(
                 LayerWeights(
                     attn_norm=take(p + "attn_norm.weight"),
-                    qkv=torch.cat([q, k, v]).contiguous(),
+                    qkv=matrix(p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"),
                     qkv_bias=bias,
                     q_norm=take(p + "attn_q_norm.weight") if config.qk_norm else None,
                     k_norm=take(p + "attn_k_norm.weight") if config.qk_norm else None,
-                    o=take(p + "attn_output.weight"),
+                    o=matrix(p + "attn_output.weight"),
                     ffn_norm=take(p + "ffn_norm.weight"),
-                    gate_up=torch.cat([take(p + "ffn_gate.weight"), take(p + "ffn_up.weight")]).contiguous(),
-                    down=take(p + "ffn_down.weight"),
+                    gate_up=matrix(p + "ffn_gate.weight", p + "ffn_up.weight"),
+                    down=matrix(p + "ffn_down.weight"),
                 )
             )
         self.norm = take("output_norm.weight")
-        head = take("output.weight", required=False)
-        self.lm_head = head if head is not None else self.embed
+        self.lm_head = matrix("output.weight") if "output.weight" in tensors else self.embed
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.context_length, config.rope_style, device)
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim

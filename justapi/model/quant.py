@@ -1,0 +1,87 @@
+"""GGUF 4-bit weights kept quantized in memory and multiplied with torch's CPU int4 kernel.
+
+A Q4_0 or Q4_1 block holds 32 weights of one row as 4-bit integers ``q`` in [0, 15] with an fp16 scale ``d``
+(and for Q4_1 an fp16 minimum ``m``)::
+
+    Q4_0:  w = d · (q − 8)          Q4_1:  w = d · q + m
+    bytes: d(2) qs(16)              bytes: d(2) m(2) qs(16)     qs[j] = q[j] | q[j + 16] << 4
+
+torch's group-wise int4 matmul (``_weight_int4pack_mm_for_cpu``, group size 32) dequantizes as
+``w = (q − 8) · scale + zero``, so a Q4 block maps onto one group: ``scale = d`` and ``zero = 0`` (Q4_0) or
+``zero = m + 8·d`` (Q4_1). The integers are copied exactly; scale and zero are held in bfloat16, the kernel's
+dtype, and the activations are cast to bfloat16 for the product (the kernel has no fp32-activation fast path).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+GROUP_SIZE = 32  # weights per GGUF Q4 block, and the kernel's group size
+
+
+@dataclass
+class Q4Unpacked:
+    """A 4-bit weight as integers and per-group scale/zero, before packing; rows can be concatenated."""
+
+    q: torch.Tensor  # [out, in] uint8 in [0, 15]
+    scale: torch.Tensor  # [out, in / 32] fp32
+    zero: torch.Tensor  # [out, in / 32] fp32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight the kernel computes with (scale and zero rounded to bfloat16 as the kernel holds them)."""
+        s = self.scale.to(torch.bfloat16).float().repeat_interleave(GROUP_SIZE, dim=1)
+        z = self.zero.to(torch.bfloat16).float().repeat_interleave(GROUP_SIZE, dim=1)
+        return (self.q.float() - 8) * s + z
+
+
+def unpack_q4(raw: np.ndarray, is_q4_1: bool, shape: tuple[int, int]) -> Q4Unpacked:
+    """Split raw Q4_0/Q4_1 bytes of an [out, in] weight into integers, scales and zeros, exactly."""
+    rows, cols = shape
+    block_bytes = 20 if is_q4_1 else 18
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows * cols // GROUP_SIZE, block_bytes)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32).reshape(rows, cols // GROUP_SIZE)
+    if is_q4_1:
+        m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(rows, cols // GROUP_SIZE)
+        zero = m + 8 * d
+        qs = blocks[:, 4:]
+    else:
+        zero = np.zeros_like(d)
+        qs = blocks[:, 2:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).reshape(rows, cols)
+    return Q4Unpacked(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(zero))
+
+
+def cat_q4(parts: list[Q4Unpacked]) -> Q4Unpacked:
+    """Stack weights along the output dimension (fused QKV and gate/up projections)."""
+    return Q4Unpacked(
+        torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), torch.cat([p.zero for p in parts])
+    )
+
+
+class Int4Weight:
+    """A packed [out, in] 4-bit weight; ``matmul(x)`` is ``x @ w.T`` computed by torch's int4 CPU kernel."""
+
+    def __init__(self, w: Q4Unpacked) -> None:
+        self.out_features, self.in_features = w.shape
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32).contiguous(), 1)
+        # [in / 32, out, 2]: the layout the kernel reads
+        self.scales_zeros = torch.stack([w.scale.t(), w.zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [rows, in] (any float dtype) → [rows, out] bfloat16."""
+        return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP_SIZE, self.scales_zeros)
