@@ -122,10 +122,11 @@ def test_q4_weights_stay_4bit_and_match_the_dequantized_weights(tmp_path, qtype)
     torch.testing.assert_close((w.q.float() - 8) * groups(w.scale) + groups(w.zero), want, atol=1e-6, rtol=0)
     assert not isinstance(kept["token_embd.weight"], Q4Unpacked)  # looked up, not multiplied: stays dense
 
-    x = torch.randn(5, 256)
-    got = Int4Weight(w).matmul(x).float()
-    ref = x.to(torch.bfloat16).float() @ w.dequantize().t()
-    torch.testing.assert_close(got, ref, atol=0.05, rtol=0.02)  # bf16 output rounding; measured max ~0.01
+    for rows in (1, 5, 40):  # the int4 kernel below INT4_MAX_ROWS rows, the bf16 copy from there on
+        x = torch.randn(rows, 256)
+        got = Int4Weight(w).matmul(x).float()
+        ref = x.to(torch.bfloat16).float() @ w.dequantize().t()
+        torch.testing.assert_close(got, ref, atol=0.05, rtol=0.02)  # bf16 output rounding; measured max ~0.01
 
     exact = load_model(path)
     cfg = read_model_config(reader, path)
@@ -208,7 +209,9 @@ def test_smollm2_int4_weights_stay_close_to_fp32(real_llm, real_model_path):
     """--dtype auto (Q4_1 weights through the int4 kernel, bf16 activations) against the exact fp32 path.
 
     Stated tolerance: per-position KL below 0.03 nats (measured max 0.010) with ≥ 90% argmax agreement
-    (measured 0.94 and 1.0), and greedy chat answers identical for their first 12 tokens (measured 17–32 of 32).
+    (measured 0.94 and 1.0); greedy chat answers of 32 tokens share on average ≥ 14 leading tokens with the fp32
+    answers (measured 21.9) and at least 5 of 8 agree on their first 8 tokens (measured 6; greedy text flips at
+    near-ties, and then the two continuations are different texts).
     """
     from justapi import LLM
     from justapi.model.quant import Int4Weight
@@ -222,8 +225,12 @@ def test_smollm2_int4_weights_stay_close_to_fp32(real_llm, real_model_path):
         assert (exact.exp() * (exact - fast)).sum(-1).max().item() < 0.03
         assert (exact.argmax(-1) == fast.argmax(-1)).float().mean().item() >= 0.9
     questions = ["The capital of France is", "Write a haiku about the sea.", "List three prime numbers.",
-                 "Explain gravity in one sentence."]
+                 "Explain gravity in one sentence.", "What is 2+2?", "Name a color.", "Who wrote Hamlet?",
+                 "Say hello in Spanish."]
     chats = [real_llm.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    common = []
     for a, b in zip(real_llm.generate(chats, params), q4.generate(chats, params)):
-        assert a.token_ids[:12] == b.token_ids[:12]
+        common.append(next((i for i, (s, t) in enumerate(zip(a.token_ids, b.token_ids)) if s != t), 32))
+    assert sum(common) / len(common) >= 14, common
+    assert sum(c >= 8 for c in common) >= 5, common
