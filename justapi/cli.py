@@ -48,6 +48,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=C.DEFAULT_BLOCK_SIZE, help="tokens per KV block (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's context)")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the radix prefix cache off (default: on)")
+    p.add_argument("--no-cpu-kernels", action="store_true",
+                   help="decode attention in pure torch instead of the C++ kernel compiled on first use")
     p.add_argument("--batch-invariant", action="store_true",
                    help="make every sequence's results independent of the batch it shares (slower at small batches)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
@@ -105,6 +107,7 @@ def engine_config(args) -> C.EngineConfig:
             max_seqs=args.max_seqs, max_prefill=args.max_prefill, max_decode=args.max_decode,
             chunk_size=args.chunk_size, scheduled=args.scheduled, prefix_cache=not args.no_prefix_cache,
             max_model_len=args.max_model_len, batch_invariant=args.batch_invariant, num_threads=args.threads,
+            cpu_kernels=not args.no_cpu_kernels,
             seed=args.seed,
         )
     except ValueError as e:

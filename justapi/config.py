@@ -78,6 +78,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context length
     batch_invariant: bool = False  # True: a sequence's results never depend on what else is in the batch
     num_threads: int | None = None  # torch intra-op threads; None: all cores
+    cpu_kernels: bool = True  # the C++ paged decode-attention kernel (justapi.kernels); False: pure torch
     seed: int = 0
     show_progress: bool = True
 

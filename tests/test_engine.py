@@ -67,6 +67,15 @@ def test_batch_invariance_takes_the_float32_path(tmp_path):
         EngineConfig(model=path, dtype="bfloat16", batch_invariant=True)
 
 
+def test_cpp_decode_kernel_keeps_greedy_output(engines):
+    """The C++ paged decode-attention kernel against the pure-torch path: same greedy tokens, batched."""
+    with_kernel, without = engines(), engines(cpu_kernels=False)
+    assert with_kernel.engine.model.kernels is not None and without.engine.model.kernels is None
+    prompts = prompts_for(with_kernel, 24, seed=7, hi=300)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    assert tokens(with_kernel.generate(prompts, params)) == tokens(without.generate(prompts, params))
+
+
 def test_prefix_cache_on_and_off_agree_under_eviction(engines):
     """~400 prompts drawn from a random tree of shared prefixes, pool far smaller than their total."""
     rng = random.Random(5)
@@ -183,7 +192,10 @@ def test_smollm2_batching_and_preemption_equivalence(real_model_path):
     base = LLM(real_model_path, pool_blocks=256, batch_invariant=True, show_progress=False, scheduled=True)
     alone = [base.generate([p], params)[0].token_ids for p in prompts]
     assert tokens(base.generate(prompts, params)) == alone
-    del base
+    torch_path = LLM(real_model_path, pool_blocks=256, batch_invariant=True, show_progress=False, scheduled=True,
+                     cpu_kernels=False)
+    assert tokens(torch_path.generate(prompts, params)) == alone  # the C++ decode kernel changes no token
+    del base, torch_path
     chunked = LLM(real_model_path, pool_blocks=12, block_size=4, chunk_size=3, batch_invariant=True, show_progress=False, scheduled=True)
     assert tokens(chunked.generate(prompts, params)) == alone
     assert chunked.engine.scheduler.stats.num_preemptions > 0

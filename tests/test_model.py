@@ -48,8 +48,18 @@ def test_tiny_architectures_match_transformers(tmp_path, arch, tied):
     assert (got - ref).abs().max().item() < 1e-4
 
 
-def test_paged_attention_equals_dense_for_mixed_batch():
-    """A prefill chunk, two decode tokens and a draft tree in one call, against dense attention."""
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "cpp-kernel"])
+def test_paged_attention_equals_dense_for_mixed_batch(kernel):
+    """A prefill chunk, two decode tokens and a draft tree in one call, against dense attention.
+
+    With ``kernel``, the decode rows go through the C++ kernel that reads the paged cache in place.
+    """
+    kernels = None
+    if kernel:
+        from justapi.kernels import decode_kernels
+
+        kernels = decode_kernels()
+        assert kernels is not None, "the C++ kernel did not build (see the warning logged)"
     torch.manual_seed(0)
     heads, kv_heads, dim, bs, num_blocks = 4, 2, 8, 4, 32
     k_cache = torch.randn(kv_heads, num_blocks, bs, dim)
@@ -72,7 +82,7 @@ def test_paged_attention_equals_dense_for_mixed_batch():
         decode_context_lens=torch.tensor([s.context_len for s in decode]),
         decode_max_context=max(s.context_len for s in decode),
     )
-    got = paged_attention(q, k_cache, v_cache, meta, dim ** -0.5)
+    got = paged_attention(q, k_cache, v_cache, meta, dim ** -0.5, kernels)
     for span in spans:
         n, ctx = span.num_query_tokens, span.context_len
         k = k_cache[:, span.block_table].flatten(1, 2)[:, :ctx].transpose(0, 1).repeat_interleave(heads // kv_heads, dim=1)

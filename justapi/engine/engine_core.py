@@ -11,6 +11,7 @@ from ..config import DEFAULT_KV_MEMORY_FRACTION, DEFAULT_MAX_POOL_TOKENS, Engine
 from ..core.scheduler import Scheduler, StaticScheduler
 from ..model.chat_template import ChatTemplate
 from ..model.gguf_loader import ModelLoadError, load_tensors, open_gguf, read_model_config
+from ..kernels import decode_kernels
 from ..model.llama import LlamaModel
 from ..model.runner import ModelRunner, kv_bytes_per_block
 from ..model.tokenizer import Tokenizer
@@ -64,6 +65,8 @@ class EngineCore:
         tensors = load_tensors(reader, config.model, dtype, config.show_progress, keep_q4)
         del reader
         self.model = LlamaModel(self.model_config, tensors, config.device, config.batch_invariant)
+        if config.cpu_kernels and not config.gpu:
+            self.model.kernels = decode_kernels()
         self.max_model_len = self._max_model_len()
         num_blocks = self._num_blocks()
         sched_config = SchedulerConfig(

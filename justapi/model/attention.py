@@ -54,12 +54,26 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    kernels=None,
 ) -> torch.Tensor:
-    """Attention of query rows ``q`` [num_tokens, num_heads, head_dim] over their sequences' cached K/V."""
+    """Attention of query rows ``q`` [num_tokens, num_heads, head_dim] over their sequences' cached K/V.
+
+    ``kernels``: the compiled module of justapi.kernels; the decode batch then reads the cache in place.
+    """
     out = torch.empty_like(q)
     if meta.decode_rows is not None:
-        out[meta.decode_rows] = _decode_attention(q[meta.decode_rows], k_cache, v_cache, meta, scale)
+        qd = q[meta.decode_rows]
+        if kernels is not None and qd.device.type == "cpu" and qd.dtype == k_cache.dtype == torch.float32:
+            out[meta.decode_rows] = kernels.decode_attention(
+                qd, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+            )
+        else:
+            out[meta.decode_rows] = _decode_attention(qd, k_cache, v_cache, meta, scale)
     for span in meta.seqs:
         if span.num_query_tokens == 1 and span.mask is None and meta.decode_rows is not None:
             continue  # done in the decode batch

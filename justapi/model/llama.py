@@ -83,6 +83,8 @@ class LlamaModel:
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim ** -0.5
+        # compiled CPU kernels (justapi.kernels) or None for the pure-torch path; set by the engine
+        self.kernels = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -116,7 +118,7 @@ class LlamaModel:
             q = self.rope(q.to(k_cache.dtype), positions)
             k = self.rope(k.to(k_cache.dtype), positions)
             write_kv(k_cache, v_cache, k, v.to(v_cache.dtype), meta.slot_mapping)
-            attn = paged_attention(q, k_cache, v_cache, meta, self.scale).to(x.dtype)
+            attn = paged_attention(q, k_cache, v_cache, meta, self.scale, self.kernels).to(x.dtype)
             x = x + linear(attn.reshape(n, self.q_size), layer.o, None, bi)
             h = rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps)
             gate_up = linear(h, layer.gate_up, None, bi)
