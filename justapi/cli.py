@@ -1,4 +1,5 @@
-"""The ``justapi`` command: ``serve`` (the OpenAI-compatible server) and ``generate`` (one prompt, streamed)."""
+"""The ``justapi`` command: ``serve`` (the OpenAI-compatible server), ``generate`` (one prompt, streamed) and
+``bench`` (benchmarks, in justapi.bench.cli)."""
 
 from __future__ import annotations
 
@@ -88,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
+    from .bench.cli import add_parser as add_bench_parser
+
+    add_bench_parser(sub, _engine_flags)
     return parser
 
 
@@ -207,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     from .model.gguf_loader import ModelLoadError
 
     try:
+        if args.command == "bench":
+            from .bench.cli import main as bench_main
+
+            return bench_main(args, engine_config)
         return {"serve": cmd_serve, "generate": cmd_generate}[args.command](args)
     except (CliError, ModelLoadError, ChatTemplateError) as e:
         print(f"justapi: error: {e}", file=sys.stderr)

@@ -20,6 +20,14 @@ def tiny_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("tiny_models")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpp_kernels():
+    """Build the C++ kernels once, before any engine or server starts (about 40 s on a fresh machine)."""
+    from justapi.kernels import decode_kernels
+
+    return decode_kernels()
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tiny_dir) -> str:
     """A 2-layer random llama with a byte-level BPE vocabulary and a chat template."""

@@ -60,6 +60,11 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    @property
+    def special_ids(self) -> set[int]:
+        """Ids of control tokens (BOS, EOS, chat markers), which text-making code avoids."""
+        return set(self._hf.all_special_ids)
+
 
 class IncrementalDetokenizer:
     """Text of a growing token sequence, released only when it no longer ends inside a UTF-8 character.

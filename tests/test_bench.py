@@ -1,0 +1,193 @@
+"""`justapi bench` against a real `justapi serve` on loopback, a failing server, and in process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+
+from justapi.bench.workloads import WorkloadError, WorkloadSpec, arrival_times, build
+from justapi.model.gguf_loader import open_gguf
+from justapi.model.tokenizer import Tokenizer
+from server_helpers import ServerProcess, metric
+
+LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    log = tmp_path_factory.mktemp("logs") / "bench-server.log"
+    srv = ServerProcess(["--model", tiny_model, "--scheduled", "--pool-blocks", "400"], str(log))
+    yield srv
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    return Tokenizer(tiny_model, open_gguf(tiny_model))
+
+
+def bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "justapi.cli", "bench", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def counters(url: str) -> dict[str, float]:
+    m = httpx.get(url + "/metrics").text
+    return {k: metric(m, k) for k in ("justapi_generation_tokens_total", "justapi_prompt_tokens_total",
+                                      "prefix_cache_hits")}
+
+
+def test_serve_counts_add_up_against_a_real_server(server, tiny_model, tmp_path):
+    before = counters(server.url)
+    out = tmp_path / "run.json"
+    p = bench("serve", "--base-url", server.url, "--base-url", server.url, "--name", "first", "--name", "again",
+              "--workload", "random", "--num-requests", "10", "--input-len", "8:40", "--output-len", "4:24",
+              "--tokenizer", tiny_model, "--goodput", "ttft:60000", "tpot:60000", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    assert "output tok/s" in p.stdout and "again" in p.stdout
+    data = json.loads(out.read_text())
+    after = counters(server.url)
+    figs = [s["figures"] for s in data["servers"]]
+    for f in figs:
+        assert f["completed"] == 10 and f["failed"] == 0 and f["usage_reported"]
+        assert f["good_requests"] == 10  # generous SLOs: every request is good
+        assert 0 < f["chunks_received"] <= f["output_tokens"]  # a chunk may carry several byte tokens
+        for key in LATENCIES:
+            assert f[key]["p50"] <= f[key]["p90"] <= f[key]["p99"], key
+    # what the tool counted is what the server says it generated and read, over both runs
+    assert sum(f["output_tokens"] for f in figs) == after["justapi_generation_tokens_total"] - before["justapi_generation_tokens_total"]
+    assert sum(f["prompt_tokens"] for f in figs) == after["justapi_prompt_tokens_total"] - before["justapi_prompt_tokens_total"]
+    assert figs[0]["output_tokens"] == figs[1]["output_tokens"]  # same seeded workload, ignore_eos
+    assert data["servers"][1]["ratio_to_first"]["completed"] == 1.0
+
+
+def test_multi_turn_conversations_extend_each_other(server, tiny_model, tmp_path):
+    before = counters(server.url)
+    out = tmp_path / "mt.json"
+    p = bench("serve", "--base-url", server.url, "--workload", "multi-turn", "--num-requests", "3", "--turns", "3",
+              "--input-len", "40:60", "--output-len", "8", "--tokenizer", tiny_model, "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    f = json.loads(out.read_text())["servers"][0]["figures"]
+    assert f["completed"] == 9 and f["failed"] == 0
+    # later turns resend the earlier ones: the server found them in its prefix cache
+    assert counters(server.url)["prefix_cache_hits"] > before["prefix_cache_hits"]
+
+
+def test_sweep_writes_json_and_png(server, tiny_model, tmp_path):
+    out = tmp_path / "sweep"
+    p = bench("sweep", "--base-url", server.url, "--name", "justapi", "--rates", "4,inf", "--workload",
+              "shared-prefix", "--num-prefixes", "2", "--suffixes-per-prefix", "3", "--prefix-len", "30",
+              "--input-len", "5:10", "--output-len", "4:12", "--tokenizer", tiny_model, "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    data = json.loads((tmp_path / "sweep.json").read_text())
+    points = data["servers"][0]["points"]
+    assert [pt["rate"] for pt in points] == [4.0, "inf"]
+    assert all(pt["figures"]["completed"] == 6 for pt in points)
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+class _Failing(BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802
+        self._answer(404, b'{"error": "no"}')
+
+    def do_POST(self):  # noqa: N802
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self._answer(500, b'{"error": {"message": "boom"}}')
+
+    def _answer(self, code: int, body: bytes):
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_errors_are_reported_as_failures_not_crashes(server, tiny_model, tmp_path):
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Failing)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    bad = f"http://127.0.0.1:{httpd.server_address[1]}"
+    out = tmp_path / "bad.json"
+    try:
+        p = bench("serve", "--base-url", server.url, "--base-url", bad, "--base-url", "http://127.0.0.1:9",
+                  "--num-requests", "4", "--input-len", "8", "--output-len", "4", "--tokenizer", tiny_model,
+                  "--json", str(out))
+    finally:
+        httpd.shutdown()
+    assert p.returncode == 0, p.stderr
+    good, failing, closed = (s["figures"] for s in json.loads(out.read_text())["servers"])
+    assert good["completed"] == 4
+    assert failing["failed"] == 4 and any("HTTP 500" in e for e in failing["errors"])
+    assert closed["failed"] == 4 and any("Connect" in e for e in closed["errors"])
+    assert "HTTP 500" in p.stdout
+
+
+def test_time_limit_stops_the_run(server, tiny_model, tmp_path):
+    out = tmp_path / "limit.json"
+    t0 = time.monotonic()
+    p = bench("serve", "--base-url", server.url, "--num-requests", "6", "--request-rate", "0.5", "--arrival", "fixed",
+              "--input-len", "8", "--output-len", "4", "--tokenizer", tiny_model, "--time-limit", "1",
+              "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    assert time.monotonic() - t0 < 60
+    f = json.loads(out.read_text())["servers"][0]["figures"]
+    assert f["completed"] + f["failed"] == 6 and f["errors"].get("time limit", 0) >= 4  # arrivals at 0, 2, 4.. s
+
+
+def test_bad_options_are_clear_errors(tiny_model, tmp_path):
+    p = bench("serve", "--base-url", "127.0.0.1:8000", "--tokenizer", tiny_model)
+    assert p.returncode == 2 and "must start with http://" in p.stderr
+    p = bench("serve", "--base-url", "http://127.0.0.1:9", "--workload", "jsonl", "--tokenizer", tiny_model)
+    assert p.returncode == 2 and "--dataset" in p.stderr
+    p = bench("serve", "--base-url", "http://127.0.0.1:9", "--goodput", "latency:5", "--tokenizer", tiny_model)
+    assert p.returncode == 2 and "--goodput" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_workloads_are_seeded_and_shaped(tokenizer, tmp_path):
+    a = build(WorkloadSpec("random", num_requests=5, input_len=(20, 30), seed=3), tokenizer)
+    b = build(WorkloadSpec("random", num_requests=5, input_len=(20, 30), seed=3), tokenizer)
+    assert [j.turns[0].prompt for j in a] == [j.turns[0].prompt for j in b]
+    for job in a:
+        n = len(tokenizer.encode(job.turns[0].prompt, add_special_tokens=False))
+        assert 18 <= n <= 32  # lengths are in tokens of the served model (pieces may merge at the edges)
+    shared = build(WorkloadSpec("shared-prefix", num_prefixes=2, suffixes_per_prefix=4, prefix_len=20,
+                                input_len=(4, 8)), tokenizer)
+    groups = {tuple(tokenizer.encode(j.turns[0].prompt, add_special_tokens=False)[:15]) for j in shared}
+    assert len(shared) == 8 and len(groups) == 2
+    burst = build(WorkloadSpec("burst", num_requests=20, steady_rate=2, burst_every=4, burst_size=3,
+                               burst_input_len=200, output_len=(16, 16)), tokenizer)
+    kinds = [j.kind for j in burst]
+    assert kinds.count("steady") == 20 and kinds.count("burst") == 2 * 3  # bursts at 2 and 6 s, steady ones 0..9.5 s
+    assert [j.at for j in burst] == sorted(j.at for j in burst)
+    starts = arrival_times(a, 10.0, "poisson", 0)
+    assert starts == sorted(starts) and starts[0] == 0 and starts != arrival_times(a, 10.0, "fixed", 0)
+    assert arrival_times(a, float("inf"), "poisson", 0) == [0.0] * 5
+    ds = tmp_path / "prompts.jsonl"
+    ds.write_text('{"prompt": "hello", "max_tokens": 5}\n\n{"messages": [{"role": "user", "content": "hi"}]}\n')
+    jobs = build(WorkloadSpec("jsonl", path=str(ds)), tokenizer)
+    assert jobs[0].turns[0].prompt == "hello" and jobs[0].turns[0].max_tokens == 5 and jobs[1].turns[0].messages
+    ds.write_text('{"prompt": "ok"}\nnot json\n')
+    with pytest.raises(WorkloadError, match="prompts.jsonl:2"):
+        build(WorkloadSpec("jsonl", path=str(ds)), tokenizer)
+
+
+def test_offline_reports_static_utilisation_next_to_continuous(tiny_model, tmp_path):
+    out = tmp_path / "offline.json"
+    p = bench("offline", "--model", tiny_model, "--pool-blocks", "300", "--num-requests", "8", "--input-len", "8:30",
+              "--output-len", "2:40", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    runs = json.loads(out.read_text())["runs"]
+    assert runs["static"]["completed"] == runs["continuous"]["completed"] == 8
+    assert runs["static"]["output_tokens"] == runs["continuous"]["output_tokens"]
+    assert 0 < runs["static"]["static_batch_utilization_U"] < 1  # output lengths 2..40 in one batch
+    assert "static batching utilisation U" in p.stdout
