@@ -14,10 +14,8 @@ from . import config as C
 
 # Flags of parts that are not built yet: accepted by the parser so they can be refused with a clear message.
 NOT_YET = {
-    "gamma": "speculative decoding (--gamma)",
     "branch": "tree speculative decoding (--branch)",
-    "draft_model": "speculative decoding (--draft-model)",
-    "spec_method": "speculative decoding (--spec-method)",
+    "draft_model": "draft-model speculative decoding (--draft-model; --spec-method ngram works)",
     "tp": "tensor parallelism (--tp)",
     "disaggregate": "prefill/decode disaggregation (--disaggregate)",
     "prefill_workers": "prefill/decode disaggregation (--prefill-workers)",
@@ -55,10 +53,14 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="make every sequence's results independent of the batch it shares (slower at small batches)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
     p.add_argument("--seed", type=int, default=0, help="seed for requests that bring none (default: %(default)s)")
-    p.add_argument("--gamma", type=int, default=None, help="speculative tokens per step (not available yet)")
+    p.add_argument("--spec-method", default=None, choices=["ngram"],
+                   help="speculative decoding: ngram proposes drafts by prompt lookup in the request's own tokens")
+    p.add_argument("--gamma", type=int, default=None,
+                   help=f"draft tokens per speculative step (default with --spec-method: {C.DEFAULT_GAMMA})")
+    p.add_argument("--spec-max-batch", type=int, default=C.DEFAULT_SPEC_MAX_BATCH,
+                   help="speculate only in steps where at most this many requests decode")
     p.add_argument("--branch", type=int, default=None, help="tree speculation branching factor (not available yet)")
     p.add_argument("--draft-model", default=None, help="draft model GGUF for speculative decoding (not available yet)")
-    p.add_argument("--spec-method", default=None, help="draft-free speculation, e.g. ngram (not available yet)")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel workers (not available yet)")
     p.add_argument("--disaggregate", action="store_true", default=None,
                    help="prefill/decode disaggregation (not available yet)")
@@ -111,7 +113,8 @@ def engine_config(args) -> C.EngineConfig:
             max_seqs=args.max_seqs, max_prefill=args.max_prefill, max_decode=args.max_decode,
             chunk_size=args.chunk_size, scheduled=args.scheduled, prefix_cache=not args.no_prefix_cache,
             max_model_len=args.max_model_len, batch_invariant=args.batch_invariant, num_threads=args.threads,
-            cpu_kernels=not args.no_cpu_kernels,
+            cpu_kernels=not args.no_cpu_kernels, spec_method=args.spec_method, gamma=args.gamma,
+            spec_max_batch=args.spec_max_batch,
             seed=args.seed,
         )
     except ValueError as e:

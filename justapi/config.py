@@ -15,6 +15,11 @@ DEFAULT_MAX_SEQS = 32
 DEFAULT_MAX_PREFILL = 4
 DEFAULT_MAX_DECODE = 32
 DEFAULT_CHUNK_SIZE = 512
+DEFAULT_GAMMA = 4  # draft tokens per speculative step
+# speculation only while at most this many requests decode: measured in benchmarks/spec_decode.py, verifying drafts
+# costs a near-full extra row of work per draft token, which pays for a lone stream (weights are read once either
+# way) but not once a batch already fills the matmuls
+DEFAULT_SPEC_MAX_BATCH = 4
 DEFAULT_KV_MEMORY_FRACTION = 0.25  # share of available host memory given to the KV pool by default
 DEFAULT_MAX_POOL_TOKENS = 1 << 20  # never size the default pool beyond a million tokens
 DEFAULT_HOST = "127.0.0.1"
@@ -79,6 +84,9 @@ class EngineConfig:
     batch_invariant: bool = False  # True: a sequence's results never depend on what else is in the batch
     num_threads: int | None = None  # torch intra-op threads; None: all cores
     cpu_kernels: bool = True  # the C++ paged decode-attention kernel (justapi.kernels); False: pure torch
+    spec_method: str | None = None  # "ngram": speculative decoding by prompt lookup
+    gamma: int | None = None  # draft tokens per step (default DEFAULT_GAMMA when speculating)
+    spec_max_batch: int = DEFAULT_SPEC_MAX_BATCH
     seed: int = 0
     show_progress: bool = True
 
@@ -97,6 +105,15 @@ class EngineConfig:
             raise ValueError(f"--pool-blocks must be a positive integer, not {self.pool_blocks!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"--max-model-len must be a positive integer, not {self.max_model_len!r}")
+        if self.spec_method not in (None, "ngram"):
+            raise ValueError(f"--spec-method must be ngram, not {self.spec_method!r}")
+        if self.gamma is not None:
+            if not isinstance(self.gamma, int) or self.gamma < 1:
+                raise ValueError(f"--gamma must be a positive integer, not {self.gamma!r}")
+            if self.spec_method is None:
+                raise ValueError("--gamma needs a proposer: pass --spec-method ngram")
+        if not isinstance(self.spec_max_batch, int) or self.spec_max_batch < 0:
+            raise ValueError(f"--spec-max-batch must be a non-negative integer, not {self.spec_max_batch!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"--threads must be a positive integer, not {self.num_threads!r}")
 
@@ -117,6 +134,9 @@ class SchedulerConfig:
     chunk_size: int = DEFAULT_CHUNK_SIZE
     max_model_len: int = 8192
     prefix_cache: bool = True
+    spec_method: str | None = None  # "ngram": propose draft tokens by prompt lookup
+    gamma: int = DEFAULT_GAMMA  # draft tokens per step at most
+    spec_max_batch: int = DEFAULT_SPEC_MAX_BATCH  # no speculation in steps with more decoding requests than this
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_seqs", "max_prefill", "max_decode", "chunk_size", "max_model_len"):

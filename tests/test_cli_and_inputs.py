@@ -89,8 +89,10 @@ def test_unsupported_tensor_type_is_named(tmp_path):
 
 
 def test_flags_of_unbuilt_parts_are_refused(tiny_model):
-    for flag in (["--gamma", "4"], ["--branch", "2"], ["--tp", "2"], ["--disaggregate"], ["--draft-model", "x.gguf"]):
+    for flag in (["--branch", "2"], ["--tp", "2"], ["--disaggregate"], ["--draft-model", "x.gguf"]):
         assert_clean_error(run_cli("serve", "--model", tiny_model, *flag), "not available yet")
+    assert_clean_error(run_cli("serve", "--model", tiny_model, "--gamma", "4"), "--gamma needs a proposer")
+    assert_clean_error(run_cli("serve", "--model", tiny_model, "--spec-method", "ngram", "--gamma", "0"), "--gamma")
     assert_clean_error(run_cli("serve", "--model", tiny_model, "--max-seqs", "0"), "--max-seqs")
     assert_clean_error(run_cli("serve", "--model", tiny_model, "--port", "70000"), "--port")
 

@@ -111,7 +111,8 @@ async def _send(client: httpx.AsyncClient, base_url: str, model: str, turn: Turn
     res.text = "".join(pieces)
     if not res.usage_reported:
         res.output_tokens = len(res.chunk_times)
-    res.ok = not res.error and res.ttft is not None
+    # a request whose tokens all decode to no text (e.g. skipped special tokens) still succeeded if usage says so
+    res.ok = not res.error and (res.ttft is not None or res.output_tokens > 0)
     if not res.ok and not res.error:
         res.error = "no tokens received"
     return res

@@ -40,7 +40,8 @@ class Slo:
     def met(self, r: RequestResult) -> bool:
         if not r.ok:
             return False
-        checks = ((self.ttft_ms, r.ttft), (self.tpot_ms, r.tpot if r.tpot is not None else 0.0), (self.e2e_ms, r.e2e))
+        ttft = r.ttft if r.ttft is not None else r.e2e  # no text at all: the first token came at the end
+        checks = ((self.ttft_ms, ttft), (self.tpot_ms, r.tpot if r.tpot is not None else 0.0), (self.e2e_ms, r.e2e))
         return all(target is None or value * 1000 <= target for target, value in checks)
 
     @property
@@ -79,7 +80,7 @@ def summarize(results: list[RequestResult], elapsed: float, slo: Slo | None = No
         "request_throughput": len(ok) / span,
         "output_throughput": out_tokens / span,
         "total_throughput": (in_tokens + out_tokens) / span,
-        "ttft_ms": _pcts([r.ttft for r in ok]),
+        "ttft_ms": _pcts([r.ttft for r in ok if r.ttft is not None]),
         "tpot_ms": _pcts([r.tpot for r in ok if r.tpot is not None]),
         "itl_ms": _pcts([gap for r in ok for gap in r.itls]),
         "e2e_ms": _pcts([r.e2e for r in ok]),
@@ -90,7 +91,7 @@ def summarize(results: list[RequestResult], elapsed: float, slo: Slo | None = No
         figures["good_requests"] = good
     kinds = sorted({r.kind for r in ok if r.kind})
     if len(kinds) > 1:  # e.g. burst: steady decodes and long prompts apart
-        figures["by_kind"] = {k: {"ttft_ms": _pcts([r.ttft for r in ok if r.kind == k]),
+        figures["by_kind"] = {k: {"ttft_ms": _pcts([r.ttft for r in ok if r.kind == k and r.ttft is not None]),
                                   "tpot_ms": _pcts([r.tpot for r in ok if r.kind == k and r.tpot is not None])}
                               for k in kinds}
     return figures

@@ -41,6 +41,8 @@ class SchedulerOutput:
     cached_requests: list[CachedRequestData] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     finished_request_ids: set[str] = field(default_factory=set)  # the runner drops their state
+    # speculative decoding: draft tokens computed after a request's last token (counted in num_scheduled_tokens)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

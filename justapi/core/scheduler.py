@@ -37,6 +37,21 @@ class SchedulerStats:
     num_scheduled_tokens_total: int = 0
     last_step_tokens: int = 0
     batch_utilizations: list[float] = field(default_factory=list)  # static batching: U per finished batch
+    # speculative decoding
+    spec_steps: int = 0  # request-steps that verified at least one draft token
+    spec_draft_tokens: int = 0  # draft tokens verified
+    spec_accepted_tokens: int = 0  # of those, accepted
+    spec_accepted_at: list[int] = field(default_factory=list)  # accepted drafts by position (0 = first draft)
+    spec_proposed_at: list[int] = field(default_factory=list)  # verified drafts by position
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens emitted per speculative request-step: accepted drafts plus the target's own token."""
+        return (self.spec_accepted_tokens + self.spec_steps) / self.spec_steps if self.spec_steps else 0.0
 
 
 class Scheduler:
@@ -118,6 +133,7 @@ class Scheduler:
         budget = [self.config.chunk_size]  # prefill tokens left this step
         counts = Counter()
         self._admit_batch()
+        self._propose()
         preempted = self._schedule_running(out, budget, counts)
         if not preempted and self._may_admit():
             self._schedule_waiting(out, budget, counts)
@@ -138,13 +154,17 @@ class Scheduler:
                 if counts["decode"] >= self.config.max_decode:
                     i += 1
                     continue
-                n = 1
+                n = 1 + len(req.spec_token_ids)
             else:
                 if counts["prefill"] >= self.config.max_prefill or budget[0] == 0:
                     i += 1
                     continue
                 n = min(remaining, budget[0])
             new_blocks = self._grow(req, req.num_computed_tokens + n)
+            if new_blocks is None and req.spec_token_ids:  # drafts never cost another request its blocks
+                req.spec_token_ids = []
+                n = 1
+                new_blocks = self._grow(req, req.num_computed_tokens + n)
             while new_blocks is None:  # out of blocks: preempt the most recently admitted request
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -156,12 +176,33 @@ class Scheduler:
                 break  # req itself was preempted; it was the last one
             if remaining == 1:
                 counts["decode"] += 1
+                if req.spec_token_ids:
+                    out.spec_token_ids[req.request_id] = req.spec_token_ids
             else:
                 counts["prefill"] += 1
                 budget[0] -= n
             self._add_to_output(out, req, n, new_blocks)
             i += 1
         return preempted
+
+    def _propose(self) -> None:
+        """Draft tokens for every decoding request, unless the batch is too large for speculation to pay."""
+        cfg = self.config
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        for req in self.running:
+            req.spec_token_ids = []
+        if cfg.spec_method is None or len(decoding) > cfg.spec_max_batch:
+            return
+        from ..spec.ngram import propose_ngram
+
+        for req in decoding:
+            if req.sampling_params.logprobs is not None:
+                continue  # logprobs are reported per sampled token; such requests decode one token a step
+            # never draft past max_tokens (the target's own token comes on top) or the context length
+            room = min(req.max_tokens - req.num_output_tokens - 1, cfg.max_model_len - req.num_tokens - 1)
+            gamma = min(cfg.gamma, room)
+            if gamma > 0:
+                req.spec_token_ids = propose_ngram(req.all_token_ids, gamma)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: list[int], counts: Counter) -> None:
         while self.waiting and len(self.running) < self.config.max_seqs:
@@ -229,6 +270,13 @@ class Scheduler:
             was_prefilling = req.num_computed_tokens < req.num_prompt_tokens
             req.num_computed_tokens += n
             new_ids = result.sampled_token_ids.get(rid, [])
+            drafts = sched.spec_token_ids.get(rid)
+            if drafts:
+                # drafts after the first rejected one were computed on a wrong path: their KV is dropped
+                # (their slots are simply overwritten later) by moving num_computed_tokens back
+                accepted = len(new_ids) - 1
+                req.num_computed_tokens -= len(drafts) - accepted
+                self._count_spec(len(drafts), accepted)
             status = None
             for k, tok in enumerate(new_ids):
                 req.append_output(tok)
@@ -245,6 +293,18 @@ class Scheduler:
                 logprobs = logprobs[: len(new_ids)] if logprobs is not None else None
                 outputs.append(self._output(req, new_ids, logprobs, status and status.value))
         return outputs
+
+    def _count_spec(self, num_drafts: int, accepted: int) -> None:
+        st = self.stats
+        st.spec_steps += 1
+        st.spec_draft_tokens += num_drafts
+        st.spec_accepted_tokens += accepted
+        while len(st.spec_proposed_at) < num_drafts:
+            st.spec_proposed_at.append(0)
+            st.spec_accepted_at.append(0)
+        for k in range(num_drafts):
+            st.spec_proposed_at[k] += 1
+            st.spec_accepted_at[k] += k < accepted
 
     def _output(self, req: Request, new_ids, logprobs, reason) -> EngineCoreOutput:
         return EngineCoreOutput(
@@ -307,6 +367,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        req.spec_token_ids = []
         self.stats.num_preempted_tokens += req.num_computed_tokens
         self._release(req)
         req.num_computed_tokens = 0

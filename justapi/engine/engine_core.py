@@ -7,11 +7,11 @@ import random
 
 import torch
 
-from ..config import DEFAULT_KV_MEMORY_FRACTION, DEFAULT_MAX_POOL_TOKENS, EngineConfig, SchedulerConfig
+from ..config import DEFAULT_GAMMA, DEFAULT_KV_MEMORY_FRACTION, DEFAULT_MAX_POOL_TOKENS, EngineConfig, SchedulerConfig
 from ..core.scheduler import Scheduler, StaticScheduler
+from ..kernels import decode_kernels
 from ..model.chat_template import ChatTemplate
 from ..model.gguf_loader import ModelLoadError, load_tensors, open_gguf, read_model_config
-from ..kernels import decode_kernels
 from ..model.llama import LlamaModel
 from ..model.runner import ModelRunner, kv_bytes_per_block
 from ..model.tokenizer import Tokenizer
@@ -78,6 +78,9 @@ class EngineCore:
             chunk_size=config.chunk_size,
             max_model_len=self.max_model_len,
             prefix_cache=config.prefix_cache,
+            spec_method=config.spec_method,
+            gamma=config.gamma or DEFAULT_GAMMA,
+            spec_max_batch=config.spec_max_batch,
         )
         self.scheduler = (Scheduler if config.scheduled else StaticScheduler)(sched_config)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.device)

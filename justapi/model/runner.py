@@ -15,7 +15,7 @@ from ..core.outputs import RunnerOutput, SchedulerOutput
 from ..sampling_params import SamplingParams
 from .attention import AttentionMetadata, SeqSpan
 from .llama import LlamaModel
-from .sampler import SampleRow, sample
+from .sampler import SampleRow, sample, verify_drafts
 
 
 @dataclass
@@ -79,12 +79,17 @@ class ModelRunner:
         logits_rows: list[int] = []
         sample_ids: list[str] = []
         decode_spans: list[SeqSpan] = []
+        spec: dict[str, list[int]] = {}  # request → its draft tokens, verified from logits rows after its last token
         for rid, n in sched.num_scheduled_tokens.items():
             st = self.states[rid]
             start = starts[rid]
             end = start + n
             row = len(input_ids)
-            input_ids.extend(st.token_ids[start:end])
+            drafts = sched.spec_token_ids.get(rid)
+            if drafts:
+                input_ids.extend(st.token_ids[start:] + drafts)  # the last real token, then the drafts
+            else:
+                input_ids.extend(st.token_ids[start:end])
             positions.extend(range(start, end))
             blocks = st.block_ids
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
@@ -93,7 +98,11 @@ class ModelRunner:
             spans.append(span)
             if n == 1:
                 decode_spans.append(span)
-            if end == len(st.token_ids):
+            if drafts:
+                logits_rows.extend(range(row, row + n))
+                sample_ids.append(rid)
+                spec[rid] = drafts
+            elif end == len(st.token_ids):
                 logits_rows.append(row + n - 1)
                 sample_ids.append(rid)
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device), seqs=spans)
@@ -108,7 +117,7 @@ class ModelRunner:
             self.kv_caches,
             torch.tensor(logits_rows, dtype=torch.long, device=self.device),
         )
-        return self._sample(logits, sample_ids)
+        return self._sample(logits, sample_ids, spec)
 
     def _add_decode_batch(self, meta: AttentionMetadata, spans: list[SeqSpan]) -> None:
         max_blocks = max(len(s.block_table) for s in spans)
@@ -120,16 +129,30 @@ class ModelRunner:
         meta.decode_context_lens = torch.tensor([s.context_len for s in spans], dtype=torch.long, device=self.device)
         meta.decode_max_context = max(s.context_len for s in spans)
 
-    def _sample(self, logits: torch.Tensor, sample_ids: list[str]) -> RunnerOutput:
-        rows = []
+    def _sample(self, logits: torch.Tensor, sample_ids: list[str], spec: dict[str, list[int]]) -> RunnerOutput:
+        out = RunnerOutput()
+        plain_rows, plain_ids, plain_logits = [], [], []
+        offset = 0
         for rid in sample_ids:
             st = self.states[rid]
-            rows.append(SampleRow(st.params, st.seed, st.token_ids[st.num_prompt_tokens :]))
-        tokens, logprobs = sample(logits, rows)
-        out = RunnerOutput()
-        for rid, tok, lp in zip(sample_ids, tokens, logprobs):
-            self.states[rid].token_ids.append(tok)
-            out.sampled_token_ids[rid] = [tok]
-            if lp is not None:
-                out.logprobs[rid] = [lp]
+            row = SampleRow(st.params, st.seed, st.token_ids[st.num_prompt_tokens :])
+            drafts = spec.get(rid)
+            if drafts:
+                emitted = verify_drafts(logits[offset : offset + len(drafts) + 1], drafts, row)
+                st.token_ids.extend(emitted)
+                out.sampled_token_ids[rid] = emitted
+                offset += len(drafts) + 1
+            else:
+                plain_rows.append(row)
+                plain_ids.append(rid)
+                plain_logits.append(offset)
+                offset += 1
+        if plain_rows:
+            rows_logits = logits if len(plain_logits) == logits.shape[0] else logits[plain_logits]
+            tokens, logprobs = sample(rows_logits, plain_rows)
+            for rid, tok, lp in zip(plain_ids, tokens, logprobs):
+                self.states[rid].token_ids.append(tok)
+                out.sampled_token_ids[rid] = [tok]
+                if lp is not None:
+                    out.logprobs[rid] = [lp]
         return out

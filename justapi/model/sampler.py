@@ -95,3 +95,51 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list
 
 def _has_penalty(row: SampleRow) -> bool:
     return row.params.presence_penalty != 0 or row.params.frequency_penalty != 0
+
+
+def verify_drafts(logits: torch.Tensor, drafts: list[int], row: SampleRow) -> list[int]:
+    """Speculative verification: the tokens to emit, given the target's ``logits`` [len(drafts) + 1, vocab].
+
+    Row i holds the target's logits after the request's tokens plus drafts[:i]. The drafts come from a
+    deterministic proposer (prompt lookup), i.e. a draft distribution q that is a point mass on drafts[i], so the
+    standard rejection rule (accept x with probability min(1, p(x)/q(x)), else sample from max(0, p - q)) becomes::
+
+        accept drafts[i] with probability p(drafts[i])           (greedy: iff it is the argmax)
+        on rejection: sample from p with drafts[i] removed, renormalised, and stop
+        all accepted: sample one more token from the last row (the bonus token)
+
+    Each emitted token is distributed exactly as p, the request's own processed distribution (penalties over the
+    tokens emitted so far, temperature, top-k/p, min-p), so the output keeps the target's distribution; greedy
+    output is exactly the non-speculative greedy output. Randomness is keyed by (seed, position) like ``sample``.
+    """
+    emitted: list[int] = []
+    base = list(row.output_token_ids)
+    device = str(logits.device)
+    for i in range(len(drafts) + 1):
+        ctx = SampleRow(row.params, row.seed, base + emitted)
+        row_logits = apply_penalties(logits[i], ctx)
+        position = len(ctx.output_token_ids)
+        if row.params.greedy:
+            target = int(row_logits.argmax())
+            emitted.append(target)
+            if i == len(drafts) or target != drafts[i]:
+                break
+            continue
+        probs = processed_probs(row_logits, row.params)
+        if i == len(drafts):
+            emitted.append(int(torch.multinomial(probs, 1, generator=row_generator(row.seed, position, device))))
+            break
+        x = drafts[i]
+        u = torch.rand((), generator=row_generator(row.seed ^ _ACCEPT_STREAM, position, device)).item()
+        if u < float(probs[x]):
+            emitted.append(x)
+            continue
+        residual = probs.clone()
+        residual[x] = 0.0
+        emitted.append(int(torch.multinomial(residual / residual.sum(), 1,
+                                             generator=row_generator(row.seed, position, device))))
+        break
+    return emitted
+
+
+_ACCEPT_STREAM = 0x5BD1E995  # a second random stream per (seed, position) for accept/reject draws

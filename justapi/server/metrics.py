@@ -41,6 +41,21 @@ class _SchedulerCollector:
         yield GaugeMetricFamily("justapi_step_tokens", "Tokens computed in the last step", value=sched.stats.last_step_tokens)
         yield CounterMetricFamily("justapi_scheduled_tokens", "Tokens computed over all steps",
                                   value=sched.stats.num_scheduled_tokens_total)
+        st = sched.stats
+        yield CounterMetricFamily("justapi_spec_draft_tokens", "Draft tokens verified by the target",
+                                  value=st.spec_draft_tokens)
+        yield CounterMetricFamily("justapi_spec_accepted_tokens", "Draft tokens accepted", value=st.spec_accepted_tokens)
+        yield GaugeMetricFamily("justapi_spec_acceptance_rate", "Accepted / verified draft tokens",
+                                value=st.spec_acceptance_rate)
+        yield GaugeMetricFamily("justapi_spec_mean_accepted_length",
+                                "Tokens emitted per speculative step (accepted drafts + the target's token)",
+                                value=st.spec_mean_accepted_length)
+        per_pos = GaugeMetricFamily("justapi_spec_acceptance_rate_by_position",
+                                    "Acceptance rate of the k-th draft token (0 = first), when it was verified",
+                                    labels=["position"])
+        for k, (acc, prop) in enumerate(zip(list(st.spec_accepted_at), list(st.spec_proposed_at))):
+            per_pos.add_metric([str(k)], acc / prop if prop else 0.0)
+        yield per_pos
         utils = sched.stats.batch_utilizations
         if utils:
             yield GaugeMetricFamily("justapi_static_batch_utilization", "U of the last static batch", value=utils[-1])

@@ -1,0 +1,170 @@
+"""Speculative decoding with the prompt-lookup proposer (--spec-method ngram): lossless, in batches, under preemption."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from justapi import LLM, SamplingParams
+from justapi.model.sampler import SampleRow, processed_probs, row_generator, verify_drafts
+from justapi.spec.ngram import propose_ngram
+
+
+def test_ngram_proposes_the_continuation_of_the_latest_match():
+    assert propose_ngram([1, 2, 3, 4, 9, 1, 2, 3], gamma=2) == [4, 9]  # "1 2 3" seen before: propose what followed
+    assert propose_ngram([1, 2, 3, 7, 1, 2, 3, 8, 2, 3], gamma=3) == [8, 2, 3]  # the most recent match wins
+    assert propose_ngram([5, 6, 7], gamma=4) == []  # nothing repeats
+    assert propose_ngram([4, 4], gamma=3) == [4]  # a match at the very end proposes only what exists
+
+
+def copy_prompts(llm, n, seed=0):
+    """Prompts that repeat a random phrase a few times: what prompt lookup is for."""
+    rng = random.Random(seed)
+    vocab = llm.engine.model_config.vocab_size
+    out = []
+    for _ in range(n):
+        phrase = [rng.randrange(3, vocab) for _ in range(rng.randint(4, 12))]
+        out.append(phrase * rng.randint(2, 5) + [rng.randrange(3, vocab) for _ in range(rng.randint(0, 6))])
+    return out
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model):
+    opts = dict(pool_blocks=512, show_progress=False, batch_invariant=True, scheduled=True)
+    return LLM(tiny_model, **opts), LLM(tiny_model, spec_method="ngram", gamma=4, spec_max_batch=64, **opts)
+
+
+def test_greedy_output_is_identical_alone_and_in_a_batch_of_16(pair):
+    plain, spec = pair
+    prompts = copy_prompts(plain, 16, seed=1)
+    params = [SamplingParams(temperature=0, max_tokens=20 + 3 * i, ignore_eos=True) for i in range(16)]
+    want = [r.token_ids for r in plain.generate(prompts, params)]
+    alone = [spec.generate([p], q)[0].token_ids for p, q in zip(prompts[:4], params[:4])]
+    assert alone == want[:4]
+    assert [r.token_ids for r in spec.generate(prompts, params)] == want
+    st = spec.engine.scheduler.stats
+    assert st.spec_draft_tokens > 100 and 0 < st.spec_accepted_tokens < st.spec_draft_tokens
+    assert st.spec_mean_accepted_length > 1.0
+    assert sum(st.spec_proposed_at) == st.spec_draft_tokens and st.spec_accepted_at[0] >= st.spec_accepted_at[-1]
+
+
+def test_greedy_with_penalties_stop_tokens_and_max_tokens(pair):
+    plain, spec = pair
+    prompts = copy_prompts(plain, 6, seed=2)
+    stop = plain.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].token_ids[7]
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, frequency_penalty=0.5),
+              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop]),
+              SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, presence_penalty=1.0),
+              SamplingParams(temperature=0, max_tokens=25, ignore_eos=True, logprobs=2)]
+    want = plain.generate(prompts, params)
+    got = spec.generate(prompts, params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert [r.finish_reason for r in got] == [r.finish_reason for r in want]
+    assert [len(r.token_ids) for r in got][2:4] == [1, 2]  # drafts never run past max_tokens
+
+
+def test_preemption_and_prefix_cache_keep_output_and_blocks(tiny_model, pair):
+    plain, _ = pair
+    prompts = copy_prompts(plain, 12, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = [r.token_ids for r in plain.generate(prompts, params)]
+    small = LLM(tiny_model, pool_blocks=40, block_size=4, max_seqs=12, show_progress=False, batch_invariant=True,
+                scheduled=True, spec_method="ngram", gamma=5, spec_max_batch=64)
+    assert [r.token_ids for r in small.generate(prompts + prompts[:3], params)] == want + want[:3]
+    sched = small.engine.scheduler
+    assert sched.stats.num_preemptions > 0 and sched.stats.spec_accepted_tokens > 0
+    sched.check_integrity()
+    assert not sched.running and sched.pool.num_free + sched.num_cached_blocks == sched.pool.num_blocks
+
+
+def test_speculation_stays_off_above_the_batch_limit(tiny_model):
+    llm = LLM(tiny_model, pool_blocks=512, show_progress=False, scheduled=True, spec_method="ngram", spec_max_batch=2)
+    prompts = copy_prompts(llm, 8, seed=4)
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert llm.engine.scheduler.stats.spec_draft_tokens == 0  # 8 decoding at once, limit 2: no drafts
+
+
+def _chi_square(counts: dict[int, int], probs: torch.Tensor, n: int) -> float:
+    return sum((counts.get(t, 0) - n * float(p)) ** 2 / (n * float(p)) for t, p in enumerate(probs) if p > 0)
+
+
+def test_verification_keeps_the_target_distribution_chi_square():
+    """20,000 seeded draws of the first emitted token when the draft is one fixed token, against p itself.
+
+    The 99.9% chi-square quantile for 7 degrees of freedom is 24.3; a wrong resampling rule (sampling from p again
+    instead of from p without the rejected draft) over-weights the draft token and scores in the hundreds.
+    """
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, 3.0])
+    params = SamplingParams(temperature=0.8, top_k=0, max_tokens=4)
+    p = processed_probs(logits, params)
+    draft = 7  # the most likely token: accepted often, but not always
+    n = 20000
+    right: dict[int, int] = {}
+    wrong: dict[int, int] = {}
+    for seed in range(n):
+        row = SampleRow(params, seed, [])
+        tok = verify_drafts(torch.stack([logits, logits]), [draft], row)[0]
+        right[tok] = right.get(tok, 0) + 1
+        # the wrong rule: on rejection, resample from p (the draft can come back)
+        u = torch.rand((), generator=row_generator(seed ^ 0x5BD1E995, 0, "cpu")).item()
+        bad = draft if u < float(p[draft]) else int(torch.multinomial(p, 1, generator=row_generator(seed, 0, "cpu")))
+        wrong[bad] = wrong.get(bad, 0) + 1
+    assert _chi_square(right, p, n) < 24.3
+    assert _chi_square(wrong, p, n) > 100
+
+
+def test_sampled_speculative_output_follows_the_model_distribution(tmp_path):
+    """End to end on a tiny model: sampled output tokens 2-4, with and without speculation, 3000 seeds each.
+
+    The prompt is the model's own sampled text, so prompt lookup proposes tokens the model finds plausible: some
+    drafts are accepted, most are rejected and resampled. Two-sample chi-square over tokens seen at least 20 times
+    in total, against the 99.9% quantile.
+    """
+    from scipy.stats import chi2
+
+    from tiny_gguf import write_tiny_model
+
+    path = write_tiny_model(str(tmp_path / "t.gguf"), "llama", weight_scale=0.2, seed=5)
+    opts = dict(pool_blocks=2048, show_progress=False, scheduled=True, max_seqs=64, max_decode=64)
+    plain = LLM(path, **opts)
+    spec = LLM(path, spec_method="ngram", gamma=3, spec_max_batch=1000, **opts)
+    own = plain.generate([[5, 6, 7]], SamplingParams(temperature=1.0, max_tokens=100, ignore_eos=True, seed=1))[0]
+    prompt = [5, 6, 7] + own.token_ids
+    n = 3000
+    # temperature 3 flattens this peaked model enough that drafts are accepted about 7% of the time
+    params = [SamplingParams(temperature=3.0, max_tokens=4, ignore_eos=True, seed=s) for s in range(n)]
+    a = plain.generate([prompt] * n, params)
+    b = spec.generate([prompt] * n, params)
+    st = spec.engine.scheduler.stats
+    assert st.spec_accepted_tokens > 100 and st.spec_draft_tokens - st.spec_accepted_tokens > 1000  # both paths ran
+    for pos in (1, 2, 3):
+        ca, cb = {}, {}
+        for r in a:
+            ca[r.token_ids[pos]] = ca.get(r.token_ids[pos], 0) + 1
+        for r in b:
+            cb[r.token_ids[pos]] = cb.get(r.token_ids[pos], 0) + 1
+        keys = [k for k in set(ca) | set(cb) if ca.get(k, 0) + cb.get(k, 0) >= 20]
+        stat = sum((ca.get(k, 0) - cb.get(k, 0)) ** 2 / (ca.get(k, 0) + cb.get(k, 0)) for k in keys)
+        assert len(keys) >= 5 and stat < chi2.ppf(0.999, len(keys) - 1), (pos, stat, len(keys))
+
+
+@pytest.mark.real_model
+def test_smollm2_copy_task_greedy_identical_with_ngram(real_model_path):
+    text = ("The committee met on Tuesday to review the budget for the new library. After a long discussion, "
+            "the members agreed to fund the children's reading room and postpone the roof repairs until spring.")
+    questions = [f"Rewrite this text exactly, but change {w}:\n\n{text}" for w in
+                 ("Tuesday to Friday", "library to museum", "spring to autumn", "budget to plan")]
+    base = LLM(real_model_path, pool_blocks=512, batch_invariant=True, show_progress=False, scheduled=True)
+    spec = LLM(real_model_path, pool_blocks=512, batch_invariant=True, show_progress=False, scheduled=True,
+               spec_method="ngram", gamma=4, spec_max_batch=16)
+    chats = [base.apply_chat_template([{"role": "user", "content": q}]) for q in questions] * 4  # a batch of 16
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    want = [r.token_ids for r in base.generate(chats, params)]
+    assert [spec.generate([c], params)[0].token_ids for c in chats[:2]] == want[:2]
+    assert [r.token_ids for r in spec.generate(chats, params)] == want
+    st = spec.engine.scheduler.stats
+    assert st.spec_acceptance_rate > 0.3  # the answer copies the prompt
