@@ -16,10 +16,10 @@ DEFAULT_MAX_PREFILL = 4
 DEFAULT_MAX_DECODE = 32
 DEFAULT_CHUNK_SIZE = 512
 DEFAULT_GAMMA = 4  # draft tokens per speculative step
-# speculation only while at most this many requests decode: measured in benchmarks/spec_decode.py, verifying drafts
-# costs a near-full extra row of work per draft token, which pays for a lone stream (weights are read once either
-# way) but not once a batch already fills the matmuls
-DEFAULT_SPEC_MAX_BATCH = 4
+# speculation only while at most this many requests decode. benchmarks/spec_decode.py (docs/benchmarks.md) measured
+# speed-ups at 1 and 8 concurrent requests on a copy-heavy workload; larger batches were not measured, and there
+# every draft row competes with another request's real token for the same matmul, so speculation stays off
+DEFAULT_SPEC_MAX_BATCH = 8
 DEFAULT_KV_MEMORY_FRACTION = 0.25  # share of available host memory given to the KV pool by default
 DEFAULT_MAX_POOL_TOKENS = 1 << 20  # never size the default pool beyond a million tokens
 DEFAULT_HOST = "127.0.0.1"
