@@ -152,6 +152,28 @@ def test_sampled_speculative_output_follows_the_model_distribution(tmp_path):
         assert len(keys) >= 5 and stat < chi2.ppf(0.999, len(keys) - 1), (pos, stat, len(keys))
 
 
+def test_server_exports_speculation_metrics(tiny_model, tmp_path):
+    import httpx
+
+    from server_helpers import ServerProcess, metric
+
+    srv = ServerProcess(["--model", tiny_model, "--scheduled", "--pool-blocks", "200", "--spec-method", "ngram",
+                         "--gamma", "3"], str(tmp_path / "spec.log"))
+    try:
+        prompt = [7, 8, 9, 10, 11] * 8
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 40, "temperature": 0,
+                                                           "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 40
+        m = httpx.get(srv.url + "/metrics").text
+        drafts, accepted = metric(m, "justapi_spec_draft_tokens_total"), metric(m, "justapi_spec_accepted_tokens_total")
+        assert drafts > 0 and 0 <= accepted <= drafts
+        assert metric(m, "justapi_spec_acceptance_rate") == pytest.approx(accepted / drafts)
+        assert metric(m, "justapi_spec_mean_accepted_length") >= 1.0
+        assert 'justapi_spec_acceptance_rate_by_position{position="0"}' in m
+    finally:
+        assert srv.stop() == 0
+
+
 @pytest.mark.real_model
 def test_smollm2_copy_task_greedy_identical_with_ngram(real_model_path):
     text = ("The committee met on Tuesday to review the budget for the new library. After a long discussion, "
