@@ -8,6 +8,7 @@ import json
 import math
 import os
 import sys
+from dataclasses import replace
 
 from . import report
 from .workloads import WORKLOADS, WorkloadError, WorkloadSpec, arrival_times, build
@@ -206,14 +207,12 @@ def cmd_offline(args, engine_config) -> int:
     from .offline import run_offline
 
     _check(args)
-    from dataclasses import replace
-
     base = engine_config(args)
     engine = None
     rows, names = [], []
     jobs = None
     for scheduled in (False, True):
-        del engine
+        engine = None  # free the previous engine's KV pool before the next one allocates its own
         engine = EngineCore(replace(base, scheduled=scheduled, show_progress=False))
         if jobs is None:
             jobs = build(_spec(args), engine.tokenizer)

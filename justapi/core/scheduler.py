@@ -188,10 +188,12 @@ class Scheduler:
     def _propose(self) -> None:
         """Draft tokens for every decoding request, unless the batch is too large for speculation to pay."""
         cfg = self.config
+        if cfg.spec_method is None:
+            return  # no request ever holds drafts
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         for req in self.running:
             req.spec_token_ids = []
-        if cfg.spec_method is None or len(decoding) > cfg.spec_max_batch:
+        if len(decoding) > cfg.spec_max_batch:
             return
         from ..spec.ngram import propose_ngram
 
