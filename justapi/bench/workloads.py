@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 WORKLOADS = ("random", "shared-prefix", "multi-turn", "burst", "jsonl")
 
@@ -57,7 +57,6 @@ class WorkloadSpec:
     steady_rate: float = 2.0  # steady requests per second
     path: str | None = None  # jsonl
     seed: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class TextMaker:

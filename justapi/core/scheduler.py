@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from ..config import SchedulerConfig
 from ..request import Request, RequestStatus
 from ..sampling_params import SamplingParams
+from ..spec.ngram import propose_ngram
 from .block_pool import BlockPool
 from .outputs import CachedRequestData, EngineCoreOutput, NewRequestData, RunnerOutput, SchedulerOutput
 from .radix_cache import RadixPrefixCache
@@ -195,8 +196,6 @@ class Scheduler:
             req.spec_token_ids = []
         if len(decoding) > cfg.spec_max_batch:
             return
-        from ..spec.ngram import propose_ngram
-
         for req in decoding:
             if req.sampling_params.logprobs is not None:
                 continue  # logprobs are reported per sampled token; such requests decode one token a step

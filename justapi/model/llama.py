@@ -38,6 +38,8 @@ class LlamaModel:
         self.config = config
         self.batch_invariant = batch_invariant
 
+        dense_dtype = tensors["token_embd.weight"].dtype if "token_embd.weight" in tensors else torch.float32
+
         def take(name: str, required: bool = True) -> torch.Tensor | None:
             t = tensors.pop(name, None)
             if t is None and required:
@@ -51,11 +53,9 @@ class LlamaModel:
             parts = [take(n) for n in names]
             if all(isinstance(p, Q4Unpacked) for p in parts):
                 return Int4Weight(cat_q4(parts))
-            dtype = next((p.dtype for p in parts if isinstance(p, torch.Tensor)), self_dtype)
+            dtype = next((p.dtype for p in parts if isinstance(p, torch.Tensor)), dense_dtype)
             dense = [p.dequantize().to(device, dtype) if isinstance(p, Q4Unpacked) else p for p in parts]
             return dense[0] if len(dense) == 1 else torch.cat(dense).contiguous()
-
-        self_dtype = tensors["token_embd.weight"].dtype if "token_embd.weight" in tensors else torch.float32
 
         self.embed = take("token_embd.weight")
         self.layers: list[LayerWeights] = []
