@@ -14,8 +14,6 @@ from . import config as C
 
 # Flags of parts that are not built yet: accepted by the parser so they can be refused with a clear message.
 NOT_YET = {
-    "branch": "tree speculative decoding (--branch)",
-    "draft_model": "draft-model speculative decoding (--draft-model; --spec-method ngram works)",
     "tp": "tensor parallelism (--tp)",
     "disaggregate": "prefill/decode disaggregation (--disaggregate)",
     "prefill_workers": "prefill/decode disaggregation (--prefill-workers)",
@@ -55,12 +53,17 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed for requests that bring none (default: %(default)s)")
     p.add_argument("--spec-method", default=None, choices=["ngram"],
                    help="speculative decoding: ngram proposes drafts by prompt lookup in the request's own tokens")
+    p.add_argument("--draft-model", default=None,
+                   help="speculative decoding with a draft model: a GGUF with the target's vocabulary")
     p.add_argument("--gamma", type=int, default=None,
-                   help=f"draft tokens per speculative step (default with --spec-method: {C.DEFAULT_GAMMA})")
+                   help=f"draft tokens per speculative step, the draft tree's depth (default: {C.DEFAULT_GAMMA})")
+    p.add_argument("--branch", type=int, default=None,
+                   help="draft-tree branching factor: the draft's top-B tokens at every level (default: "
+                        f"{C.DEFAULT_BRANCH}, a chain); needs --draft-model")
+    p.add_argument("--spec-tree-nodes", type=int, default=C.DEFAULT_SPEC_TREE_NODES,
+                   help="node budget of a draft tree, branch + branch^2 + ... + branch^gamma (default: %(default)s)")
     p.add_argument("--spec-max-batch", type=int, default=C.DEFAULT_SPEC_MAX_BATCH,
-                   help="speculate only in steps where at most this many requests decode")
-    p.add_argument("--branch", type=int, default=None, help="tree speculation branching factor (not available yet)")
-    p.add_argument("--draft-model", default=None, help="draft model GGUF for speculative decoding (not available yet)")
+                   help="speculate only in steps where at most this many requests decode (default: %(default)s)")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel workers (not available yet)")
     p.add_argument("--disaggregate", action="store_true", default=None,
                    help="prefill/decode disaggregation (not available yet)")
@@ -113,7 +116,8 @@ def engine_config(args) -> C.EngineConfig:
             max_seqs=args.max_seqs, max_prefill=args.max_prefill, max_decode=args.max_decode,
             chunk_size=args.chunk_size, scheduled=args.scheduled, prefix_cache=not args.no_prefix_cache,
             max_model_len=args.max_model_len, batch_invariant=args.batch_invariant, num_threads=args.threads,
-            cpu_kernels=not args.no_cpu_kernels, spec_method=args.spec_method, gamma=args.gamma,
+            cpu_kernels=not args.no_cpu_kernels, spec_method=args.spec_method, draft_model=args.draft_model,
+            gamma=args.gamma, branch=args.branch, spec_tree_nodes=args.spec_tree_nodes,
             spec_max_batch=args.spec_max_batch,
             seed=args.seed,
         )
@@ -121,11 +125,21 @@ def engine_config(args) -> C.EngineConfig:
         raise CliError(str(e)) from None
 
 
-def check_model_file(path: str) -> None:
-    """Fail fast on a file that cannot be served, before the server starts."""
-    from .model.gguf_loader import open_gguf, read_model_config
+def check_model_file(path: str, draft_path: str | None = None) -> None:
+    """Fail fast on a file that cannot be served (or a draft model that cannot draft for it), before the server starts."""
+    from .model.gguf_loader import ModelLoadError, open_gguf, read_model_config
 
-    read_model_config(open_gguf(path), path)
+    reader = open_gguf(path)
+    read_model_config(reader, path)
+    if draft_path is not None:
+        from .spec.draft import check_same_vocabulary
+
+        try:
+            draft = open_gguf(draft_path)
+            read_model_config(draft, draft_path)
+        except ModelLoadError as e:
+            raise ModelLoadError(f"--draft-model: {e}") from None
+        check_same_vocabulary(reader, path, draft, draft_path)
 
 
 def cmd_serve(args) -> int:
@@ -148,7 +162,7 @@ def cmd_serve(args) -> int:
 
         if not torch.cuda.is_available():
             raise CliError("--gpu was given but torch sees no CUDA device")
-    check_model_file(cfg.model)
+    check_model_file(cfg.model, cfg.draft_model)
     logging.basicConfig(level=server_cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     name = server_cfg.served_model_name or os.path.splitext(os.path.basename(cfg.model))[0]
     mode = "continuous batching" if cfg.scheduled else "static batching (pass --scheduled for continuous batching)"
@@ -183,7 +197,7 @@ def cmd_generate(args) -> int:
     from .sampling_params import SamplingParams
 
     cfg = engine_config(args)
-    check_model_file(cfg.model)
+    check_model_file(cfg.model, cfg.draft_model)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k)

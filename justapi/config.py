@@ -20,6 +20,15 @@ DEFAULT_GAMMA = 4  # draft tokens per speculative step
 # speed-ups at 1 and 8 concurrent requests on a copy-heavy workload; larger batches were not measured, and there
 # every draft row competes with another request's real token for the same matmul, so speculation stays off
 DEFAULT_SPEC_MAX_BATCH = 8
+DEFAULT_BRANCH = 1  # draft-tree branching factor; 1 is a chain
+# draft-tree nodes verified per request-step at most: --branch B with --gamma G makes B + B² + ... + B^G nodes, and
+# each is one more row of the target's pass; 64 admits gamma 4 with branch 2 (30 nodes) but not branch 3 (120)
+DEFAULT_SPEC_TREE_NODES = 64
+
+
+def tree_size(branch: int, depth: int) -> int:
+    """Draft nodes of a full ``branch``-ary tree of ``depth`` levels (the root not counted)."""
+    return sum(branch**d for d in range(1, depth + 1))
 DEFAULT_KV_MEMORY_FRACTION = 0.25  # share of available host memory given to the KV pool by default
 DEFAULT_MAX_POOL_TOKENS = 1 << 20  # never size the default pool beyond a million tokens
 DEFAULT_HOST = "127.0.0.1"
@@ -85,7 +94,10 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None: all cores
     cpu_kernels: bool = True  # the C++ paged decode-attention kernel (justapi.kernels); False: pure torch
     spec_method: str | None = None  # "ngram": speculative decoding by prompt lookup
-    gamma: int | None = None  # draft tokens per step (default DEFAULT_GAMMA when speculating)
+    draft_model: str | None = None  # a GGUF with the target's vocabulary: speculative decoding with a draft model
+    gamma: int | None = None  # draft tokens per step, the tree's depth (default DEFAULT_GAMMA when speculating)
+    branch: int | None = None  # draft-tree branching factor (default DEFAULT_BRANCH: a chain); needs draft_model
+    spec_tree_nodes: int = DEFAULT_SPEC_TREE_NODES  # the node budget of a draft tree
     spec_max_batch: int = DEFAULT_SPEC_MAX_BATCH
     seed: int = 0
     show_progress: bool = True
@@ -105,17 +117,43 @@ class EngineConfig:
             raise ValueError(f"--pool-blocks must be a positive integer, not {self.pool_blocks!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"--max-model-len must be a positive integer, not {self.max_model_len!r}")
-        if self.spec_method not in (None, "ngram"):
-            raise ValueError(f"--spec-method must be ngram, not {self.spec_method!r}")
-        if self.gamma is not None:
-            if not isinstance(self.gamma, int) or self.gamma < 1:
-                raise ValueError(f"--gamma must be a positive integer, not {self.gamma!r}")
-            if self.spec_method is None:
-                raise ValueError("--gamma needs a proposer: pass --spec-method ngram")
+        self._check_speculation()
         if not isinstance(self.spec_max_batch, int) or self.spec_max_batch < 0:
             raise ValueError(f"--spec-max-batch must be a non-negative integer, not {self.spec_max_batch!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"--threads must be a positive integer, not {self.num_threads!r}")
+
+    def _check_speculation(self) -> None:
+        if self.spec_method not in (None, "ngram"):
+            raise ValueError(f"--spec-method must be ngram, not {self.spec_method!r}")
+        if self.spec_method is not None and self.draft_model is not None:
+            raise ValueError("--spec-method ngram and --draft-model are two proposers; pass one of them")
+        if self.gamma is not None:
+            if not isinstance(self.gamma, int) or self.gamma < 1:
+                raise ValueError(f"--gamma must be a positive integer, not {self.gamma!r}")
+            if self.speculation is None:
+                raise ValueError("--gamma needs a proposer: pass --draft-model PATH or --spec-method ngram")
+        if not isinstance(self.spec_tree_nodes, int) or self.spec_tree_nodes < 1:
+            raise ValueError(f"--spec-tree-nodes must be a positive integer, not {self.spec_tree_nodes!r}")
+        if self.branch is None:
+            return
+        if not isinstance(self.branch, int) or self.branch < 1:
+            raise ValueError(f"--branch must be a positive integer, not {self.branch!r}")
+        if self.speculation is None:
+            raise ValueError("--branch needs a proposer: pass --draft-model PATH")
+        if self.speculation == "ngram" and self.branch > 1:
+            raise ValueError("--branch above 1 builds a draft tree, which needs --draft-model; prompt lookup "
+                             "(--spec-method ngram) proposes a single chain")
+        gamma = self.gamma or DEFAULT_GAMMA
+        nodes = tree_size(self.branch, gamma)
+        if nodes > self.spec_tree_nodes:
+            raise ValueError(f"--branch {self.branch} with --gamma {gamma} makes a draft tree of {nodes} nodes, "
+                             f"more than the node budget --spec-tree-nodes {self.spec_tree_nodes}")
+
+    @property
+    def speculation(self) -> str | None:
+        """The proposer: "draft" (a draft model), "ngram" (prompt lookup) or None."""
+        return "draft" if self.draft_model is not None else self.spec_method
 
     @property
     def device(self) -> str:
@@ -134,8 +172,9 @@ class SchedulerConfig:
     chunk_size: int = DEFAULT_CHUNK_SIZE
     max_model_len: int = 8192
     prefix_cache: bool = True
-    spec_method: str | None = None  # "ngram": propose draft tokens by prompt lookup
-    gamma: int = DEFAULT_GAMMA  # draft tokens per step at most
+    spec_method: str | None = None  # "ngram": drafts by prompt lookup; "draft": a draft model's tree, built by the runner
+    gamma: int = DEFAULT_GAMMA  # draft tokens per step at most (a tree's depth)
+    branch: int = DEFAULT_BRANCH  # children per draft-tree node
     spec_max_batch: int = DEFAULT_SPEC_MAX_BATCH  # no speculation in steps with more decoding requests than this
 
     def __post_init__(self) -> None:

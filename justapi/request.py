@@ -37,7 +37,8 @@ class Request:
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first admission; -1 before it
     num_preemptions: int = 0
     cache_node: object = None  # the radix node this request holds locked
-    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens proposed for the next step
+    spec_token_ids: list[int] = field(default_factory=list)  # prompt-lookup draft tokens for the next step
+    spec_depth: int = 0  # draft-model tree levels the runner proposes next step (slots reserved here)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -1,4 +1,4 @@
-"""Per-request sampling settings (the OpenAI fields plus ``ignore_eos``), validated on construction."""
+"""Per-request sampling settings (the OpenAI fields plus ``ignore_eos`` and ``speculative``), validated on construction."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives to return with each sampled token
     n: int = 1
     skip_special_tokens: bool = True
+    speculative: bool = True  # False: never draft for this request, even when the engine speculates
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -56,3 +56,23 @@ def real_llm(real_model_path):
     from justapi import LLM
 
     return LLM(real_model_path, dtype="float32", pool_blocks=1024, show_progress=False, scheduled=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2_copy_task(real_model_path):
+    """16 chat prompts asking SmolLM2 to copy a text with one change, and its greedy answers without speculation.
+
+    Returns (prompts, params, answers, engine options); the speculative tests must reproduce the answers exactly.
+    """
+    from justapi import LLM, SamplingParams
+
+    text = ("The committee met on Tuesday to review the budget for the new library. After a long discussion, "
+            "the members agreed to fund the children's reading room and postpone the roof repairs until spring.")
+    questions = [f"Rewrite this text exactly, but change {w}:\n\n{text}" for w in
+                 ("Tuesday to Friday", "library to museum", "spring to autumn", "budget to plan")]
+    opts = dict(pool_blocks=512, batch_invariant=True, show_progress=False, scheduled=True)
+    base = LLM(real_model_path, **opts)
+    chats = [base.apply_chat_template([{"role": "user", "content": q}]) for q in questions] * 4  # a batch of 16
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = [r.token_ids for r in base.generate(chats, params)]
+    return chats, params, want, opts

@@ -89,12 +89,21 @@ def test_unsupported_tensor_type_is_named(tmp_path):
 
 
 def test_flags_of_unbuilt_parts_are_refused(tiny_model):
-    for flag in (["--branch", "2"], ["--tp", "2"], ["--disaggregate"], ["--draft-model", "x.gguf"]):
+    for flag in (["--tp", "2"], ["--disaggregate"]):
         assert_clean_error(run_cli("serve", "--model", tiny_model, *flag), "not available yet")
     assert_clean_error(run_cli("serve", "--model", tiny_model, "--gamma", "4"), "--gamma needs a proposer")
-    assert_clean_error(run_cli("serve", "--model", tiny_model, "--spec-method", "ngram", "--gamma", "0"), "--gamma")
-    assert_clean_error(run_cli("serve", "--model", tiny_model, "--max-seqs", "0"), "--max-seqs")
-    assert_clean_error(run_cli("serve", "--model", tiny_model, "--port", "70000"), "--port")
+
+
+def test_bad_speculation_settings_fail_at_start_up_naming_the_flag(tiny_model, tmp_path):
+    """Through the CLI; every other refused combination is checked on EngineConfig in test_spec_draft.py."""
+    def serve(*flags):
+        return run_cli("serve", "--model", tiny_model, *flags)
+
+    assert_clean_error(serve("--draft-model", tiny_model, "--branch", "3", "--gamma", "4"),
+                       "120 nodes", "--spec-tree-nodes 64")
+    assert_clean_error(serve("--draft-model", str(tmp_path / "missing.gguf")), "--draft-model", "no such file")
+    other = write_tiny_model(str(tmp_path / "spm.gguf"), "llama", tokenizer="llama")
+    assert_clean_error(serve("--draft-model", other), "--draft-model", "llama tokenizer", "gpt2 tokenizer")
 
 
 def test_serve_help_documents_every_flag_with_defaults():

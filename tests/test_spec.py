@@ -1,4 +1,7 @@
-"""Speculative decoding with the prompt-lookup proposer (--spec-method ngram): lossless, in batches, under preemption."""
+"""Speculative decoding with the prompt-lookup proposer (--spec-method ngram): lossless, in batches, under preemption.
+
+Draft-model chains and trees are in test_spec_draft.py; the verification rule itself is tested here.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +11,9 @@ import pytest
 import torch
 
 from justapi import LLM, SamplingParams
-from justapi.model.sampler import SampleRow, processed_probs, row_generator, verify_drafts
+from justapi.model.sampler import SampleRow, processed_probs, row_generator
 from justapi.spec.ngram import propose_ngram
+from justapi.spec.tree import DraftTree, spec_decode_tree
 
 
 def test_ngram_proposes_the_continuation_of_the_latest_match():
@@ -107,7 +111,7 @@ def test_verification_keeps_the_target_distribution_chi_square():
     wrong: dict[int, int] = {}
     for seed in range(n):
         row = SampleRow(params, seed, [])
-        tok = verify_drafts(torch.stack([logits, logits]), [draft], row)[0]
+        tok = spec_decode_tree(torch.stack([logits, logits]), DraftTree.chain([draft]), row)[0][0]
         right[tok] = right.get(tok, 0) + 1
         # the wrong rule: on rejection, resample from p (the draft can come back)
         u = torch.rand((), generator=row_generator(seed ^ 0x5BD1E995, 0, "cpu")).item()
@@ -115,6 +119,71 @@ def test_verification_keeps_the_target_distribution_chi_square():
         wrong[bad] = wrong.get(bad, 0) + 1
     assert _chi_square(right, p, n) < 24.3
     assert _chi_square(wrong, p, n) > 100
+
+
+def test_tree_verification_with_several_candidates_keeps_the_distribution_chi_square():
+    """Three point-mass candidates at the root (the draft's top 3), 20,000 seeded draws of the first token.
+
+    A wrong rule that tries each later candidate with its original probability instead of renormalising after the
+    rejections before it under-weights them (c2 comes out at (1 - p(c1)) · p(c2)), and fails the same threshold.
+    """
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, 3.0])
+    params = SamplingParams(temperature=0.8, max_tokens=4)
+    p = processed_probs(logits, params)
+    tree = DraftTree()
+    for tok in (7, 0, 2):
+        tree.add(tok, -1)
+    n = 20000
+    right: dict[int, int] = {}
+    wrong: dict[int, int] = {}
+    for seed in range(n):
+        tok = spec_decode_tree(torch.stack([logits] * 4), tree, SampleRow(params, seed, []))[0][0]
+        right[tok] = right.get(tok, 0) + 1
+        u = torch.rand(3, generator=row_generator(seed ^ 0x5BD1E995, 0, "cpu"))
+        bad = next((c for j, c in enumerate((7, 0, 2)) if float(u[j]) < float(p[c])), None)
+        if bad is None:
+            rest = p.clone()
+            rest[[7, 0, 2]] = 0
+            bad = int(torch.multinomial(rest / rest.sum(), 1, generator=row_generator(seed, 0, "cpu")))
+        wrong[bad] = wrong.get(bad, 0) + 1
+    assert _chi_square(right, p, n) < 24.3  # 99.9% quantile, 7 degrees of freedom
+    assert _chi_square(wrong, p, n) > 100
+
+
+def test_tree_verification_walks_to_the_accepted_child_chi_square():
+    """A depth-2 tree, branch 2, every node with its own logits: the first two emitted tokens, jointly.
+
+    The second token must follow the logits row of the node that was accepted first (a wrong row or a wrong rule
+    shows up as a different joint distribution). 22 outcomes: (x, y) for x a candidate, (x, end) otherwise.
+    """
+    from scipy.stats import chi2
+
+    base = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, 3.0])
+    tree = DraftTree()
+    first = [tree.add(7, -1), tree.add(0, -1)]
+    for node in first:
+        tree.add(1, node)
+        tree.add(2, node)
+    rows = torch.stack([base.roll(r) for r in range(len(tree) + 1)])
+    params = SamplingParams(temperature=1.0, max_tokens=8)
+    probs = [processed_probs(r, params) for r in rows]
+    expected = {}
+    for x in range(8):
+        if x in (7, 0):
+            node = first[(7, 0).index(x)]
+            for y in range(8):
+                expected[(x, y)] = float(probs[0][x] * probs[node + 1][y])
+        else:
+            expected[(x, None)] = float(probs[0][x])
+    n = 20000
+    counts: dict = {}
+    for seed in range(n):
+        emitted, path = spec_decode_tree(rows, tree, SampleRow(params, seed, []))
+        key = (emitted[0], emitted[1] if emitted[0] in (7, 0) else None)
+        assert len(path) == len(emitted) - 1 and [tree.tokens[i] for i in path] == emitted[: len(path)]
+        counts[key] = counts.get(key, 0) + 1
+    stat = sum((counts.get(k, 0) - n * q) ** 2 / (n * q) for k, q in expected.items())
+    assert set(counts) <= set(expected) and stat < chi2.ppf(0.999, len(expected) - 1), stat
 
 
 def test_sampled_speculative_output_follows_the_model_distribution(tmp_path):
@@ -175,17 +244,9 @@ def test_server_exports_speculation_metrics(tiny_model, tmp_path):
 
 
 @pytest.mark.real_model
-def test_smollm2_copy_task_greedy_identical_with_ngram(real_model_path):
-    text = ("The committee met on Tuesday to review the budget for the new library. After a long discussion, "
-            "the members agreed to fund the children's reading room and postpone the roof repairs until spring.")
-    questions = [f"Rewrite this text exactly, but change {w}:\n\n{text}" for w in
-                 ("Tuesday to Friday", "library to museum", "spring to autumn", "budget to plan")]
-    base = LLM(real_model_path, pool_blocks=512, batch_invariant=True, show_progress=False, scheduled=True)
-    spec = LLM(real_model_path, pool_blocks=512, batch_invariant=True, show_progress=False, scheduled=True,
-               spec_method="ngram", gamma=4, spec_max_batch=16)
-    chats = [base.apply_chat_template([{"role": "user", "content": q}]) for q in questions] * 4  # a batch of 16
-    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    want = [r.token_ids for r in base.generate(chats, params)]
+def test_smollm2_copy_task_greedy_identical_with_ngram(smollm2_copy_task, real_model_path):
+    chats, params, want, opts = smollm2_copy_task
+    spec = LLM(real_model_path, spec_method="ngram", gamma=4, spec_max_batch=16, **opts)
     assert [spec.generate([c], params)[0].token_ids for c in chats[:2]] == want[:2]
     assert [r.token_ids for r in spec.generate(chats, params)] == want
     st = spec.engine.scheduler.stats

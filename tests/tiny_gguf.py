@@ -60,10 +60,18 @@ def write_tiny_model(
     qtype: str = "F32",
     seed: int = 0,
     weight_scale: float = 0.2,
+    vocab_from: str | None = None,
 ) -> str:
-    """A random model whose linear weights are stored as ``qtype``; returns ``path``."""
+    """A random model whose linear weights are stored as ``qtype``; returns ``path``.
+
+    ``vocab_from``: another GGUF file whose tokenizer (every ``tokenizer.*`` key) the model takes, e.g. a tiny
+    random draft model for SmolLM2.
+    """
     rng = np.random.default_rng(seed)
-    if tokenizer == "gpt2":
+    source = gguf.GGUFReader(vocab_from) if vocab_from else None
+    if source is not None:
+        tokens = source.fields["tokenizer.ggml.tokens"].contents()
+    elif tokenizer == "gpt2":
         tokens, merges, types = vocab()
     else:
         tokens, scores, types = spm_vocab()
@@ -82,19 +90,26 @@ def write_tiny_model(
     if arch == "qwen3":
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    w.add_tokenizer_model(tokenizer)
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    if tokenizer == "gpt2":
-        w.add_tokenizer_pre("default")
-        w.add_token_merges(merges)
-        w.add_add_bos_token(False)
+    if source is not None:
+        for key, f in source.fields.items():
+            if key.startswith("tokenizer.") and f.types[0] == gguf.GGUFValueType.ARRAY:
+                w.add_array(key, f.contents())
+            elif key.startswith("tokenizer."):
+                w.add_key_value(key, f.contents(), f.types[0])
     else:
-        w.add_token_scores(scores)
-        w.add_unk_token_id(0)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_chat_template(CHAT_TEMPLATE)
+        w.add_tokenizer_model(tokenizer)
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        if tokenizer == "gpt2":
+            w.add_tokenizer_pre("default")
+            w.add_token_merges(merges)
+            w.add_add_bos_token(False)
+        else:
+            w.add_token_scores(scores)
+            w.add_unk_token_id(0)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_chat_template(CHAT_TEMPLATE)
 
     def rand(*shape, scale=weight_scale):
         return (rng.standard_normal(shape) * scale).astype(np.float32)

@@ -43,6 +43,8 @@ class SchedulerOutput:
     finished_request_ids: set[str] = field(default_factory=set)  # the runner drops their state
     # speculative decoding: draft tokens computed after a request's last token (counted in num_scheduled_tokens)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # draft-model speculation: tree levels for the runner's proposer to fill (their slots counted the same way)
+    spec_depth: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 
-from ..config import SchedulerConfig
+from ..config import SchedulerConfig, tree_size
 from ..request import Request, RequestStatus
 from ..sampling_params import SamplingParams
 from ..spec.ngram import propose_ngram
@@ -40,10 +40,10 @@ class SchedulerStats:
     batch_utilizations: list[float] = field(default_factory=list)  # static batching: U per finished batch
     # speculative decoding
     spec_steps: int = 0  # request-steps that verified at least one draft token
-    spec_draft_tokens: int = 0  # draft tokens verified
-    spec_accepted_tokens: int = 0  # of those, accepted
-    spec_accepted_at: list[int] = field(default_factory=list)  # accepted drafts by position (0 = first draft)
-    spec_proposed_at: list[int] = field(default_factory=list)  # verified drafts by position
+    spec_draft_tokens: int = 0  # draft tokens (tree nodes) verified
+    spec_accepted_tokens: int = 0  # of those, accepted (at most one per tree level)
+    spec_accepted_at: list[int] = field(default_factory=list)  # steps that accepted a draft at position k (0: first)
+    spec_proposed_at: list[int] = field(default_factory=list)  # steps that proposed drafts at position k
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -155,15 +155,16 @@ class Scheduler:
                 if counts["decode"] >= self.config.max_decode:
                     i += 1
                     continue
-                n = 1 + len(req.spec_token_ids)
+                n = 1 + self._spec_slots(req)
             else:
                 if counts["prefill"] >= self.config.max_prefill or budget[0] == 0:
                     i += 1
                     continue
                 n = min(remaining, budget[0])
             new_blocks = self._grow(req, req.num_computed_tokens + n)
-            if new_blocks is None and req.spec_token_ids:  # drafts never cost another request its blocks
+            if new_blocks is None and n > 1 and remaining == 1:  # drafts never cost another request its blocks
                 req.spec_token_ids = []
+                req.spec_depth = 0
                 n = 1
                 new_blocks = self._grow(req, req.num_computed_tokens + n)
             while new_blocks is None:  # out of blocks: preempt the most recently admitted request
@@ -179,6 +180,8 @@ class Scheduler:
                 counts["decode"] += 1
                 if req.spec_token_ids:
                     out.spec_token_ids[req.request_id] = req.spec_token_ids
+                elif req.spec_depth:
+                    out.spec_depth[req.request_id] = req.spec_depth
             else:
                 counts["prefill"] += 1
                 budget[0] -= n
@@ -186,24 +189,40 @@ class Scheduler:
             i += 1
         return preempted
 
+    def _spec_slots(self, req: Request) -> int:
+        """KV slots this step's drafts take after the request's last token: prompt-lookup tokens or a tree."""
+        if req.spec_token_ids:
+            return len(req.spec_token_ids)
+        return tree_size(self.config.branch, req.spec_depth) if req.spec_depth else 0
+
     def _propose(self) -> None:
-        """Draft tokens for every decoding request, unless the batch is too large for speculation to pay."""
+        """Drafts for every decoding request, unless the batch is too large for speculation to pay.
+
+        Prompt lookup proposes the tokens here; with a draft model the runner builds the tree, and the scheduler
+        only reserves its slots (``spec_depth`` levels of ``branch`` children each).
+        """
         cfg = self.config
         if cfg.spec_method is None:
             return  # no request ever holds drafts
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         for req in self.running:
             req.spec_token_ids = []
+            req.spec_depth = 0
         if len(decoding) > cfg.spec_max_batch:
             return
         for req in decoding:
-            if req.sampling_params.logprobs is not None:
+            params = req.sampling_params
+            if params.logprobs is not None or not params.speculative:
                 continue  # logprobs are reported per sampled token; such requests decode one token a step
             # never draft past max_tokens (the target's own token comes on top) or the context length
             room = min(req.max_tokens - req.num_output_tokens - 1, cfg.max_model_len - req.num_tokens - 1)
             gamma = min(cfg.gamma, room)
-            if gamma > 0:
+            if gamma <= 0:
+                continue
+            if cfg.spec_method == "ngram":
                 req.spec_token_ids = propose_ngram(req.all_token_ids, gamma)
+            else:
+                req.spec_depth = gamma
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: list[int], counts: Counter) -> None:
         while self.waiting and len(self.running) < self.config.max_seqs:
@@ -269,15 +288,15 @@ class Scheduler:
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             was_prefilling = req.num_computed_tokens < req.num_prompt_tokens
-            req.num_computed_tokens += n
             new_ids = result.sampled_token_ids.get(rid, [])
-            drafts = sched.spec_token_ids.get(rid)
-            if drafts:
-                # drafts after the first rejected one were computed on a wrong path: their KV is dropped
-                # (their slots are simply overwritten later) by moving num_computed_tokens back
-                accepted = len(new_ids) - 1
-                req.num_computed_tokens -= len(drafts) - accepted
-                self._count_spec(len(drafts), accepted)
+            if rid in sched.spec_token_ids or rid in sched.spec_depth:
+                # the last token and the accepted drafts now have KV at their positions (the runner moved a
+                # tree's accepted path there); rejected drafts' slots are simply overwritten later
+                req.num_computed_tokens += len(new_ids)
+                depth = len(sched.spec_token_ids.get(rid, ())) or sched.spec_depth[rid]
+                self._count_spec(n - 1, depth, len(new_ids) - 1)
+            else:
+                req.num_computed_tokens += n
             status = None
             for k, tok in enumerate(new_ids):
                 req.append_output(tok)
@@ -295,15 +314,15 @@ class Scheduler:
                 outputs.append(self._output(req, new_ids, logprobs, status and status.value))
         return outputs
 
-    def _count_spec(self, num_drafts: int, accepted: int) -> None:
+    def _count_spec(self, num_nodes: int, depth: int, accepted: int) -> None:
         st = self.stats
         st.spec_steps += 1
-        st.spec_draft_tokens += num_drafts
+        st.spec_draft_tokens += num_nodes
         st.spec_accepted_tokens += accepted
-        while len(st.spec_proposed_at) < num_drafts:
+        while len(st.spec_proposed_at) < depth:
             st.spec_proposed_at.append(0)
             st.spec_accepted_at.append(0)
-        for k in range(num_drafts):
+        for k in range(depth):
             st.spec_proposed_at[k] += 1
             st.spec_accepted_at[k] += k < accepted
 
@@ -369,6 +388,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         req.spec_token_ids = []
+        req.spec_depth = 0
         self.stats.num_preempted_tokens += req.num_computed_tokens
         self._release(req)
         req.num_computed_tokens = 0

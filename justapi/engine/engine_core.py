@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 
 import torch
 
-from ..config import DEFAULT_GAMMA, DEFAULT_KV_MEMORY_FRACTION, DEFAULT_MAX_POOL_TOKENS, EngineConfig, SchedulerConfig
+from ..config import (
+    DEFAULT_BRANCH,
+    DEFAULT_GAMMA,
+    DEFAULT_KV_MEMORY_FRACTION,
+    DEFAULT_MAX_POOL_TOKENS,
+    EngineConfig,
+    SchedulerConfig,
+)
 from ..core.scheduler import Scheduler, StaticScheduler
 from ..kernels import decode_kernels
 from ..model.chat_template import ChatTemplate
@@ -17,6 +25,7 @@ from ..model.runner import ModelRunner, kv_bytes_per_block
 from ..model.tokenizer import Tokenizer
 from ..request import RequestStatus
 from ..sampling_params import SamplingParams
+from ..spec.draft import DraftProposer, check_same_vocabulary
 from .output_processor import OutputProcessor, RequestOutput
 
 log = logging.getLogger("justapi.engine")
@@ -61,12 +70,16 @@ class EngineCore:
         self.model_config = read_model_config(reader, config.model)
         self.tokenizer = Tokenizer(config.model, reader)
         self.chat_template = ChatTemplate(self.tokenizer.chat_template)
-        dtype, keep_q4 = resolve_dtype("float32" if config.batch_invariant else config.dtype, reader, config.gpu)
+        dtype_name = "float32" if config.batch_invariant else config.dtype
+        self.draft_model = self._load_draft(reader, dtype_name) if config.draft_model is not None else None
+        dtype, keep_q4 = resolve_dtype(dtype_name, reader, config.gpu)
         tensors = load_tensors(reader, config.model, dtype, config.show_progress, keep_q4)
         del reader
         self.model = LlamaModel(self.model_config, tensors, config.device, config.batch_invariant)
         if config.cpu_kernels and not config.gpu:
             self.model.kernels = decode_kernels()
+            if self.draft_model is not None:
+                self.draft_model.kernels = self.model.kernels
         self.max_model_len = self._max_model_len()
         num_blocks = self._num_blocks()
         sched_config = SchedulerConfig(
@@ -78,19 +91,53 @@ class EngineCore:
             chunk_size=config.chunk_size,
             max_model_len=self.max_model_len,
             prefix_cache=config.prefix_cache,
-            spec_method=config.spec_method,
+            spec_method=config.speculation,
             gamma=config.gamma or DEFAULT_GAMMA,
+            branch=config.branch or DEFAULT_BRANCH,
             spec_max_batch=config.spec_max_batch,
         )
         self.scheduler = (Scheduler if config.scheduled else StaticScheduler)(sched_config)
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.device)
+        proposer = None
+        if self.draft_model is not None:
+            proposer = DraftProposer(self.draft_model, num_blocks, config.block_size, config.device,
+                                     sched_config.branch)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.device, proposer)
         self.outputs = OutputProcessor(self.tokenizer)
         self._seeds = random.Random(config.seed)
         log.info(
             "KV cache pool: %d blocks of %d tokens = %d tokens (%.2f GiB); max model length %d",
             num_blocks, config.block_size, num_blocks * config.block_size,
-            num_blocks * kv_bytes_per_block(self.model, config.block_size) / 2**30, self.max_model_len,
+            num_blocks * self._kv_bytes_per_block() / 2**30, self.max_model_len,
         )
+
+    def _load_draft(self, target_reader, dtype_name: str) -> LlamaModel:
+        """The --draft-model: same vocabulary as the target (checked first), weights in the target's dtype policy."""
+        path = self.config.draft_model
+        try:
+            reader = open_gguf(path)
+            draft_config = read_model_config(reader, path)
+        except ModelLoadError as e:
+            raise ModelLoadError(f"--draft-model: {e}") from None
+        check_same_vocabulary(target_reader, self.config.model, reader, path)
+        if draft_config.vocab_size != self.model_config.vocab_size:
+            raise ModelLoadError(f"--draft-model {path}: its embedding has {draft_config.vocab_size} rows, the "
+                                 f"target's {self.model_config.vocab_size}")
+        # the draft sees the target's positions: give its rotary table room for them (a draft trained on a
+        # shorter context only drafts worse there; verification keeps the output exact)
+        draft_config = dataclasses.replace(
+            draft_config, context_length=max(draft_config.context_length, self.model_config.context_length)
+        )
+        dtype, keep_q4 = resolve_dtype(dtype_name, reader, self.config.gpu)
+        tensors = load_tensors(reader, path, dtype, self.config.show_progress, keep_q4)
+        log.info("draft model %s: %d layers, hidden %d", path, draft_config.num_layers, draft_config.hidden_size)
+        return LlamaModel(draft_config, tensors, self.config.device, self.config.batch_invariant)
+
+    def _kv_bytes_per_block(self) -> int:
+        """KV bytes of one block: the target's, plus the draft's own cache at the same block ids."""
+        total = kv_bytes_per_block(self.model, self.config.block_size)
+        if self.draft_model is not None:
+            total += kv_bytes_per_block(self.draft_model, self.config.block_size)
+        return total
 
     def _max_model_len(self) -> int:
         ctx = self.model_config.context_length
@@ -103,7 +150,7 @@ class EngineCore:
     def _num_blocks(self) -> int:
         if self.config.pool_blocks is not None:
             return self.config.pool_blocks
-        per_block = kv_bytes_per_block(self.model, self.config.block_size)
+        per_block = self._kv_bytes_per_block()
         if self.config.gpu:
             free, _ = torch.cuda.mem_get_info()
             budget = int(free * 0.8)

@@ -30,7 +30,9 @@ class SeqSpan:
     num_query_tokens: int  # new tokens this step
     context_len: int  # tokens visible to the last new token, the new ones included
     block_table: torch.Tensor  # [ceil(context_len / block_size)] int64
-    mask: torch.Tensor | None = None  # [num_query_tokens, num_query_tokens] bool over the new tokens; None: causal
+    # [num_query_tokens, M] bool over the last M context positions (M >= num_query_tokens; a draft tree's nodes),
+    # everything before them visible; None: causal
+    mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -116,18 +118,18 @@ def _sequence_attention(q, k_cache, v_cache, span: SeqSpan, scale: float) -> tor
 
 
 def _visibility(span: SeqSpan, device) -> torch.Tensor:
-    """[num_query_tokens, context_len] bool: the cached prefix is visible to all, new tokens per the mask.
+    """[num_query_tokens, context_len] bool: the cached prefix is visible to all, the rest per the mask.
 
     ::
 
         context:  p p p p | n0 n1 n2        (p: cached before this step, n: new this step)
         n0:       1 1 1 1 | 1  0  0         causal by default, or rows of span.mask
-        n1:       1 1 1 1 | 1  1  0
-        n2:       1 1 1 1 | 1  1  1
+        n1:       1 1 1 1 | 1  1  0         (a mask may also cover tree nodes cached by earlier
+        n2:       1 1 1 1 | 1  1  1          draft passes: then it is wider than the new tokens)
     """
     n, ctx = span.num_query_tokens, span.context_len
-    prefix = ctx - n
     own = span.mask if span.mask is not None else torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    prefix = ctx - own.shape[1]
     return torch.cat([torch.ones(n, prefix, dtype=torch.bool, device=device), own], dim=1)
 
 

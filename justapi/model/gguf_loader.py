@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
 import sys
@@ -38,8 +39,6 @@ def default_model_path() -> str | None:
 
 def open_gguf(path: str):
     """Open ``path`` as a GGUF file, or raise ModelLoadError saying why it cannot be read."""
-    import gguf
-
     if not os.path.exists(path):
         raise ModelLoadError(f"{path}: no such file")
     if os.path.isdir(path):
@@ -48,11 +47,20 @@ def open_gguf(path: str):
         magic = f.read(4)
     if magic != b"GGUF":
         raise ModelLoadError(f"{path}: not a GGUF file (it starts with {magic!r}, a GGUF file starts with b'GGUF')")
+    st = os.stat(path)
+    return _read_gguf(os.path.abspath(path), st.st_mtime_ns, st.st_size, path)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_gguf(abspath: str, mtime_ns: int, size: int, path: str):
+    """The parsed file, kept while it is unchanged: parsing a 49k-token vocabulary's metadata takes seconds, and a
+    start-up reads the same file more than once (the CLI's check, the engine, a draft model's vocabulary check)."""
+    import gguf
+
     try:
-        reader = gguf.GGUFReader(path, "r")
+        reader = gguf.GGUFReader(abspath, "r")
     except Exception as e:  # the reader raises ValueError, IndexError, OverflowError... on damaged files
         raise ModelLoadError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {e})") from None
-    size = os.path.getsize(path)
     for t in reader.tensors:
         if t.data_offset + t.n_bytes > size:
             raise ModelLoadError(f"{path}: truncated GGUF file (tensor {t.name} runs past the end of the file)")

@@ -12,10 +12,11 @@ from dataclasses import dataclass
 import torch
 
 from ..core.outputs import RunnerOutput, SchedulerOutput
+from ..spec.tree import DraftTree, spec_decode_tree
 from ..sampling_params import SamplingParams
 from .attention import AttentionMetadata, SeqSpan
 from .llama import LlamaModel
-from .sampler import SampleRow, sample, verify_drafts
+from .sampler import SampleRow, sample
 
 
 @dataclass
@@ -36,31 +37,121 @@ def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * KV_DTYPE.itemsize
 
 
-class ModelRunner:
-    """Owns the KV cache tensors and the per-request mirror state; ``execute`` runs one step."""
+def new_kv_caches(model: LlamaModel, num_blocks: int, block_size: int, device: str):
+    """Per layer (K, V), each [num_kv_heads, num_blocks, block_size, head_dim]."""
+    cfg = model.config
+    shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
+    # zero-filled: padded decode rows read unused slots, and 0 * garbage could be NaN
+    return [
+        (torch.zeros(shape, dtype=KV_DTYPE, device=device), torch.zeros(shape, dtype=KV_DTYPE, device=device))
+        for _ in range(cfg.num_layers)
+    ]
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, device: str) -> None:
-        cfg = model.config
+
+def move_kv(kv_caches, block_ids: list[int], block_size: int, moves: list[tuple[int, int]]) -> None:
+    """Copy each (from, to) token position's K/V within a sequence's blocks, in every layer."""
+    if not moves:
+        return
+    slot = lambda p: block_ids[p // block_size] * block_size + p % block_size  # noqa: E731
+    device = kv_caches[0][0].device
+    src = torch.tensor([slot(a) for a, _ in moves], dtype=torch.long, device=device)
+    dst = torch.tensor([slot(b) for _, b in moves], dtype=torch.long, device=device)
+    for k_cache, v_cache in kv_caches:
+        for cache in (k_cache, v_cache):
+            flat = cache.view(cache.shape[0], -1, cache.shape[-1])
+            flat[:, dst] = flat[:, src]  # the gather copies first: sources are never overwritten early
+
+
+class FlatBatch:
+    """One forward pass's inputs, sequence by sequence: tokens, positions, KV slots, attention spans, logits rows."""
+
+    def __init__(self, block_size: int, device: str) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.input_ids: list[int] = []
+        self.positions: list[int] = []
+        self.slots: list[int] = []
+        self.spans: list[SeqSpan] = []
+        self.logits_rows: list[int] = []
+
+    def add(self, token_ids: list[int], positions: list[int], first_slot: int, block_ids: list[int],
+            mask: torch.Tensor | None = None, logits: str | None = None) -> None:
+        """A sequence's new tokens, stored at slot positions ``first_slot ..``, seeing everything before them.
+
+        ``logits``: "last" (the row after the last token), "all", or None (no row: a prefill chunk mid-prompt).
+        """
+        bs = self.block_size
+        n = len(token_ids)
+        row = len(self.input_ids)
+        end = first_slot + n
+        self.input_ids.extend(token_ids)
+        self.positions.extend(positions)
+        self.slots.extend(block_ids[p // bs] * bs + p % bs for p in range(first_slot, end))
+        table = torch.tensor(block_ids[: -(-end // bs)], dtype=torch.long)
+        self.spans.append(SeqSpan(row, n, end, table, mask))
+        if logits == "last":
+            self.logits_rows.append(row + n - 1)
+        elif logits == "all":
+            self.logits_rows.extend(range(row, row + n))
+
+    def forward(self, model: LlamaModel, kv_caches) -> torch.Tensor:
+        """Run the model; logits [len(logits_rows), vocab] (fp32)."""
+        dev = self.device
+        meta = AttentionMetadata(slot_mapping=torch.tensor(self.slots, dtype=torch.long, device=dev), seqs=self.spans)
+        decode_spans = [s for s in self.spans if s.num_query_tokens == 1 and s.mask is None]
+        if decode_spans:
+            _add_decode_batch(meta, decode_spans, dev)
+        for span in self.spans:
+            span.block_table = span.block_table.to(dev)
+        return model.forward(
+            torch.tensor(self.input_ids, dtype=torch.long, device=dev),
+            torch.tensor(self.positions, dtype=torch.long, device=dev),
+            meta,
+            kv_caches,
+            torch.tensor(self.logits_rows, dtype=torch.long, device=dev),
+        )
+
+
+def _add_decode_batch(meta: AttentionMetadata, spans: list[SeqSpan], device: str) -> None:
+    """Sequences with one new token and no mask also go as one padded batch (see attention._decode_attention)."""
+    max_blocks = max(len(s.block_table) for s in spans)
+    tables = torch.zeros(len(spans), max_blocks, dtype=torch.long)
+    for i, s in enumerate(spans):
+        tables[i, : len(s.block_table)] = s.block_table
+    meta.decode_rows = torch.tensor([s.query_start for s in spans], dtype=torch.long, device=device)
+    meta.decode_block_tables = tables.to(device)
+    meta.decode_context_lens = torch.tensor([s.context_len for s in spans], dtype=torch.long, device=device)
+    meta.decode_max_context = max(s.context_len for s in spans)
+
+
+class ModelRunner:
+    """Owns the KV cache tensors and the per-request mirror state; ``execute`` runs one step.
+
+    ``proposer``: a draft model (spec.draft.DraftProposer) that builds draft trees for the requests the scheduler
+    gave speculative slots (``SchedulerOutput.spec_depth``); prompt-lookup drafts arrive ready in ``spec_token_ids``.
+    """
+
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, device: str, proposer=None) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
-        shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
-        # zero-filled: padded decode rows read unused slots, and 0 * garbage could be NaN
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=KV_DTYPE, device=device), torch.zeros(shape, dtype=KV_DTYPE, device=device))
-            for _ in range(cfg.num_layers)
-        ]
+        self.kv_caches = new_kv_caches(model, num_blocks, block_size, device)
         self.states: dict[str, _RequestState] = {}
+        self.proposer = proposer
 
     def _sync_states(self, sched: SchedulerOutput) -> dict[str, int]:
         for rid in sched.finished_request_ids:
             self.states.pop(rid, None)
+            if self.proposer is not None:
+                self.proposer.drop(rid)
         starts = {}
         for new in sched.new_requests:
             self.states[new.request_id] = _RequestState(
                 list(new.token_ids), new.num_prompt_tokens, list(new.block_ids), new.sampling_params, new.seed
             )
             starts[new.request_id] = new.num_computed_tokens
+            if self.proposer is not None:
+                self.proposer.drop(new.request_id)  # a resumed request: its draft KV is recomputed
         for cached in sched.cached_requests:
             self.states[cached.request_id].block_ids.extend(cached.new_block_ids)
             starts[cached.request_id] = cached.num_computed_tokens
@@ -71,77 +162,55 @@ class ModelRunner:
         starts = self._sync_states(sched)
         if sched.empty:
             return RunnerOutput()
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        spans: list[SeqSpan] = []
-        logits_rows: list[int] = []
+        trees: dict[str, DraftTree] = {rid: DraftTree.chain(d) for rid, d in sched.spec_token_ids.items() if d}
+        if sched.spec_depth and self.proposer is not None:
+            trees.update(self.proposer.propose(
+                [(rid, self.states[rid].token_ids, self.states[rid].block_ids, starts[rid], depth)
+                 for rid, depth in sched.spec_depth.items()]
+            ))
+        batch = FlatBatch(self.block_size, self.device)
         sample_ids: list[str] = []
-        decode_spans: list[SeqSpan] = []
-        spec: dict[str, list[int]] = {}  # request → its draft tokens, verified from logits rows after its last token
         for rid, n in sched.num_scheduled_tokens.items():
             st = self.states[rid]
             start = starts[rid]
-            end = start + n
-            row = len(input_ids)
-            drafts = sched.spec_token_ids.get(rid)
-            if drafts:
-                input_ids.extend(st.token_ids[start:] + drafts)  # the last real token, then the drafts
+            tree = trees.get(rid)
+            if tree:  # the last real token, then the draft nodes, each at its own slot
+                mask = None if tree.is_chain else tree.attention_mask(self.device)
+                batch.add([st.token_ids[start]] + tree.tokens, [start] + [start + d for d in tree.depths], start,
+                          st.block_ids, mask, logits="all")
+                sample_ids.append(rid)
+            elif rid in sched.spec_depth:  # slots reserved for drafts the proposer did not make: one token
+                batch.add(st.token_ids[start : start + 1], [start], start, st.block_ids, logits="last")
+                sample_ids.append(rid)
             else:
-                input_ids.extend(st.token_ids[start:end])
-            positions.extend(range(start, end))
-            blocks = st.block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            num_blocks = -(-end // bs)
-            span = SeqSpan(row, n, end, torch.tensor(blocks[:num_blocks], dtype=torch.long))
-            spans.append(span)
-            if n == 1:
-                decode_spans.append(span)
-            if drafts:
-                logits_rows.extend(range(row, row + n))
-                sample_ids.append(rid)
-                spec[rid] = drafts
-            elif end == len(st.token_ids):
-                logits_rows.append(row + n - 1)
-                sample_ids.append(rid)
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device), seqs=spans)
-        if decode_spans:
-            self._add_decode_batch(meta, decode_spans)
-        for span in spans:
-            span.block_table = span.block_table.to(self.device)
-        logits = self.model.forward(
-            torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
-            meta,
-            self.kv_caches,
-            torch.tensor(logits_rows, dtype=torch.long, device=self.device),
-        )
-        return self._sample(logits, sample_ids, spec)
+                end = start + n
+                done = end == len(st.token_ids)
+                batch.add(st.token_ids[start:end], list(range(start, end)), start, st.block_ids,
+                          logits="last" if done else None)
+                if done:
+                    sample_ids.append(rid)
+        logits = batch.forward(self.model, self.kv_caches)
+        return self._sample(logits, sample_ids, trees, starts)
 
-    def _add_decode_batch(self, meta: AttentionMetadata, spans: list[SeqSpan]) -> None:
-        max_blocks = max(len(s.block_table) for s in spans)
-        tables = torch.zeros(len(spans), max_blocks, dtype=torch.long)
-        for i, s in enumerate(spans):
-            tables[i, : len(s.block_table)] = s.block_table
-        meta.decode_rows = torch.tensor([s.query_start for s in spans], dtype=torch.long, device=self.device)
-        meta.decode_block_tables = tables.to(self.device)
-        meta.decode_context_lens = torch.tensor([s.context_len for s in spans], dtype=torch.long, device=self.device)
-        meta.decode_max_context = max(s.context_len for s in spans)
-
-    def _sample(self, logits: torch.Tensor, sample_ids: list[str], spec: dict[str, list[int]]) -> RunnerOutput:
+    def _sample(self, logits: torch.Tensor, sample_ids: list[str], trees: dict[str, DraftTree],
+                starts: dict[str, int]) -> RunnerOutput:
         out = RunnerOutput()
         plain_rows, plain_ids, plain_logits = [], [], []
         offset = 0
         for rid in sample_ids:
             st = self.states[rid]
             row = SampleRow(st.params, st.seed, st.token_ids[st.num_prompt_tokens :])
-            drafts = spec.get(rid)
-            if drafts:
-                emitted = verify_drafts(logits[offset : offset + len(drafts) + 1], drafts, row)
+            tree = trees.get(rid)
+            if tree:
+                emitted, path = spec_decode_tree(logits[offset : offset + len(tree) + 1], tree, row)
+                start = starts[rid]
+                moves = [(start + a, start + b) for a, b in tree.path_moves(path)]
+                move_kv(self.kv_caches, st.block_ids, self.block_size, moves)
+                if self.proposer is not None and rid in self.proposer.positions:
+                    self.proposer.accepted(rid, st.block_ids, start, tree, path)
                 st.token_ids.extend(emitted)
                 out.sampled_token_ids[rid] = emitted
-                offset += len(drafts) + 1
+                offset += len(tree) + 1
             else:
                 plain_rows.append(row)
                 plain_ids.append(rid)

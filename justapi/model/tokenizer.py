@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
 from .gguf_loader import ModelLoadError, field_value
 
 log = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=4)
+def _hf_tokenizer(abspath: str, mtime_ns: int, size: int, path: str):
+    """transformers' tokenizer for the file, kept while the file is unchanged (building it takes seconds); it is
+    only ever read, so engines in one process may share it."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+    from transformers import AutoTokenizer
+
+    transformers.logging.set_verbosity_error()
+    try:
+        return AutoTokenizer.from_pretrained(
+            os.path.dirname(abspath), gguf_file=os.path.basename(abspath), local_files_only=True
+        )
+    except Exception as e:
+        raise ModelLoadError(f"{path}: the tokenizer cannot be built ({type(e).__name__}: {e})") from None
 
 
 class Tokenizer:
@@ -19,17 +37,8 @@ class Tokenizer:
             raise ModelLoadError(f"{path}: the file has no tokenizer (tokenizer.ggml.model is missing)")
         if model not in ("gpt2", "llama"):
             raise ModelLoadError(f"{path}: unsupported tokenizer model {model!r}; supported: gpt2 (BPE), llama (SentencePiece)")
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        import transformers
-        from transformers import AutoTokenizer
-
-        transformers.logging.set_verbosity_error()
-        try:
-            self._hf = AutoTokenizer.from_pretrained(
-                os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path), local_files_only=True
-            )
-        except Exception as e:
-            raise ModelLoadError(f"{path}: the tokenizer cannot be built ({type(e).__name__}: {e})") from None
+        st = os.stat(path)
+        self._hf = _hf_tokenizer(os.path.abspath(path), st.st_mtime_ns, st.st_size, path)
         self.vocab_size = len(field_value(reader, "tokenizer.ggml.tokens") or [])
         self.bos_token_id = field_value(reader, "tokenizer.ggml.bos_token_id")
         self.eos_token_id = field_value(reader, "tokenizer.ggml.eos_token_id")

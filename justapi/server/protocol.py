@@ -37,6 +37,7 @@ class _SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    speculative: bool = True  # JustAPI extension: false turns speculative decoding off for this request
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
@@ -70,6 +71,7 @@ class _SamplingRequest(BaseModel):
             logprobs=logprobs,
             n=self.n,
             skip_special_tokens=self.skip_special_tokens,
+            speculative=self.speculative,
         )
 
 

@@ -1,1 +1,1 @@
-"""Speculative decoding: proposers of draft tokens, and the target's lossless verification (in model/sampler.py)."""
+"""Speculative decoding: proposers (prompt lookup, a draft model) and draft trees with their lossless verification."""

@@ -1,0 +1,171 @@
+"""Speculative decoding with a draft model (--draft-model): chains and trees (--branch), lossless in every setting.
+
+A draft that is the target itself is accepted almost always; a tiny random draft of the same vocabulary almost
+never. Both must give exactly the non-speculative greedy output, alone and in a batch of 16, under preemption and
+with the prefix cache; sampled output must keep the target's distribution.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from justapi import LLM, SamplingParams
+from justapi.config import EngineConfig
+from tiny_gguf import write_tiny_model
+
+OPTS = dict(pool_blocks=512, show_progress=False, batch_invariant=True, scheduled=True)
+
+
+@pytest.fixture(scope="module")
+def random_draft(tiny_dir) -> str:
+    """One layer, other random weights, the tiny target's vocabulary."""
+    return write_tiny_model(str(tiny_dir / "tiny-draft.gguf"), "llama", num_layers=1, seed=7, context_length=256)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model):
+    return LLM(tiny_model, **OPTS)
+
+
+def prompts_and_params(n=16, seed=1):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 271) for _ in range(rng.randint(3, 40))] for _ in range(n)]
+    params = [SamplingParams(temperature=0, max_tokens=12 + 3 * i, ignore_eos=True) for i in range(n)]
+    return prompts, params
+
+
+@pytest.mark.parametrize("draft,gamma,branch", [
+    ("self", 4, 1), ("self", 4, 2), ("random", 4, 1), ("random", 3, 3),
+], ids=["self-chain", "self-tree", "random-chain", "random-tree"])
+def test_greedy_output_is_identical_alone_and_in_a_batch_of_16(tiny_model, random_draft, plain, draft, gamma, branch):
+    prompts, params = prompts_and_params()
+    want = [r.token_ids for r in plain.generate(prompts, params)]
+    spec = LLM(tiny_model, draft_model=tiny_model if draft == "self" else random_draft, gamma=gamma, branch=branch,
+               spec_max_batch=64, **OPTS)
+    assert [spec.generate([p], q)[0].token_ids for p, q in zip(prompts[:3], params[:3])] == want[:3]
+    assert [r.token_ids for r in spec.generate(prompts, params)] == want
+    st = spec.engine.scheduler.stats
+    nodes = sum(branch**d for d in range(1, gamma + 1))
+    assert st.spec_steps > 50 and st.spec_draft_tokens == nodes * st.spec_steps - _short_trees(spec)
+    if draft == "self":  # the draft is the target: every level accepted, except where max_tokens cut the tree
+        assert st.spec_acceptance_rate * nodes / gamma > 0.95 and st.spec_mean_accepted_length > gamma
+    else:
+        assert st.spec_accepted_at[0] < 0.3 * st.spec_proposed_at[0]
+    assert st.spec_proposed_at[0] == st.spec_steps and st.spec_accepted_at == sorted(st.spec_accepted_at, reverse=True)
+    spec.engine.scheduler.check_integrity()
+
+
+def _short_trees(llm) -> int:
+    """Nodes missing from trees cut short by max_tokens (the last steps of a request draft fewer levels)."""
+    st = llm.engine.scheduler.stats
+    cfg = llm.engine.scheduler.config
+    full = sum(cfg.branch**d for d in range(1, cfg.gamma + 1))
+    levels = st.spec_proposed_at  # steps that drafted each level
+    built = sum(count * cfg.branch ** (k + 1) for k, count in enumerate(levels))
+    return full * st.spec_steps - built
+
+
+def test_preemption_prefix_cache_and_blocks_with_a_tree(tiny_model, plain):
+    prompts, _ = prompts_and_params(14, seed=3)
+    prompts = [[9, 8, 7, 6, 5, 4, 3, 9, 8, 7, 6, 5] + p for p in prompts]  # a shared prefix: later ones hit the cache
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = [r.token_ids for r in plain.generate(prompts, params)]
+    small = LLM(tiny_model, draft_model=tiny_model, gamma=3, branch=2, spec_max_batch=64, pool_blocks=40,
+                block_size=4, max_seqs=12, show_progress=False, batch_invariant=True, scheduled=True)
+    assert [r.token_ids for r in small.generate(prompts, params)] == want
+    sched = small.engine.scheduler
+    assert sched.stats.num_preemptions > 0 and sched.stats.spec_accepted_tokens > 0
+    assert sched.cache.hits > 0
+    sched.check_integrity()
+    assert not sched.running and sched.pool.num_free + sched.num_cached_blocks == sched.pool.num_blocks
+    small.engine.step()  # the runner drops finished requests' state at the next step
+    assert not small.engine.runner.states and not small.engine.runner.proposer.positions
+
+
+def test_speculation_off_per_request_and_above_the_batch_limit(tiny_model):
+    spec = LLM(tiny_model, draft_model=tiny_model, spec_max_batch=4, **OPTS)
+    prompts, _ = prompts_and_params(4, seed=4)
+    off = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, speculative=False)
+    spec.generate(prompts, off)
+    assert spec.engine.scheduler.stats.spec_steps == 0  # every request opted out
+    prompts8, _ = prompts_and_params(8, seed=5)
+    spec.generate(prompts8, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    st = spec.engine.scheduler.stats
+    assert 0 < st.spec_steps < 8 * 16 / 2  # only once at most 4 requests were left decoding
+    mixed = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, speculative=i == 0) for i in range(2)]
+    before = st.spec_steps
+    spec.generate(prompts[:2], mixed)
+    assert 0 < st.spec_steps - before <= 16  # only the first request speculated
+
+
+def test_sampled_output_with_a_draft_tree_follows_the_model_distribution(tmp_path):
+    """Sampled tokens 1-3 with and without speculation (gamma 2, branch 2), 2500 seeds each.
+
+    The draft is the target itself, so its top-2 candidates carry most of the mass: at temperature 1.5 the first
+    level is accepted about 85% of the time and rejected the rest, and a rule that forgets to take a rejected
+    candidate out of p before the next try or the resample scores 2-3x the threshold (measured). Two-sample
+    chi-square over tokens seen at least 20 times in total, against the 99.9% quantile. (A draft that is almost
+    never accepted would not catch that: its resample then draws from the same random stream as plain sampling.)
+    """
+    from scipy.stats import chi2
+
+    target = write_tiny_model(str(tmp_path / "t.gguf"), "llama", weight_scale=0.2, seed=5)
+    opts = dict(pool_blocks=2048, show_progress=False, scheduled=True, max_seqs=64, max_decode=64)
+    plain = LLM(target, **opts)
+    spec = LLM(target, draft_model=target, gamma=2, branch=2, spec_max_batch=1000, **opts)
+    n = 2500
+    params = [SamplingParams(temperature=1.5, max_tokens=4, ignore_eos=True, seed=s) for s in range(n)]
+    a = plain.generate([[5, 6, 7]] * n, params)
+    b = spec.generate([[5, 6, 7]] * n, params)
+    st = spec.engine.scheduler.stats
+    assert st.spec_accepted_at[0] > 1000 and st.spec_steps - st.spec_accepted_at[0] > 200  # both paths ran
+    for pos in (1, 2, 3):
+        ca, cb = {}, {}
+        for r in a:
+            ca[r.token_ids[pos]] = ca.get(r.token_ids[pos], 0) + 1
+        for r in b:
+            cb[r.token_ids[pos]] = cb.get(r.token_ids[pos], 0) + 1
+        keys = [k for k in set(ca) | set(cb) if ca.get(k, 0) + cb.get(k, 0) >= 20]
+        stat = sum((ca.get(k, 0) - cb.get(k, 0)) ** 2 / (ca.get(k, 0) + cb.get(k, 0)) for k in keys)
+        assert len(keys) >= 5 and stat < chi2.ppf(0.999, len(keys) - 1), (pos, stat, len(keys))
+
+
+def test_engine_config_refuses_bad_speculation_settings(tiny_model):
+    with pytest.raises(ValueError, match="--gamma must be a positive integer"):
+        EngineConfig(tiny_model, draft_model=tiny_model, gamma=0)
+    with pytest.raises(ValueError, match="--branch must be a positive integer"):
+        EngineConfig(tiny_model, draft_model=tiny_model, branch=0)
+    with pytest.raises(ValueError, match="--branch needs a proposer"):
+        EngineConfig(tiny_model, branch=2)
+    with pytest.raises(ValueError, match="--branch above 1 builds a draft tree, which needs --draft-model"):
+        EngineConfig(tiny_model, spec_method="ngram", branch=2)
+    with pytest.raises(ValueError, match="--gamma needs a proposer"):
+        EngineConfig(tiny_model, gamma=4)
+    with pytest.raises(ValueError, match="two proposers"):
+        EngineConfig(tiny_model, spec_method="ngram", draft_model=tiny_model)
+    with pytest.raises(ValueError, match="30 nodes, more than the node budget --spec-tree-nodes 20"):
+        EngineConfig(tiny_model, draft_model=tiny_model, branch=2, gamma=4, spec_tree_nodes=20)
+    EngineConfig(tiny_model, draft_model=tiny_model, branch=2, gamma=4)  # 30 nodes: within the default 64
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("draft,gamma,branch", [("self", 4, 1), ("self", 3, 2), ("random", 2, 1), ("random", 2, 2)],
+                         ids=["self-chain", "self-tree", "random-chain", "random-tree"])
+def test_smollm2_greedy_identical_with_draft_models(real_model_path, tmp_path_factory, smollm2_copy_task, draft, gamma,
+                                                    branch):
+    chats, params, want, opts = smollm2_copy_task
+    if draft == "self":
+        path = real_model_path
+    else:
+        path = write_tiny_model(str(tmp_path_factory.mktemp("draft") / "smol-draft.gguf"), "llama", num_layers=1,
+                                hidden=64, vocab_from=real_model_path, context_length=2048, seed=3)
+    spec = LLM(real_model_path, draft_model=path, gamma=gamma, branch=branch, spec_max_batch=16, **opts)
+    assert spec.generate([chats[0]], params)[0].token_ids == want[0]
+    assert [r.token_ids for r in spec.generate(chats, params)] == want
+    st = spec.engine.scheduler.stats
+    if draft == "self":
+        assert st.spec_accepted_at[0] > 0.95 * st.spec_proposed_at[0]
+    else:
+        assert st.spec_accepted_at[0] < 0.2 * st.spec_proposed_at[0]
