@@ -1,14 +1,20 @@
-"""Speculative decoding (prompt lookup, --spec-method ngram) against plain decoding, in process, on SmolLM2.
+"""Speculative decoding against plain decoding, in process, on SmolLM2: prompt lookup, draft chains and draft trees.
 
-usage: python benchmarks/spec_decode.py [--gamma 4] [--max-tokens 128] [--dtype auto|float32]
-Workloads: a copy-heavy one ("rewrite this text with one change", where the answer repeats the prompt) and a
-free-writing one (nothing to copy). Each runs single stream (requests one at a time) and 8 at once. Prints decode
-tok/s with and without speculation, the speed-up, the acceptance rate and the mean accepted length.
+usage: python benchmarks/spec_decode.py [--max-tokens 64] [--dtype auto] [--draft PATH ...] [--workloads copy,free]
+
+Methods: ngram (--spec-method ngram --gamma 4), chain (--draft-model D --gamma 4) and tree (--draft-model D
+--gamma 4 --branch 2) for each draft D given (default: SmolLM2 itself, the only model here with its vocabulary;
+benchmarks/make_layer_skip_draft.py writes a cheaper early-exit draft). Workloads: copy ("rewrite this text with
+one change": the answer repeats the prompt) and free (nothing to copy). Each runs single stream (4 requests one at a
+time) and 8 at once. Prints decode tok/s, the speed-up over plain decoding measured in the same run, the acceptance
+rate (accepted / verified draft tokens; a tree verifies many nodes per level and accepts at most one), the
+first-draft acceptance rate and the mean accepted length (tokens emitted per speculative step).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 from justapi import LLM, SamplingParams
@@ -36,28 +42,45 @@ def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, concurrent: 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gamma", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--branch", type=int, default=2, help="the tree's branching factor")
+    ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--draft", action="append", default=None, help="draft model GGUF (repeat; default: SmolLM2)")
+    ap.add_argument("--workloads", default="copy", help="comma-separated: copy, free")
     args = ap.parse_args()
     path = default_model_path()
-    opts = dict(scheduled=True, pool_blocks=2048, dtype=args.dtype, show_progress=False)
-    plain = LLM(path, **opts)
-    spec = LLM(path, spec_method="ngram", gamma=args.gamma, spec_max_batch=64, **opts)
+    drafts = args.draft or [path]
+    opts = dict(scheduled=True, pool_blocks=2048, dtype=args.dtype, show_progress=False, spec_max_batch=64)
+    plain = LLM(path, **{k: v for k, v in opts.items() if k != "spec_max_batch"})
+    methods = [("ngram", dict(spec_method="ngram", gamma=args.gamma))]
+    for d in drafts:
+        name = "self" if os.path.abspath(d) == os.path.abspath(path) else os.path.splitext(os.path.basename(d))[0]
+        methods.append((f"chain[{name}]", dict(draft_model=d, gamma=args.gamma)))
+        methods.append((f"tree[{name}]", dict(draft_model=d, gamma=args.gamma, branch=args.branch)))
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    print(f"SmolLM2-135M, --dtype {args.dtype}, gamma {args.gamma}, {args.max_tokens} output tokens a request, greedy")
-    print("workload  concurrent  plain tok/s  ngram tok/s  speed-up  acceptance  mean accepted length")
-    for name, texts in (("copy", COPY), ("free", FREE)):
-        prompts = [plain.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    print(f"SmolLM2-135M target, --dtype {args.dtype}, gamma {args.gamma}, tree branch {args.branch}, "
+          f"{args.max_tokens} output tokens a request, greedy")
+    print("workload  method                 concurrent  plain tok/s  spec tok/s  speed-up  acceptance  "
+          "first-draft acc.  mean accepted length")
+    texts = {"copy": COPY, "free": FREE}
+    for workload in args.workloads.split(","):
+        prompts = [plain.apply_chat_template([{"role": "user", "content": t}]) for t in texts[workload]]
         plain.generate(prompts[:1], SamplingParams(max_tokens=4))  # warm-up
-        spec.generate(prompts[:1], SamplingParams(max_tokens=4))
-        for concurrent in (1, 8):
-            st = spec.engine.scheduler.stats
-            d0, a0, s0 = st.spec_draft_tokens, st.spec_accepted_tokens, st.spec_steps
-            tp, n_plain = run(plain, prompts, params, concurrent)
-            ts, n_spec = run(spec, prompts, params, concurrent)
-            d, a, s = st.spec_draft_tokens - d0, st.spec_accepted_tokens - a0, st.spec_steps - s0
-            print(f"{name:8}  {concurrent:>10}  {n_plain / tp:>11.1f}  {n_spec / ts:>11.1f}  {tp / ts:>7.2f}x  "
-                  f"{(a / d if d else 0):>10.2f}  {((a + s) / s if s else 0):>20.2f}")
+        for method, kw in methods:
+            spec = LLM(path, **kw, **opts)
+            spec.generate(prompts[:1], SamplingParams(max_tokens=4))
+            for concurrent, group in ((1, prompts[:4]), (8, prompts)):
+                st = spec.engine.scheduler.stats
+                d0, a0, s0 = st.spec_draft_tokens, st.spec_accepted_tokens, st.spec_steps
+                f0 = st.spec_accepted_at[0] if st.spec_accepted_at else 0
+                tp, n_plain = run(plain, group, params, concurrent)  # plain right before: same machine state
+                ts, n_spec = run(spec, group, params, concurrent)
+                d, a, s = st.spec_draft_tokens - d0, st.spec_accepted_tokens - a0, st.spec_steps - s0
+                first = (st.spec_accepted_at[0] - f0) / s if s else 0.0
+                print(f"{workload:8}  {method:21}  {concurrent:>10}  {n_plain / tp:>11.1f}  {n_spec / ts:>10.1f}  "
+                      f"{tp / ts:>7.2f}x  {(a / d if d else 0):>10.2f}  {first:>16.2f}  "
+                      f"{((a + s) / s if s else 0):>20.2f}", flush=True)
+            del spec
 
 
 if __name__ == "__main__":

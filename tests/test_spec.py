@@ -247,7 +247,7 @@ def test_server_exports_speculation_metrics(tiny_model, tmp_path):
 def test_smollm2_copy_task_greedy_identical_with_ngram(smollm2_copy_task, real_model_path):
     chats, params, want, opts = smollm2_copy_task
     spec = LLM(real_model_path, spec_method="ngram", gamma=4, spec_max_batch=16, **opts)
-    assert [spec.generate([c], params)[0].token_ids for c in chats[:2]] == want[:2]
+    assert spec.generate([chats[0]], params)[0].token_ids == want[0]
     assert [r.token_ids for r in spec.generate(chats, params)] == want
     st = spec.engine.scheduler.stats
     assert st.spec_acceptance_rate > 0.3  # the answer copies the prompt
