@@ -12,15 +12,6 @@ import sys
 
 from . import config as C
 
-# Flags of parts that are not built yet: accepted by the parser so they can be refused with a clear message.
-NOT_YET = {
-    "tp": "tensor parallelism (--tp)",
-    "disaggregate": "prefill/decode disaggregation (--disaggregate)",
-    "prefill_workers": "prefill/decode disaggregation (--prefill-workers)",
-    "decode_workers": "prefill/decode disaggregation (--decode-workers)",
-}
-
-
 class CliError(Exception):
     """A user mistake on the command line: printed as one line, exit status 2."""
 
@@ -64,11 +55,14 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="node budget of a draft tree, branch + branch^2 + ... + branch^gamma (default: %(default)s)")
     p.add_argument("--spec-max-batch", type=int, default=C.DEFAULT_SPEC_MAX_BATCH,
                    help="speculate only in steps where at most this many requests decode (default: %(default)s)")
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel workers (not available yet)")
-    p.add_argument("--disaggregate", action="store_true", default=None,
-                   help="prefill/decode disaggregation (not available yet)")
-    p.add_argument("--prefill-workers", type=int, default=None, help="prefill workers (not available yet)")
-    p.add_argument("--decode-workers", type=int, default=None, help="decode workers (not available yet)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks: every layer sharded across this many processes (default: %(default)s)")
+    p.add_argument("--disaggregate", action="store_true",
+                   help="prefill and decode on separate worker processes, KV shipped between them (needs --scheduled)")
+    p.add_argument("--prefill-workers", type=int, default=None,
+                   help="prefill worker processes with --disaggregate (default: 1)")
+    p.add_argument("--decode-workers", type=int, default=None,
+                   help="decode worker processes with --disaggregate (default: 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,9 +95,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def engine_config(args) -> C.EngineConfig:
-    for name, what in NOT_YET.items():
-        if getattr(args, name) not in (None, False):
-            raise CliError(f"{what} is not available yet in this version of JustAPI")
     from .model.gguf_loader import default_model_path
 
     model = args.model or default_model_path()
@@ -118,19 +109,28 @@ def engine_config(args) -> C.EngineConfig:
             max_model_len=args.max_model_len, batch_invariant=args.batch_invariant, num_threads=args.threads,
             cpu_kernels=not args.no_cpu_kernels, spec_method=args.spec_method, draft_model=args.draft_model,
             gamma=args.gamma, branch=args.branch, spec_tree_nodes=args.spec_tree_nodes,
-            spec_max_batch=args.spec_max_batch,
+            spec_max_batch=args.spec_max_batch, disaggregate=args.disaggregate,
+            prefill_workers=args.prefill_workers, decode_workers=args.decode_workers, tp=args.tp,
             seed=args.seed,
         )
     except ValueError as e:
         raise CliError(str(e)) from None
 
 
-def check_model_file(path: str, draft_path: str | None = None) -> None:
-    """Fail fast on a file that cannot be served (or a draft model that cannot draft for it), before the server starts."""
+def check_model_file(path: str, draft_path: str | None = None, tp: int = 1) -> None:
+    """Fail fast on a file that cannot be served (a draft model that cannot draft for it, a --tp its dimensions do
+    not allow), before the server starts."""
     from .model.gguf_loader import ModelLoadError, open_gguf, read_model_config
 
     reader = open_gguf(path)
-    read_model_config(reader, path)
+    model_config = read_model_config(reader, path)
+    if tp > 1:
+        from .distributed.tp import TpPlan
+
+        try:
+            TpPlan.make(model_config, 0, tp)
+        except ValueError as e:
+            raise CliError(str(e)) from None
     if draft_path is not None:
         from .spec.draft import check_same_vocabulary
 
@@ -162,12 +162,17 @@ def cmd_serve(args) -> int:
 
         if not torch.cuda.is_available():
             raise CliError("--gpu was given but torch sees no CUDA device")
-    check_model_file(cfg.model, cfg.draft_model)
+    check_model_file(cfg.model, cfg.draft_model, cfg.tp)
     logging.basicConfig(level=server_cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     name = server_cfg.served_model_name or os.path.splitext(os.path.basename(cfg.model))[0]
     mode = "continuous batching" if cfg.scheduled else "static batching (pass --scheduled for continuous batching)"
     logging.getLogger("justapi").info("loading %s; scheduler: %s", cfg.model, mode)
-    app = build_app(server_cfg, name, lambda: EngineCore(cfg))
+    if cfg.disaggregate:
+        from .engine.pd_engine import PdEngine
+
+        app = build_app(server_cfg, name, lambda: PdEngine(cfg))
+    else:
+        app = build_app(server_cfg, name, lambda: EngineCore(cfg))
     server = _Server(uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port, access_log=False,
                                     log_level=server_cfg.log_level.lower(), timeout_graceful_shutdown=5))
     server.run()
@@ -197,7 +202,9 @@ def cmd_generate(args) -> int:
     from .sampling_params import SamplingParams
 
     cfg = engine_config(args)
-    check_model_file(cfg.model, cfg.draft_model)
+    if cfg.disaggregate:
+        raise CliError("--disaggregate is for justapi serve")
+    check_model_file(cfg.model, cfg.draft_model, cfg.tp)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k)
@@ -214,10 +221,13 @@ def cmd_generate(args) -> int:
         engine.add_request("generate", ids, params)
     except ValueError as e:
         raise CliError(str(e)) from None
-    while engine.has_unfinished:
-        for out in engine.step():
-            sys.stdout.write(out.new_text)
-            sys.stdout.flush()
+    try:
+        while engine.has_unfinished:
+            for out in engine.step():
+                sys.stdout.write(out.new_text)
+                sys.stdout.flush()
+    finally:
+        engine.close()
     sys.stdout.write("\n")
     return 0
 

@@ -99,6 +99,12 @@ class EngineConfig:
     branch: int | None = None  # draft-tree branching factor (default DEFAULT_BRANCH: a chain); needs draft_model
     spec_tree_nodes: int = DEFAULT_SPEC_TREE_NODES  # the node budget of a draft tree
     spec_max_batch: int = DEFAULT_SPEC_MAX_BATCH
+    # prefill/decode disaggregation: worker processes of each role (core.pd_scheduler, engine.pd_engine)
+    disaggregate: bool = False
+    prefill_workers: int | None = None  # default 1 with disaggregate
+    decode_workers: int | None = None  # default 1 with disaggregate
+    kv_memory_fraction: float = DEFAULT_KV_MEMORY_FRACTION  # share of available memory for a default-sized pool
+    tp: int = 1  # tensor-parallel ranks (distributed.tp); rank 0 is the engine, the others worker processes
     seed: int = 0
     show_progress: bool = True
 
@@ -118,6 +124,11 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"--max-model-len must be a positive integer, not {self.max_model_len!r}")
         self._check_speculation()
+        self._check_disaggregation()
+        if not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"--tp must be a positive integer, not {self.tp!r}")
+        if self.tp > 1 and self.disaggregate:
+            raise ValueError("--tp cannot be combined with --disaggregate in this version")
         if not isinstance(self.spec_max_batch, int) or self.spec_max_batch < 0:
             raise ValueError(f"--spec-max-batch must be a non-negative integer, not {self.spec_max_batch!r}")
         if self.num_threads is not None and self.num_threads < 1:
@@ -149,6 +160,26 @@ class EngineConfig:
         if nodes > self.spec_tree_nodes:
             raise ValueError(f"--branch {self.branch} with --gamma {gamma} makes a draft tree of {nodes} nodes, "
                              f"more than the node budget --spec-tree-nodes {self.spec_tree_nodes}")
+
+    def _check_disaggregation(self) -> None:
+        for name in ("prefill_workers", "decode_workers"):
+            value = getattr(self, name)
+            flag = "--" + name.replace("_", "-")
+            if value is None:
+                continue
+            if not self.disaggregate:
+                raise ValueError(f"{flag} needs --disaggregate")
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{flag} must be a positive integer, not {value!r}")
+        if not self.disaggregate:
+            return
+        if not self.scheduled:
+            raise ValueError("--disaggregate runs continuous batching on every worker: add --scheduled")
+        if self.speculation is not None:
+            raise ValueError("--disaggregate cannot be combined with speculative decoding (--draft-model, "
+                             "--spec-method) in this version")
+        object.__setattr__(self, "prefill_workers", self.prefill_workers or 1)
+        object.__setattr__(self, "decode_workers", self.decode_workers or 1)
 
     @property
     def speculation(self) -> str | None:

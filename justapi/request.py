@@ -39,6 +39,7 @@ class Request:
     cache_node: object = None  # the radix node this request holds locked
     spec_token_ids: list[int] = field(default_factory=list)  # prompt-lookup draft tokens for the next step
     spec_depth: int = 0  # draft-model tree levels the runner proposes next step (slots reserved here)
+    imported_kv: object = None  # disaggregation: the prompt's KV computed by a prefill worker, until admission
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -88,9 +88,10 @@ def test_unsupported_tensor_type_is_named(tmp_path):
         load_tensors(reader, path2, __import__("torch").float32, False)
 
 
-def test_flags_of_unbuilt_parts_are_refused(tiny_model):
-    for flag in (["--tp", "2"], ["--disaggregate"]):
-        assert_clean_error(run_cli("serve", "--model", tiny_model, *flag), "not available yet")
+def test_impossible_tp_and_disaggregation_settings_are_refused_naming_the_flag(tiny_model):
+    assert_clean_error(run_cli("serve", "--model", tiny_model, "--tp", "5"), "--tp 5", "4 attention heads")
+    assert_clean_error(run_cli("serve", "--model", tiny_model, "--disaggregate", "--prefill-workers", "0",
+                               "--scheduled"), "--prefill-workers must be a positive integer")
     assert_clean_error(run_cli("serve", "--model", tiny_model, "--gamma", "4"), "--gamma needs a proposer")
 
 

@@ -208,6 +208,8 @@ def cmd_offline(args, engine_config) -> int:
 
     _check(args)
     base = engine_config(args)
+    if base.disaggregate:
+        raise ValueError("--disaggregate is for justapi serve; bench offline runs one engine in process")
     engine = None
     rows, names = [], []
     jobs = None

@@ -22,6 +22,7 @@ class NewRequestData:
     num_computed_tokens: int
     sampling_params: SamplingParams
     seed: int
+    kv_import: object = None  # disaggregation: KV of the first num_computed_tokens tokens, to copy into the blocks
 
 
 @dataclass

@@ -69,6 +69,10 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._finished_ids: set[str] = set()  # runner state to drop at the next step
         self._new_ids: set[str] = set()  # admitted (or resumed) since the last step
+        # prefill/decode disaggregation (core.pd_scheduler): a prefill worker hands a request off after its first
+        # token, keeping its blocks until they are shipped; a decode worker admits requests with imported KV
+        self.hand_off_after_prefill = False
+        self.handoffs: dict[str, Request] = {}
 
     # --- requests in and out ------------------------------------------------------------------------------
     def check_admissible(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
@@ -109,8 +113,35 @@ class Scheduler:
         self.waiting.append(req)
         return req
 
+    def add_prefilled_request(
+        self, request_id: str, prompt_token_ids: list[int], first_token: int, params: SamplingParams, eos_token_ids,
+        seed: int, kv, num_cached_tokens: int,
+    ) -> Request:
+        """Queue a request whose prompt KV was computed elsewhere (``kv``, opaque here) and whose first output token
+        is known: it is admitted straight into decoding, the runner copies ``kv`` into its blocks."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.check_admissible(len(prompt_token_ids), params.max_tokens)
+        req = Request(request_id, list(prompt_token_ids), params, frozenset(eos_token_ids), seed)
+        req.append_output(first_token)
+        req.imported_kv = kv
+        req.num_cached_tokens = num_cached_tokens  # counted by the prefill worker's cache
+        self.requests[request_id] = req
+        self.waiting.append(req)
+        return req
+
+    def release_handoff(self, request_id: str) -> None:
+        """A handed-off request's KV has been shipped (or the transfer was given up): free its blocks."""
+        req = self.handoffs.pop(request_id, None)
+        if req is not None:
+            self._release(req)
+            del self.requests[request_id]
+
     def abort_request(self, request_id: str) -> EngineCoreOutput | None:
         """Stop a request at once and free its blocks; None if it is unknown or already finished."""
+        if request_id in self.handoffs:
+            self.release_handoff(request_id)
+            return None
         req = self.requests.get(request_id)
         if req is None:
             return None
@@ -227,7 +258,10 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: list[int], counts: Counter) -> None:
         while self.waiting and len(self.running) < self.config.max_seqs:
             req = self.waiting[0]
-            self._match_prefix(req)
+            if req.imported_kv is not None:
+                req.num_computed_tokens = req.num_prompt_tokens  # its prompt's KV arrives with it
+            else:
+                self._match_prefix(req)
             remaining = req.num_tokens - req.num_computed_tokens
             is_decode = remaining == 1
             if is_decode and counts["decode"] >= self.config.max_decode:
@@ -238,7 +272,12 @@ class Scheduler:
                 n = 1 if is_decode else min(remaining, budget[0])
                 new_blocks = self._grow(req, req.num_computed_tokens + n)
             if new_blocks is None:
-                self._unmatch_prefix(req)
+                if req.imported_kv is not None:
+                    req.num_computed_tokens = 0
+                    self.pool.decref(req.block_ids)
+                    req.block_ids = []
+                else:
+                    self._unmatch_prefix(req)
                 break  # first come first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             self._admit(req)
@@ -272,9 +311,10 @@ class Scheduler:
             out.new_requests.append(
                 NewRequestData(
                     rid, list(req.all_token_ids), req.num_prompt_tokens, list(req.block_ids),
-                    req.num_computed_tokens, req.sampling_params, req.seed,
+                    req.num_computed_tokens, req.sampling_params, req.seed, req.imported_kv,
                 )
             )
+            req.imported_kv = None  # the runner has it now; after a preemption the request recomputes
         else:
             out.cached_requests.append(CachedRequestData(rid, new_blocks, req.num_computed_tokens))
         out.num_scheduled_tokens[rid] = num_tokens
@@ -308,6 +348,8 @@ class Scheduler:
                 self._cache_blocks(req)  # share the prompt with requests arriving while this one decodes
             if status is not None:
                 self._finish(req, status)
+            elif self.hand_off_after_prefill and was_prefilling and new_ids:
+                self._hand_off(req)
             if new_ids or status is not None:
                 logprobs = result.logprobs.get(rid)
                 logprobs = logprobs[: len(new_ids)] if logprobs is not None else None
@@ -385,6 +427,13 @@ class Scheduler:
         self.pool.decref(req.block_ids)
         req.block_ids = []
 
+    def _hand_off(self, req: Request) -> None:
+        """Out of the batch with its blocks kept: its KV is about to be shipped to a decode worker."""
+        self.running.remove(req)
+        self.handoffs[req.request_id] = req
+        self._finished_ids.add(req.request_id)  # the runner drops its state
+        self._new_ids.discard(req.request_id)
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         req.spec_token_ids = []
@@ -422,6 +471,10 @@ class Scheduler:
         for req in self.running:
             owners.update(req.block_ids)
             assert len(req.block_ids) * self.block_size >= req.num_computed_tokens
+            if req.cache_node is not None:
+                locks[req.cache_node] += 1
+        for req in self.handoffs.values():
+            owners.update(req.block_ids)
             if req.cache_node is not None:
                 locks[req.cache_node] += 1
         for req in self.waiting:

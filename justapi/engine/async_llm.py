@@ -68,8 +68,13 @@ class AsyncLLM:
             self._thread.join(timeout=30)
 
     @property
+    def dead(self) -> BaseException | None:
+        """The error that stopped the engine loop, or None while it runs."""
+        return self._dead
+
+    @property
     def num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting) + self._pending_adds
+        return self.engine.num_waiting + self._pending_adds
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; abandoning the iterator (client gone) aborts the request."""
@@ -128,6 +133,8 @@ class AsyncLLM:
                 now = time.monotonic()
                 for out in outputs:
                     self._deliver(out, now)
+                for rid, error in self.engine.take_failures():
+                    self._fail(rid, error)
                 if now - last_stats >= self.stats_interval_s:
                     self._log_stats()
                     last_stats = now
@@ -148,7 +155,7 @@ class AsyncLLM:
                     continue  # aborted before it was added
                 try:
                     self.engine.add_request(rid, ids, params)
-                except (AdmissionError, ValueError) as e:
+                except (AdmissionError, ValueError, EngineDeadError) as e:
                     self._fail(rid, e)
             else:
                 rid = cmd[1]
@@ -180,9 +187,4 @@ class AsyncLLM:
             stream[0].call_soon_threadsafe(stream[1].put_nowait, error)
 
     def _log_stats(self) -> None:
-        sched = self.engine.scheduler
-        log.info(
-            "engine: %d running, %d waiting, KV blocks %d/%d used (%d cached), %d preemptions, %d tokens last step",
-            len(sched.running), len(sched.waiting), sched.pool.num_used, sched.pool.num_blocks,
-            sched.num_cached_blocks, sched.stats.num_preemptions, sched.stats.last_step_tokens,
-        )
+        log.info("engine: %s", self.engine.stats_line())

@@ -11,11 +11,11 @@ import torch
 from ..config import (
     DEFAULT_BRANCH,
     DEFAULT_GAMMA,
-    DEFAULT_KV_MEMORY_FRACTION,
     DEFAULT_MAX_POOL_TOKENS,
     EngineConfig,
     SchedulerConfig,
 )
+from ..core.outputs import EngineCoreOutput
 from ..core.scheduler import Scheduler, StaticScheduler
 from ..kernels import decode_kernels
 from ..model.chat_template import ChatTemplate
@@ -60,7 +60,9 @@ def available_memory_bytes() -> int:
 class EngineCore:
     """A loaded model with its scheduler and runner; ``step()`` runs one iteration of continuous batching."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tp_rank: int = 0, tp_init: str | None = None) -> None:
+        """``tp_rank`` > 0: a tensor-parallel worker (engine.tp_worker), which loads its shard and runs the runner
+        only; rank 0 starts those workers itself when ``config.tp`` > 1."""
         self.config = config
         if config.gpu and not torch.cuda.is_available():
             raise ModelLoadError("--gpu was given but torch sees no CUDA device (torch.cuda.is_available() is False)")
@@ -68,20 +70,39 @@ class EngineCore:
             torch.set_num_threads(config.num_threads)
         reader = open_gguf(config.model)
         self.model_config = read_model_config(reader, config.model)
-        self.tokenizer = Tokenizer(config.model, reader)
-        self.chat_template = ChatTemplate(self.tokenizer.chat_template)
+        self.tp_workers: list = []
+        plan = comm = None
+        if config.tp > 1:
+            from ..distributed.tp import TpComm, TpPlan
+            from .tp_worker import join_group, start_workers
+
+            plan = TpPlan.make(self.model_config, tp_rank, config.tp)  # a bad --tp fails here, before any process
+            if tp_rank == 0:
+                tp_init, self.tp_workers = start_workers(config)
+            join_group(config, tp_rank, tp_init)
+            comm = TpComm(plan, self.model_config.vocab_size)
+        if tp_rank == 0:
+            self.tokenizer = Tokenizer(config.model, reader)
+            self.chat_template = ChatTemplate(self.tokenizer.chat_template)
         dtype_name = "float32" if config.batch_invariant else config.dtype
         self.draft_model = self._load_draft(reader, dtype_name) if config.draft_model is not None else None
         dtype, keep_q4 = resolve_dtype(dtype_name, reader, config.gpu)
-        tensors = load_tensors(reader, config.model, dtype, config.show_progress, keep_q4)
+        keep_q4 = keep_q4 and plan is None  # shards are sliced from dense weights
+        tensors = load_tensors(reader, config.model, dtype, config.show_progress and tp_rank == 0, keep_q4)
         del reader
-        self.model = LlamaModel(self.model_config, tensors, config.device, config.batch_invariant)
+        self.model = LlamaModel(self.model_config, tensors, config.device, config.batch_invariant, plan, comm)
         if config.cpu_kernels and not config.gpu:
             self.model.kernels = decode_kernels()
             if self.draft_model is not None:
                 self.draft_model.kernels = self.model.kernels
         self.max_model_len = self._max_model_len()
         num_blocks = self._num_blocks()
+        if plan is not None:  # every rank's pool has rank 0's size (rank 0 holds the most KV heads)
+            import torch.distributed as dist
+
+            box = [num_blocks]
+            dist.broadcast_object_list(box, src=0)
+            num_blocks = box[0]
         sched_config = SchedulerConfig(
             num_blocks=num_blocks,
             block_size=config.block_size,
@@ -102,6 +123,8 @@ class EngineCore:
             proposer = DraftProposer(self.draft_model, num_blocks, config.block_size, config.device,
                                      sched_config.branch)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.device, proposer)
+        if tp_rank > 0:
+            return
         self.outputs = OutputProcessor(self.tokenizer)
         self._seeds = random.Random(config.seed)
         log.info(
@@ -155,7 +178,7 @@ class EngineCore:
             free, _ = torch.cuda.mem_get_info()
             budget = int(free * 0.8)
         else:
-            budget = int(available_memory_bytes() * DEFAULT_KV_MEMORY_FRACTION)
+            budget = int(available_memory_bytes() * self.config.kv_memory_fraction)
         cap = DEFAULT_MAX_POOL_TOKENS // self.config.block_size
         return max(1, min(budget // per_block, cap))
 
@@ -190,19 +213,53 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def stats_line(self) -> str:
+        sched = self.scheduler
+        return (f"{len(sched.running)} running, {len(sched.waiting)} waiting, KV blocks {sched.pool.num_used}/"
+                f"{sched.pool.num_blocks} used ({sched.num_cached_blocks} cached), {sched.stats.num_preemptions} "
+                f"preemptions, {sched.stats.last_step_tokens} tokens last step")
+
+    def take_failures(self) -> list[tuple[str, BaseException]]:
+        """Requests that failed for a reason outside them (a dead worker); never any in one process."""
+        return []
+
     # --- the loop -----------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, execute, update: one iteration. Returns what each request produced."""
-        sched = self.scheduler.schedule()
-        if sched.empty:
-            if sched.finished_request_ids:
-                self.runner.execute(sched)  # let the runner drop finished state
-            return []
-        result = self.runner.execute(sched)
         reports = []
-        for core_out in self.scheduler.update(sched, result):
+        for core_out in self.step_core():
             report, stopped = self.outputs.process(core_out)
             if stopped:
                 self.scheduler.finish_request(core_out.request_id, RequestStatus.FINISHED_STOPPED)
             reports.append(report)
         return reports
+
+    def step_core(self) -> list[EngineCoreOutput]:
+        """One iteration without detokenizing: the new token ids of each request (what a worker process sends)."""
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            if sched.finished_request_ids:
+                self._execute(sched)  # let the runner drop finished state
+            return []
+        result = self._execute(sched)
+        return self.scheduler.update(sched, result)
+
+    def _execute(self, sched):
+        """Run the step here and, with --tp, on every worker: they receive the same (small) SchedulerOutput."""
+        if self.tp_workers:
+            from .tp_worker import broadcast_step
+
+            broadcast_step(sched)
+        return self.runner.execute(sched)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any."""
+        if self.tp_workers:
+            from .tp_worker import stop_workers
+
+            stop_workers(self.tp_workers)
+            self.tp_workers = []

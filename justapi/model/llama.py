@@ -6,6 +6,7 @@ Q/K/V and gate/up projections are fused into one matmul each at load time.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -34,9 +35,16 @@ class LayerWeights:
 class LlamaModel:
     """Weights and the forward pass of a decoder-only Llama-family model."""
 
-    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], device: str, batch_invariant: bool):
+    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], device: str, batch_invariant: bool,
+                 tp=None, comm=None):
+        """``tp``: a distributed.tp.TpPlan; the model then keeps only this rank's slice of every weight and
+        ``comm`` (a TpComm) combines the ranks' partial results. ``config`` stays the whole model's."""
+        if tp is not None:
+            config = dataclasses.replace(config, num_heads=len(tp.q_heads), num_kv_heads=len(tp.kv_heads))
         self.config = config
         self.batch_invariant = batch_invariant
+        self.tp = tp
+        self.comm = comm
 
         dense_dtype = tensors["token_embd.weight"].dtype if "token_embd.weight" in tensors else torch.float32
 
@@ -45,7 +53,10 @@ class LlamaModel:
             if t is None and required:
                 raise ModelLoadError(f"{config.path}: tensor {name} is missing")
             if t is None or isinstance(t, Q4Unpacked):
+                assert t is None or tp is None, "tensor parallelism runs dense weights"
                 return t
+            if tp is not None:
+                t = shard(name, t, tp, config.head_dim)
             return t.to(device)
 
         def matrix(*names: str) -> torch.Tensor | Int4Weight:
@@ -102,7 +113,12 @@ class LlamaModel:
         """Logits (fp32) for the rows ``logits_rows`` of the flat batch; writes every new token's K/V."""
         cfg = self.config
         bi = self.batch_invariant
-        x = F.embedding(input_ids, self.embed)
+        if self.tp is None:
+            x = F.embedding(input_ids, self.embed)
+        else:  # this rank's vocabulary rows; other tokens look up zeros, and the sum over ranks completes x
+            a, b = self.tp.vocab
+            mine = ((input_ids >= a) & (input_ids < b)).unsqueeze(1).to(self.embed.dtype)
+            x = self.comm.all_reduce(F.embedding((input_ids - a).clamp(0, b - a - 1), self.embed) * mine)
         n = x.shape[0]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
@@ -119,10 +135,33 @@ class LlamaModel:
             k = self.rope(k.to(k_cache.dtype), positions)
             write_kv(k_cache, v_cache, k, v.to(v_cache.dtype), meta.slot_mapping)
             attn = paged_attention(q, k_cache, v_cache, meta, self.scale, self.kernels).to(x.dtype)
-            x = x + linear(attn.reshape(n, self.q_size), layer.o, None, bi)
+            o = linear(attn.reshape(n, self.q_size), layer.o, None, bi)
+            x = x + (o if self.tp is None else self.comm.all_reduce(o))
             h = rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps)
             gate_up = linear(h, layer.gate_up, None, bi)
             gate, up = gate_up.chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, layer.down, None, bi)
+            down = linear(F.silu(gate) * up, layer.down, None, bi)
+            x = x + (down if self.tp is None else self.comm.all_reduce(down))
         x = rms_norm(x[logits_rows], self.norm, cfg.rms_norm_eps)
-        return linear(x, self.lm_head, None, bi).float()
+        logits = linear(x, self.lm_head, None, bi).float()
+        return logits if self.tp is None else self.comm.gather_vocab(logits)
+
+
+def shard(name: str, t: torch.Tensor, tp, head_dim: int) -> torch.Tensor:
+    """This rank's slice of the GGUF tensor ``name`` [out, in] (see distributed.tp for the split)."""
+    from ..distributed.tp import head_rows
+
+    kind = name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0]
+    if kind in ("token_embd", "output"):  # vocabulary rows
+        return t[tp.vocab[0] : tp.vocab[1]].contiguous()
+    if kind == "attn_q":
+        return t.index_select(0, head_rows(tp.q_heads, head_dim)).contiguous()
+    if kind in ("attn_k", "attn_v"):
+        return t.index_select(0, head_rows(tp.kv_heads, head_dim)).contiguous()
+    if kind == "attn_output":
+        return t.index_select(1, head_rows(tp.q_heads, head_dim)).contiguous()
+    if kind in ("ffn_gate", "ffn_up"):
+        return t[tp.ffn[0] : tp.ffn[1]].contiguous()
+    if kind == "ffn_down":
+        return t[:, tp.ffn[0] : tp.ffn[1]].contiguous()
+    return t  # norms: replicated

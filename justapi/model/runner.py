@@ -150,12 +150,28 @@ class ModelRunner:
                 list(new.token_ids), new.num_prompt_tokens, list(new.block_ids), new.sampling_params, new.seed
             )
             starts[new.request_id] = new.num_computed_tokens
+            if new.kv_import is not None:
+                self.import_kv(new.block_ids, new.kv_import)
             if self.proposer is not None:
                 self.proposer.drop(new.request_id)  # a resumed request: its draft KV is recomputed
         for cached in sched.cached_requests:
             self.states[cached.request_id].block_ids.extend(cached.new_block_ids)
             starts[cached.request_id] = cached.num_computed_tokens
         return starts
+
+    def export_kv(self, block_ids: list[int]) -> torch.Tensor:
+        """The K/V of ``block_ids`` in every layer, one tensor [layers, 2, kv_heads, len(block_ids), block_size, dim]."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return torch.stack([torch.stack([k.index_select(1, idx), v.index_select(1, idx)]) for k, v in self.kv_caches])
+
+    def import_kv(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        """Write ``kv`` (as ``export_kv`` makes it, possibly fewer blocks than ``block_ids``) into the first blocks."""
+        n = kv.shape[3]
+        idx = torch.tensor(block_ids[:n], dtype=torch.long, device=self.device)
+        kv = kv.to(self.device)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            k.index_copy_(1, idx, kv[layer, 0])
+            v.index_copy_(1, idx, kv[layer, 1])
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Compute the scheduled tokens of every request and sample where a request caught up."""

@@ -123,6 +123,9 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
         yield
         if state.llm is not None:
             state.llm.shutdown()
+        close = getattr(state.engine, "close", None)
+        if close is not None:
+            close()
 
     app = FastAPI(title="JustAPI", lifespan=lifespan)
     app.state.justapi = state
@@ -140,7 +143,15 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
     async def health():
         if state.llm is None:
             return error_response(503, state.load_error or "the model is loading", "service_unavailable")
-        return {"status": "ok"}
+        if state.llm.dead is not None:
+            return error_response(503, f"the engine stopped: {state.llm.dead}", "service_unavailable")
+        health = getattr(state.engine, "health", None)
+        if health is None:
+            return {"status": "ok"}
+        serving, detail = health()
+        if not serving:
+            return error_response(503, f"no worker left in a pool: {detail}", "service_unavailable")
+        return {"status": "degraded" if "dead_workers" in detail else "ok", **detail}
 
     @app.get("/metrics")
     async def metrics():

@@ -61,6 +61,54 @@ class _SchedulerCollector:
             yield GaugeMetricFamily("justapi_static_batch_utilization", "U of the last static batch", value=utils[-1])
 
 
+class _PdCollector:
+    """Disaggregated serving: the workers' last reports and the KV transfers, read from the PdScheduler."""
+
+    def __init__(self, pd) -> None:
+        self.pd = pd
+
+    def collect(self):
+        workers = list(self.pd.workers.values())
+        prefill = [w for w in workers if w.role == "prefill"]
+        hits, misses = sum(w.cache_hits for w in prefill), sum(w.cache_misses for w in prefill)
+        # the prefix cache that matters is the prefill workers' (prompts are computed there)
+        yield GaugeMetricFamily("prefix_cache_hits", "Prompt KV blocks found in the prefill workers' prefix caches",
+                                value=hits)
+        yield GaugeMetricFamily("prefix_cache_misses", "Prompt KV blocks looked up and not found", value=misses)
+        yield GaugeMetricFamily("prefix_cache_hit_ratio", "hits / (hits + misses)",
+                                value=hits / (hits + misses) if hits + misses else 0.0)
+        yield GaugeMetricFamily("prefix_cache_blocks", "KV blocks held by the prefill workers' prefix caches",
+                                value=sum(w.cached_blocks for w in prefill))
+        st = self.pd.stats
+        yield CounterMetricFamily("justapi_pd_kv_transfers", "Requests whose KV moved to a decode worker",
+                                  value=st.kv_transfers)
+        yield CounterMetricFamily("justapi_pd_kv_transfer_bytes", "KV bytes moved prefill → decode", value=st.kv_bytes)
+        yield CounterMetricFamily("justapi_pd_kv_transfer_blocks", "KV blocks moved prefill → decode", value=st.kv_blocks)
+        yield CounterMetricFamily("justapi_pd_kv_transfer_seconds", "Time from posting a KV send to its completion",
+                                  value=st.kv_seconds)
+        yield CounterMetricFamily("justapi_pd_requests_retried", "Requests moved to another prefill worker after a "
+                                  "worker died", value=st.retried)
+        yield CounterMetricFamily("justapi_pd_requests_failed", "Requests failed because a worker died",
+                                  value=st.failed)
+        for name, help_text, attr in (
+            ("justapi_pd_queue_length", "Requests waiting in a pool (sum of its workers' queues)", "waiting"),
+            ("justapi_pd_running", "Requests being computed in a pool", "running"),
+        ):
+            g = GaugeMetricFamily(name, help_text, labels=["pool"])
+            for role in ("prefill", "decode"):
+                g.add_metric([role], sum(getattr(w, attr) for w in workers if w.role == role and w.alive))
+            yield g
+        util = GaugeMetricFamily("justapi_pd_utilization", "Share of wall time a pool's live workers spent in engine "
+                                 "steps (mean over the workers, last report)", labels=["pool"])
+        alive = GaugeMetricFamily("justapi_pd_workers_alive", "Live workers per pool", labels=["pool"])
+        for role in ("prefill", "decode"):
+            live = [w for w in workers if w.role == role and w.alive]
+            util.add_metric([role], sum(w.busy_fraction for w in live) / len(live) if live else 0.0)
+            alive.add_metric([role], len(live))
+        yield util
+        yield alive
+
+
 class Metrics:
     """All metrics of one server, in their own registry."""
 
@@ -79,7 +127,8 @@ class Metrics:
         self.finished = Counter("justapi_requests_finished", "Requests finished", ["finish_reason"], registry=r)
 
     def attach_engine(self, engine) -> None:
-        self.registry.register(_SchedulerCollector(engine))
+        pd = getattr(engine, "pd", None)
+        self.registry.register(_PdCollector(pd) if pd is not None else _SchedulerCollector(engine))
 
     def observe(self, out: RequestOutput, timing: RequestTiming) -> None:
         """Record one finished request (called from the engine thread)."""

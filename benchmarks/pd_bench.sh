@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Colocated vs disaggregated serving (issue 9) on this machine, measured by one client in one run:
+#   benchmarks/pd_bench.sh
+# Two JustAPI servers on loopback, both SmolLM2-135M, --dtype auto:
+#   colocated      justapi serve --scheduled                    (one engine, torch uses both cores)
+#   disaggregated  justapi serve --scheduled --disaggregate     (1 prefill + 1 decode worker, one core each)
+# Workload `burst`: steady requests (16-64-token prompts, 64-128 output tokens) at 1 per second, plus every 8 s a
+# burst of 4 prompts of 1024 tokens (16 output tokens). Goodput targets, fixed before the run: TTFT <= 2000 ms and
+# TPOT <= 100 ms. Results: bench_results/pd.json and bench_results/pd_bench.txt.
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+J=$ROOT/.venv/bin/justapi
+OUT=$ROOT/bench_results
+mkdir -p "$OUT"
+PORT_CO=${PORT_CO:-8020}
+PORT_PD=${PORT_PD:-8021}
+wait_up() {
+  for _ in $(seq 600); do
+    curl -s "http://127.0.0.1:$1/health" | grep -q '"status":"ok"' && return 0
+    sleep 1
+  done
+  echo "server on port $1 did not start" >&2; return 1
+}
+"$J" serve --scheduled --port "$PORT_CO" > "$OUT/pd_colocated.log" 2>&1 &
+CO=$!
+"$J" serve --scheduled --disaggregate --port "$PORT_PD" > "$OUT/pd_disaggregated.log" 2>&1 &
+PD=$!
+trap 'kill $CO $PD 2>/dev/null; wait' EXIT
+wait_up "$PORT_CO" && wait_up "$PORT_PD" || exit 1
+{
+  echo "# $(date -u +%FT%TZ) $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)"
+  timeout 1200 "$J" bench serve --base-url "http://127.0.0.1:$PORT_CO" --name colocated \
+    --base-url "http://127.0.0.1:$PORT_PD" --name disaggregated \
+    --workload burst --num-requests 40 --steady-rate 1 --output-len 64:128 \
+    --burst-every 8 --burst-size 4 --burst-input-len 1024 \
+    --goodput ttft:2000 tpot:100 --json "$OUT/pd.json"
+  echo "## disaggregated /metrics after the run"
+  curl -s "http://127.0.0.1:$PORT_PD/metrics" | grep -E '^justapi_pd_' 
+} 2>&1 | tee "$OUT/pd_bench.txt"

@@ -1,0 +1,1 @@
+"""Several processes: torch.distributed process groups and KV transfer between workers."""

@@ -1,0 +1,325 @@
+"""PdEngine: the server side of prefill/decode disaggregation (``justapi serve --disaggregate``).
+
+It starts P prefill and D decode worker processes (engine.pd_worker; ranks 0..P-1 prefill, P..P+D-1 decode) in one
+torch.distributed group, and offers AsyncLLM the same interface as EngineCore: add, abort, step, has_unfinished.
+``step`` collects what the workers sent (token ids, hand-offs, transfer figures, load reports), routes with
+core.pd_scheduler.PdScheduler, detokenizes, and watches the worker processes: a dead worker is logged, shown on
+/health, and its requests are sent to another prefill worker (still in prefill) or failed with an error.
+
+The group rendezvous uses MASTER_ADDR / MASTER_PORT when both are set (env://, as on several hosts); otherwise a
+free loopback port.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import os
+import queue
+import random
+import socket
+import time
+
+from ..config import EngineConfig, SchedulerConfig
+from ..core.outputs import EngineCoreOutput
+from ..core.pd_scheduler import PdScheduler, WorkerInfo
+from ..core.scheduler import Scheduler
+from ..model.chat_template import ChatTemplate
+from ..model.gguf_loader import ModelLoadError, open_gguf, read_model_config
+from ..model.tokenizer import Tokenizer
+from ..sampling_params import SamplingParams
+from .async_llm import EngineDeadError
+from .output_processor import OutputProcessor, RequestOutput
+from .pd_worker import WorkerSpec, worker_main
+
+log = logging.getLogger("justapi.pd")
+
+START_TIMEOUT_S = 900.0  # loading a model and building the C++ kernel on a cold machine
+GROUP_TIMEOUT_S = 120.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class PdEngine:
+    """EngineCore's interface over worker processes: prefill on some, decode on others, KV shipped between."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        reader = open_gguf(config.model)
+        self.model_config = read_model_config(reader, config.model)
+        self.tokenizer = Tokenizer(config.model, reader)
+        self.chat_template = ChatTemplate(self.tokenizer.chat_template)
+        ctx = self.model_config.context_length
+        if config.max_model_len is not None and config.max_model_len > ctx:
+            raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's context length {ctx}")
+        self.max_model_len = config.max_model_len or ctx
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._seeds = random.Random(config.seed)
+        self._failures: list[tuple[str, BaseException]] = []
+        self._first: dict[str, tuple[list[int], int, SamplingParams, int]] = {}  # rid → prompt, first token, ...
+        self._tag = 0
+        self._closed = False
+        self._start_workers()
+
+    # --- workers ------------------------------------------------------------------------------------------------
+    def _start_workers(self) -> None:
+        cfg = self.config
+        p, d = cfg.prefill_workers, cfg.decode_workers
+        world = p + d
+        threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // world)
+        if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+            init_method = None
+        else:
+            init_method = f"tcp://127.0.0.1:{_free_port()}"
+        worker_config = dataclasses.replace(
+            cfg, disaggregate=False, prefill_workers=None, decode_workers=None, num_threads=threads,
+            show_progress=False, kv_memory_fraction=cfg.kv_memory_fraction / world,
+        )
+        ctx = multiprocessing.get_context("spawn")
+        self.outbox = ctx.Queue()
+        self.inboxes = []
+        self.procs = []
+        roles = ["prefill"] * p + ["decode"] * d
+        for rank, role in enumerate(roles):
+            inbox = ctx.Queue()
+            spec = WorkerSpec(rank, world, role, worker_config, init_method, GROUP_TIMEOUT_S, threads)
+            proc = ctx.Process(target=worker_main, args=(spec, inbox, self.outbox), name=f"justapi-{role}-{rank}",
+                               daemon=True)
+            proc.start()
+            self.inboxes.append(inbox)
+            self.procs.append(proc)
+        log.info("started %d prefill and %d decode workers (%d threads each), rendezvous %s", p, d, threads,
+                 init_method or "env:// (MASTER_ADDR/MASTER_PORT)")
+        ready: dict[int, tuple[int, int]] = {}
+        self._pids: dict[int, int] = {}
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while len(ready) < world:
+            try:
+                msg = self.outbox.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, pr in enumerate(self.procs) if not pr.is_alive() and r not in ready]
+                if dead or time.monotonic() > deadline:
+                    self.close()
+                    why = f"worker {dead[0]} exited" if dead else "workers did not start in time"
+                    raise ModelLoadError(f"--disaggregate: {why} while loading the model")
+                continue
+            if msg[0] == "failed":
+                self.close()
+                raise ModelLoadError(f"--disaggregate: {roles[msg[1]]} worker {msg[1]} failed to start: {msg[2]}")
+            if msg[0] == "ready":
+                ready[msg[1]] = (msg[2], msg[3])
+                self._pids[msg[1]] = msg[4]
+        self.pd = PdScheduler([WorkerInfo(r, roles[r], num_blocks=ready[r][0], block_size=ready[r][1],
+                                          free_blocks=ready[r][0]) for r in range(world)])
+        smallest = min(n for n, _ in ready.values())
+        self._admission = Scheduler(SchedulerConfig(num_blocks=smallest, block_size=cfg.block_size,
+                                                    max_model_len=self.max_model_len))
+        c = self.model_config
+        self._kv_shape = (c.num_layers, 2, c.num_kv_heads, None, cfg.block_size, c.head_dim)
+
+    def close(self) -> None:
+        """Stop every worker (they get a moment to leave the group cleanly, then are terminated)."""
+        if self._closed:
+            return
+        self._closed = True
+        for inbox, proc in zip(self.inboxes, self.procs):
+            if proc.is_alive():
+                inbox.put(("stop",))
+        deadline = time.monotonic() + 5
+        for proc in self.procs:
+            proc.join(timeout=max(0.1, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+
+    def health(self) -> tuple[bool, dict]:
+        """(serving, details): serving while each pool has a live worker; details name any dead worker."""
+        dead = [f"{w.role} worker {w.rank}" for w in self.pd.workers.values() if not w.alive]
+        serving = bool(self.pd.pool("prefill")) and bool(self.pd.pool("decode"))
+        detail = {"prefill_workers_alive": len(self.pd.pool("prefill")),
+                  "decode_workers_alive": len(self.pd.pool("decode")),
+                  "workers": [{"rank": w.rank, "role": w.role, "alive": w.alive, "pid": self._pids.get(w.rank),
+                               "requests": w.load} for w in self.pd.workers.values()]}
+        if dead:
+            detail["dead_workers"] = dead
+        return serving, detail
+
+    def check_integrity(self, timeout_s: float = 30.0) -> dict[int, tuple[str | None, dict]]:
+        """Ask every live worker to check its KV pool; rank → (problem or None, what it holds)."""
+        alive = [r for r, w in self.pd.workers.items() if w.alive]
+        for r in alive:
+            self.inboxes[r].put(("check",))
+        answers: dict[int, tuple[str | None, dict]] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(answers) < len(alive) and time.monotonic() < deadline:
+            try:
+                msg = self.outbox.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if msg[0] == "checked":
+                answers[msg[1]] = (msg[2], msg[3])
+            else:
+                self._handle(msg, [])
+        return answers
+
+    # --- requests -----------------------------------------------------------------------------------------------
+    def new_seed(self) -> int:
+        return self._seeds.getrandbits(62)
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        return self._admission.check_admissible(len(prompt_token_ids), params.max_tokens)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        max_tokens = self.check_request(prompt_token_ids, params)
+        params = dataclasses.replace(params, max_tokens=max_tokens)
+        seed = params.seed if params.seed is not None else self.new_seed()
+        try:
+            rank = self.pd.route_prefill(request_id, prompt_token_ids)
+        except RuntimeError as e:
+            raise EngineDeadError(str(e)) from None
+        self._first[request_id] = (list(prompt_token_ids), -1, params, seed)
+        self.outputs.add_request(request_id, prompt_token_ids, params)
+        self.inboxes[rank].put(("add", request_id, list(prompt_token_ids), params, seed))
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        if request_id not in self.pd.requests:
+            return None
+        self._drop(request_id)
+        prompt = self._first.pop(request_id, ([], 0))[0]
+        report, _ = self.outputs.process(EngineCoreOutput(request_id, [], None, "abort", len(prompt), 0))
+        return report
+
+    def _drop(self, request_id: str) -> None:
+        """Tell every worker holding the request to let it go, and forget it."""
+        for rank in self.pd.holder(request_id):
+            if self.pd.workers[rank].alive:
+                self.inboxes[rank].put(("abort", request_id))
+        self.pd.finished(request_id)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.pd.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(w.waiting for w in self.pd.workers.values() if w.alive)
+
+    def stats_line(self) -> str:
+        parts = []
+        for role in ("prefill", "decode"):
+            pool = self.pd.pool(role, alive_only=False)
+            parts.append(f"{role}: " + ", ".join(
+                f"[{w.rank}] {'dead' if not w.alive else f'{w.running} running {w.waiting} waiting {w.busy_fraction:.0%} busy'}"
+                for w in pool))
+        st = self.pd.stats
+        parts.append(f"KV moved: {st.kv_transfers} requests, {st.kv_bytes / 2**20:.1f} MiB in {st.kv_seconds:.2f} s")
+        return "; ".join(parts)
+
+    def take_failures(self) -> list[tuple[str, BaseException]]:
+        out, self._failures = self._failures, []
+        return out
+
+    # --- the loop -----------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Everything the workers reported since the last call (waiting up to 20 ms for the first message)."""
+        reports: list[RequestOutput] = []
+        msgs = []
+        try:
+            msgs.append(self.outbox.get(timeout=0.02))
+            while True:
+                msgs.append(self.outbox.get_nowait())
+        except queue.Empty:
+            pass
+        for msg in msgs:
+            self._handle(msg, reports)
+        self._check_workers()
+        return reports
+
+    def _handle(self, msg, reports: list[RequestOutput]) -> None:
+        kind, rank = msg[0], msg[1]
+        if kind == "out":
+            for rid, ids, logprobs, reason, num_prompt, num_cached in msg[2]:
+                req = self.pd.requests.get(rid)
+                if req is None or rank not in self.pd.holder(rid):
+                    continue  # aborted or failed meanwhile; a late message
+                if req.phase == "prefill":
+                    req.num_cached_tokens = num_cached
+                    prompt, _, params, seed = self._first[rid]
+                    self._first[rid] = (prompt, ids[0], params, seed)
+                report, stopped = self.outputs.process(
+                    EngineCoreOutput(rid, ids, logprobs, reason, num_prompt, req.num_cached_tokens))
+                reports.append(report)
+                if report.finished:
+                    if stopped:
+                        self._drop(rid)  # a stop string: the worker does not know yet
+                    else:
+                        self.pd.finished(rid)
+                    self._first.pop(rid, None)
+        elif kind == "prefilled":
+            self._ship(msg[2])
+        elif kind == "sent":
+            _, _, rid, nbytes, nblocks, seconds = msg
+            self.pd.transferred(rid, nbytes, nblocks, seconds)
+        elif kind == "transfer_failed":
+            rid = msg[2]
+            if rid in self.pd.requests:
+                self._fail(rid, f"its KV transfer failed ({msg[3]})")
+        elif kind == "stats":
+            w = self.pd.workers[rank]
+            for key, value in msg[2].items():
+                setattr(w, key, value)
+        elif kind == "failed":
+            log.error("%s worker %d failed: %s", self.pd.workers[rank].role, rank, msg[2])
+
+    def _ship(self, rid: str) -> None:
+        """A prefill worker finished a request's prompt: pick a decode worker and start the KV transfer."""
+        req = self.pd.requests.get(rid)
+        if req is None or req.phase != "prefill":
+            return
+        src = req.prefill_rank
+        prompt, first, params, seed = self._first[rid]
+        try:
+            dst = self.pd.route_decode(rid, len(prompt))
+        except RuntimeError as e:
+            self.inboxes[src].put(("abort", rid))
+            self._fail(rid, str(e))
+            return
+        self._tag += 1
+        nblocks = -(-len(prompt) // self.config.block_size)
+        shape = tuple(nblocks if x is None else x for x in self._kv_shape)
+        self.inboxes[src].put(("send", rid, dst, self._tag))
+        self.inboxes[dst].put(("recv", rid, src, self._tag, shape, (prompt, first, params, seed,
+                                                                  req.num_cached_tokens)))
+
+    def _fail(self, rid: str, why: str) -> None:
+        self._drop(rid)
+        self._first.pop(rid, None)
+        self.outputs.drop(rid)
+        self._failures.append((rid, EngineDeadError(f"the request failed: {why}")))
+
+    def _check_workers(self) -> None:
+        for rank, proc in enumerate(self.procs):
+            w = self.pd.workers[rank]
+            if not w.alive or proc.is_alive():
+                continue
+            log.error("%s worker %d (pid %s) died with exit code %s; serving with the remaining workers",
+                      w.role, rank, proc.pid, proc.exitcode)
+            held = {rid: self.pd.requests[rid].phase for rid in w.requests if rid in self.pd.requests}
+            retry, fail = self.pd.worker_died(rank)
+            for rid in fail:
+                self._fail(rid, f"the {w.role} worker {rank} serving it died"
+                                + (" during its KV transfer" if held.get(rid) == "transfer" else ""))
+            for rid in retry:
+                prompt, _, params, seed = self._first[rid]
+                new_rank = self.pd.route_prefill(rid, prompt)
+                self.inboxes[new_rank].put(("add", rid, prompt, params, seed))
+                log.info("request %s: prefill moved to worker %d", rid, new_rank)

@@ -1,0 +1,194 @@
+"""A prefill or decode worker process of the disaggregated engine (``justapi serve --disaggregate``).
+
+Each worker is a whole engine (model replica, KV pool, continuous-batching scheduler) in its own process. The
+server (engine.pd_engine) talks to it through two multiprocessing queues: commands in (add, abort, send KV,
+receive KV, stop), results out (new token ids per request, hand-offs, transfer figures, load reports). KV itself
+goes worker to worker over torch.distributed (distributed.kv_transfer), never through the server.
+
+A prefill worker's scheduler hands a request off after its first token, keeping the prompt's blocks until the
+send completed (then they go to its prefix cache); a decode worker admits a received request straight into
+decoding with the prompt's KV copied into its own blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import time
+import traceback
+from dataclasses import dataclass
+
+from ..config import EngineConfig
+from ..model.runner import KV_DTYPE
+
+log = logging.getLogger("justapi.worker")
+
+REPORT_INTERVAL_S = 0.25
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    rank: int
+    world_size: int
+    role: str  # "prefill" | "decode"
+    config: EngineConfig
+    init_method: str | None  # None: env:// (MASTER_ADDR / MASTER_PORT)
+    timeout_s: float
+    threads: int
+
+
+def worker_main(spec: WorkerSpec, inbox, outbox) -> None:
+    """Process entry point: join the group, load the model, then serve commands until told to stop."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {spec.role}-worker-{spec.rank}: %(message)s")
+    try:
+        import torch
+
+        from ..distributed.kv_transfer import init_process_group
+        from .engine_core import EngineCore
+
+        torch.set_num_threads(spec.threads)
+        if spec.config.gpu:
+            torch.cuda.set_device(spec.rank % torch.cuda.device_count())
+        init_process_group(spec.rank, spec.world_size, spec.init_method, spec.timeout_s,
+                           "nccl" if spec.config.gpu else "gloo")
+        engine = EngineCore(spec.config)
+        engine.scheduler.hand_off_after_prefill = spec.role == "prefill"
+        outbox.put(("ready", spec.rank, engine.scheduler.pool.num_blocks, engine.config.block_size, os.getpid()))
+    except BaseException as e:  # noqa: BLE001 - reported to the server, which names the worker
+        outbox.put(("failed", spec.rank, f"{type(e).__name__}: {e}"))
+        return
+    try:
+        _Worker(spec, engine, inbox, outbox).run()
+    except BaseException as e:  # noqa: BLE001
+        log.error("worker failed: %s", traceback.format_exc())
+        outbox.put(("failed", spec.rank, f"{type(e).__name__}: {e}"))
+
+
+class _Worker:
+    def __init__(self, spec: WorkerSpec, engine, inbox, outbox) -> None:
+        self.spec = spec
+        self.engine = engine
+        self.sched = engine.scheduler
+        self.inbox = inbox
+        self.outbox = outbox
+        self.sends = {}  # request id → Transfer (prefill side)
+        self.recvs = {}  # request id → (Transfer, request fields) (decode side)
+        self.aborted_recvs: set[str] = set()
+        self.announced: set[str] = set()  # hand-offs already reported
+        self.busy_s = 0.0
+        self.last_report = time.monotonic()
+
+    def run(self) -> None:
+        while True:
+            idle = not self.engine.has_unfinished and not self.sends and not self.recvs
+            for msg in self._drain(block=idle):
+                if msg[0] == "stop":
+                    return
+                self._handle(msg)
+            self._poll_transfers()
+            if self.engine.has_unfinished:
+                t0 = time.perf_counter()
+                outs = self.engine.step_core()
+                self.busy_s += time.perf_counter() - t0
+                if outs:
+                    self.outbox.put(("out", self.spec.rank, [
+                        (o.request_id, o.new_token_ids, o.new_logprobs, o.finish_reason, o.num_prompt_tokens,
+                         o.num_cached_tokens) for o in outs
+                    ]))
+                for rid in self.sched.handoffs.keys() - self.announced:
+                    self.announced.add(rid)
+                    self.outbox.put(("prefilled", self.spec.rank, rid))
+            self._report()
+
+    def _drain(self, block: bool) -> list:
+        msgs = []
+        try:
+            msgs.append(self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait())
+            while True:
+                msgs.append(self.inbox.get_nowait())
+        except queue.Empty:
+            pass
+        return msgs
+
+    def _handle(self, msg) -> None:
+        kind = msg[0]
+        eos = self.engine.tokenizer.eos_token_ids
+        if kind == "add":
+            _, rid, prompt, params, seed = msg
+            self.sched.add_request(rid, prompt, params, eos, seed)
+        elif kind == "abort":
+            rid = msg[1]
+            self.sched.abort_request(rid)
+            self.announced.discard(rid)
+            if rid in self.recvs:
+                self.aborted_recvs.add(rid)
+        elif kind == "send":
+            from ..distributed.kv_transfer import send_kv
+
+            _, rid, dst, tag = msg
+            req = self.sched.handoffs.get(rid)
+            if req is None:  # aborted meanwhile
+                return
+            blocks = req.block_ids[: -(-req.num_prompt_tokens // self.sched.block_size)]
+            self.sends[rid] = send_kv(rid, self.engine.runner.export_kv(blocks), dst, tag)
+        elif kind == "check":
+            try:
+                self.sched.check_integrity()
+                problem = None
+            except AssertionError as e:
+                problem = f"integrity check failed: {e}"
+            held = sum(len(r.block_ids) for r in self.sched.running) + sum(
+                len(r.block_ids) for r in self.sched.handoffs.values())
+            self.outbox.put(("checked", self.spec.rank, problem, dict(
+                running=len(self.sched.running), waiting=len(self.sched.waiting), handoffs=len(self.sched.handoffs),
+                transfers=len(self.sends) + len(self.recvs), blocks_held_by_requests=held,
+                free_blocks=self.sched.pool.num_free, cached_blocks=self.sched.num_cached_blocks,
+                num_blocks=self.sched.pool.num_blocks)))
+        elif kind == "recv":
+            from ..distributed.kv_transfer import recv_kv
+
+            _, rid, src, tag, shape, fields = msg
+            self.recvs[rid] = (recv_kv(rid, shape, KV_DTYPE, src, tag, self.engine.config.device), fields)
+
+    def _poll_transfers(self) -> None:
+        for rid, t in list(self.sends.items()):
+            try:
+                if not t.done():
+                    continue
+                self.outbox.put(("sent", self.spec.rank, rid, t.nbytes, t.tensor.shape[3], t.seconds))
+            except RuntimeError as e:
+                self.outbox.put(("transfer_failed", self.spec.rank, rid, str(e).splitlines()[0]))
+            del self.sends[rid]
+            self.sched.release_handoff(rid)
+            self.announced.discard(rid)
+        for rid, (t, fields) in list(self.recvs.items()):
+            try:
+                if not t.done():
+                    continue
+            except RuntimeError as e:
+                del self.recvs[rid]
+                self.outbox.put(("transfer_failed", self.spec.rank, rid, str(e).splitlines()[0]))
+                continue
+            del self.recvs[rid]
+            if rid in self.aborted_recvs:
+                self.aborted_recvs.discard(rid)
+                continue
+            prompt, first, params, seed, num_cached = fields
+            self.sched.add_prefilled_request(rid, prompt, first, params, self.engine.tokenizer.eos_token_ids, seed,
+                                             t.tensor, num_cached)
+
+    def _report(self) -> None:
+        now = time.monotonic()
+        if now - self.last_report < REPORT_INTERVAL_S:
+            return
+        cache = self.sched.cache
+        self.outbox.put(("stats", self.spec.rank, dict(
+            free_blocks=self.sched.pool.num_free + self.sched.num_cached_blocks,  # cached blocks can be evicted
+            running=len(self.sched.running), waiting=len(self.sched.waiting) + len(self.recvs),
+            busy_fraction=min(1.0, self.busy_s / (now - self.last_report)),
+            cache_hits=cache.hits if cache is not None else 0, cache_misses=cache.misses if cache is not None else 0,
+            cached_blocks=self.sched.num_cached_blocks,
+        )))
+        self.busy_s = 0.0
+        self.last_report = now

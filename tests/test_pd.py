@@ -1,0 +1,168 @@
+"""Prefill/decode disaggregation: PdScheduler routing, worker processes with KV shipped over torch.distributed (gloo),
+greedy output identical to the colocated engine, no leaked blocks, and a decode worker killed mid-stream."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from justapi import LLM, SamplingParams
+from justapi.config import EngineConfig
+from justapi.core.pd_scheduler import PdScheduler, WorkerInfo
+
+
+def test_routing_prefers_the_least_loaded_then_prefix_hits_and_handles_dead_workers():
+    pd = PdScheduler([WorkerInfo(0, "prefill", num_blocks=100, block_size=4),
+                      WorkerInfo(1, "prefill", num_blocks=100, block_size=4),
+                      WorkerInfo(2, "decode", num_blocks=100, block_size=4, free_blocks=100),
+                      WorkerInfo(3, "decode", num_blocks=100, block_size=4, free_blocks=2)])
+    shared = list(range(40))
+    assert pd.route_prefill("a", shared + [1]) == 0  # tie: the lower rank
+    assert pd.route_prefill("b", [7] * 9) == 1  # least loaded
+    assert pd.route_prefill("c", shared + [2]) == 0  # worker 0 holds the shared prefix, load within the slack
+    assert pd.route_prefill("d", shared + [3]) == 0
+    assert pd.route_prefill("e", shared + [4]) == 0
+    assert pd.route_prefill("f", shared + [5]) == 1  # 4 vs 1 requests: beyond the slack, load wins
+    assert pd.route_decode("a", 41) == 2  # worker 3 has no room for 11 blocks
+    assert pd.route_decode("b", 4) == 3  # room for 2 blocks: the least loaded
+    pd.transferred("a", 1000, 11, 0.01)
+    assert pd.requests["a"].phase == "decode" and pd.stats.kv_bytes == 1000
+    retry, fail = pd.worker_died(2)
+    assert retry == [] and fail == ["a"]
+    retry, fail = pd.worker_died(0)  # c, d, e were still in prefill there; worker 1 is alive
+    assert sorted(retry) == ["c", "d", "e"] and fail == []
+    assert pd.route_prefill("c", shared + [2]) == 1
+
+
+def test_bad_disaggregation_settings_fail_naming_the_flag(tiny_model):
+    with pytest.raises(ValueError, match="--prefill-workers must be a positive integer"):
+        EngineConfig(tiny_model, scheduled=True, disaggregate=True, prefill_workers=0)
+    with pytest.raises(ValueError, match="--decode-workers needs --disaggregate"):
+        EngineConfig(tiny_model, scheduled=True, decode_workers=2)
+    with pytest.raises(ValueError, match="add --scheduled"):
+        EngineConfig(tiny_model, disaggregate=True)
+    with pytest.raises(ValueError, match="speculative decoding"):
+        EngineConfig(tiny_model, scheduled=True, disaggregate=True, spec_method="ngram")
+    cfg = EngineConfig(tiny_model, scheduled=True, disaggregate=True)
+    assert (cfg.prefill_workers, cfg.decode_workers) == (1, 1)
+
+
+def mixed_requests(n=12, seed=0):
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 271) for _ in range(40)]
+    prompts, params = [], []
+    for i in range(n):
+        body = [rng.randrange(3, 271) for _ in range(rng.choice([3, 17, 60, 150]))]
+        prompts.append(shared + body if i % 3 == 0 else body)  # some share a prefix
+        params.append(SamplingParams(temperature=0, max_tokens=rng.choice([1, 5, 24, 40]), ignore_eos=True,
+                                     logprobs=2 if i == 5 else None))
+    return prompts, params
+
+
+def run_all(engine, prompts, params, timeout_s=240):
+    done, failed = {}, {}
+    for i, (p, q) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", p, q)
+    deadline = time.monotonic() + timeout_s
+    while engine.has_unfinished:
+        assert time.monotonic() < deadline, "requests did not finish"
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        failed.update(dict(engine.take_failures()))
+    return done, failed
+
+
+@pytest.mark.parametrize("prefill,decode", [(1, 1), (1, 2)])
+def test_greedy_output_identical_to_the_colocated_engine_and_no_leaked_blocks(tiny_model, prefill, decode):
+    from justapi.engine.pd_engine import PdEngine
+
+    opts = dict(pool_blocks=256, batch_invariant=True, scheduled=True, chunk_size=64, show_progress=False)
+    prompts, params = mixed_requests()
+    want = LLM(tiny_model, **opts).generate(prompts, params)
+    engine = PdEngine(EngineConfig(tiny_model, disaggregate=True, prefill_workers=prefill, decode_workers=decode,
+                                   num_threads=1, **opts))
+    try:
+        done, failed = run_all(engine, prompts, params)
+        assert not failed
+        assert [done[f"r{i}"].token_ids for i in range(len(prompts))] == [w.token_ids for w in want]
+        assert [done[f"r{i}"].finish_reason for i in range(len(prompts))] == [w.finish_reason for w in want]
+        lp = done["r5"].logprobs
+        assert lp is not None and len(lp) == len(done["r5"].token_ids)
+        st = engine.pd.stats
+        handed_off = sum(1 for q in params if q.max_tokens > 1)  # a 1-token request ends on its prefill worker
+        time.sleep(0.5)
+        engine.step()  # collect the last transfer reports
+        assert st.kv_transfers == handed_off and st.kv_bytes > 0 and st.kv_blocks > 0
+        if decode == 2:
+            assert all(w.load == 0 for w in engine.pd.workers.values())
+        for rank, (problem, held) in engine.check_integrity().items():
+            assert problem is None, (rank, problem)
+            assert held["running"] == held["handoffs"] == held["transfers"] == held["blocks_held_by_requests"] == 0
+            assert held["free_blocks"] + held["cached_blocks"] == held["num_blocks"]
+    finally:
+        engine.close()
+
+
+def test_requests_routed_to_a_dead_prefill_worker_are_retried_on_another(tiny_model):
+    from justapi.engine.pd_engine import PdEngine
+
+    opts = dict(pool_blocks=128, batch_invariant=True, scheduled=True, show_progress=False)
+    prompts, params = mixed_requests(4, seed=2)
+    want = LLM(tiny_model, **opts).generate(prompts, params)
+    engine = PdEngine(EngineConfig(tiny_model, disaggregate=True, prefill_workers=2, decode_workers=1,
+                                   num_threads=1, **opts))
+    try:
+        os.kill(engine.procs[0].pid, signal.SIGKILL)
+        engine.procs[0].join(10)
+        done, failed = run_all(engine, prompts, params)  # routed before the death is noticed: half go to rank 0
+        assert not failed and engine.pd.stats.retried >= 1
+        assert [done[f"r{i}"].token_ids for i in range(len(prompts))] == [w.token_ids for w in want]
+        assert engine.health()[0] and engine.health()[1]["dead_workers"] == ["prefill worker 0"]
+    finally:
+        engine.close()
+
+
+def test_a_decode_worker_killed_mid_stream_fails_its_requests_and_serving_goes_on(tiny_model, tmp_path):
+    import httpx
+
+    from server_helpers import ServerProcess, metric
+
+    srv = ServerProcess(["--model", tiny_model, "--scheduled", "--pool-blocks", "256", "--disaggregate",
+                         "--prefill-workers", "1", "--decode-workers", "2", "--threads", "1"],
+                        str(tmp_path / "pd.log"), timeout_s=300)
+    try:
+        body = {"prompt": [5, 6, 7, 8], "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=60) as client, client.stream("POST", srv.url + "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            got = 0
+            for line in lines:
+                if line.startswith("data: {") and '"text"' in line:
+                    got += 1
+                if got == 5:
+                    break
+            health = httpx.get(srv.url + "/health").json()
+            assert health["status"] == "ok" and health["decode_workers_alive"] == 2
+            serving = [w for w in health["workers"] if w["role"] == "decode" and w["requests"] == 1]
+            assert len(serving) == 1, health
+            os.kill(serving[0]["pid"], signal.SIGKILL)
+            rest = [line for line in lines if line]
+        assert any('"error"' in line and "decode worker" in line for line in rest), rest[-3:]
+        assert rest[-1] == "data: [DONE]"
+        health = httpx.get(srv.url + "/health").json()
+        assert health["status"] == "degraded" and health["decode_workers_alive"] == 1
+        assert any("decode worker" in w for w in health["dead_workers"])
+        for _ in range(3):  # later requests are served by the remaining workers
+            ok = httpx.post(srv.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 12}, timeout=60)
+            assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 12
+        m = httpx.get(srv.url + "/metrics").text
+        assert metric(m, "justapi_pd_requests_failed_total") == 1
+        assert metric(m, "justapi_pd_kv_transfers_total") >= 4
+        assert 'justapi_pd_workers_alive{pool="decode"} 1.0' in m
+    finally:
+        assert srv.stop() == 0
+    assert "decode worker" in srv.read_log() and "died" in srv.read_log()
