@@ -126,6 +126,7 @@ class AsyncLLM:
             while not self._stop:
                 self._apply_commands()
                 if not self.engine.has_unfinished:
+                    self.engine.idle()
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue

@@ -224,6 +224,10 @@ class PdEngine:
         parts.append(f"KV moved: {st.kv_transfers} requests, {st.kv_bytes / 2**20:.1f} MiB in {st.kv_seconds:.2f} s")
         return "; ".join(parts)
 
+    def idle(self) -> None:
+        """Between requests: keep reading the workers' load reports (and notice a worker dying)."""
+        self.step()
+
     def take_failures(self) -> list[tuple[str, BaseException]]:
         out, self._failures = self._failures, []
         return out
