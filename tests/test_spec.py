@@ -193,8 +193,7 @@ def test_sampled_speculative_output_follows_the_model_distribution(tmp_path):
     drafts are accepted, most are rejected and resampled. Two-sample chi-square over tokens seen at least 20 times
     in total, against the 99.9% quantile.
     """
-    from scipy.stats import chi2
-
+    from stats_helpers import assert_same_token_distribution
     from tiny_gguf import write_tiny_model
 
     path = write_tiny_model(str(tmp_path / "t.gguf"), "llama", weight_scale=0.2, seed=5)
@@ -210,15 +209,7 @@ def test_sampled_speculative_output_follows_the_model_distribution(tmp_path):
     b = spec.generate([prompt] * n, params)
     st = spec.engine.scheduler.stats
     assert st.spec_accepted_tokens > 100 and st.spec_draft_tokens - st.spec_accepted_tokens > 1000  # both paths ran
-    for pos in (1, 2, 3):
-        ca, cb = {}, {}
-        for r in a:
-            ca[r.token_ids[pos]] = ca.get(r.token_ids[pos], 0) + 1
-        for r in b:
-            cb[r.token_ids[pos]] = cb.get(r.token_ids[pos], 0) + 1
-        keys = [k for k in set(ca) | set(cb) if ca.get(k, 0) + cb.get(k, 0) >= 20]
-        stat = sum((ca.get(k, 0) - cb.get(k, 0)) ** 2 / (ca.get(k, 0) + cb.get(k, 0)) for k in keys)
-        assert len(keys) >= 5 and stat < chi2.ppf(0.999, len(keys) - 1), (pos, stat, len(keys))
+    assert_same_token_distribution(a, b)
 
 
 def test_server_exports_speculation_metrics(tiny_model, tmp_path):

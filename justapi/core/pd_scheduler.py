@@ -113,7 +113,7 @@ class PdScheduler:
         self.stats.kv_seconds += seconds
         req = self.requests.get(request_id)
         if req is not None and req.phase == "transfer":
-            req.phase = "decode"
+            req.phase = "decode"  # (or earlier: when the decode worker reports it received the KV)
 
     def finished(self, request_id: str) -> PdRequest | None:
         req = self.requests.pop(request_id, None)

@@ -45,6 +45,12 @@ def resolve_dtype(name: str, reader, gpu: bool) -> tuple[torch.dtype, bool]:
     return torch.bfloat16, not gpu
 
 
+def check_token_ids(token_ids: list[int], vocab: int) -> None:
+    bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+
+
 def available_memory_bytes() -> int:
     """MemAvailable from /proc/meminfo (host memory the KV pool may take a share of)."""
     try:
@@ -182,7 +188,8 @@ class EngineCore:
             free, _ = torch.cuda.mem_get_info()
             budget = int(free * 0.8)
         else:
-            budget = int(available_memory_bytes() * self.config.kv_memory_fraction)
+            # tensor-parallel ranks on one host share its memory: each takes its part of the fraction
+            budget = int(available_memory_bytes() * self.config.kv_memory_fraction / self.config.tp)
         cap = DEFAULT_MAX_POOL_TOKENS // self.config.block_size
         return max(1, min(budget // per_block, cap))
 
@@ -190,13 +197,10 @@ class EngineCore:
     def new_seed(self) -> int:
         return self._seeds.getrandbits(62)
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError (AdmissionError) for a request that can never be served. Reads state only."""
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
-        self.scheduler.check_admissible(len(prompt_token_ids), params.max_tokens)
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Raise ValueError (AdmissionError) for a request that can never be served; its max_tokens. Reads state only."""
+        check_token_ids(prompt_token_ids, self.model_config.vocab_size)
+        return self.scheduler.check_admissible(len(prompt_token_ids), params.max_tokens)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request; raises AdmissionError (a ValueError) when it can never be served."""

@@ -30,6 +30,7 @@ from ..model.gguf_loader import ModelLoadError, open_gguf, read_model_config
 from ..model.tokenizer import Tokenizer
 from ..sampling_params import SamplingParams
 from .async_llm import EngineDeadError
+from .engine_core import check_token_ids
 from .output_processor import OutputProcessor, RequestOutput
 from .pd_worker import WorkerSpec, worker_main
 
@@ -172,13 +173,13 @@ class PdEngine:
         return self._seeds.getrandbits(62)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        """As EngineCore.check_request, against the smallest worker pool."""
+        check_token_ids(prompt_token_ids, self.model_config.vocab_size)
         return self._admission.check_admissible(len(prompt_token_ids), params.max_tokens)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.pd.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
         max_tokens = self.check_request(prompt_token_ids, params)
         params = dataclasses.replace(params, max_tokens=max_tokens)
         seed = params.seed if params.seed is not None else self.new_seed()
@@ -255,6 +256,8 @@ class PdEngine:
                 req = self.pd.requests.get(rid)
                 if req is None or rank not in self.pd.holder(rid):
                     continue  # aborted or failed meanwhile; a late message
+                if req.phase == "transfer" and rank == req.decode_rank:
+                    req.phase = "decode"  # decoding already, whether or not the sender's "sent" came in
                 if req.phase == "prefill":
                     req.num_cached_tokens = num_cached
                     prompt, _, params, seed = self._first[rid]
@@ -269,14 +272,20 @@ class PdEngine:
                         self.pd.finished(rid)
                     self._first.pop(rid, None)
         elif kind == "prefilled":
-            self._ship(msg[2])
+            req = self.pd.requests.get(msg[2])
+            if req is not None and rank == req.prefill_rank:  # not a late word from a worker it was moved away from
+                self._ship(msg[2])
+        elif kind == "received":
+            req = self.pd.requests.get(msg[2])
+            if req is not None and req.phase == "transfer" and rank == req.decode_rank:
+                req.phase = "decode"  # from now on only the decode worker holds it
         elif kind == "sent":
             _, _, rid, nbytes, nblocks, seconds = msg
             self.pd.transferred(rid, nbytes, nblocks, seconds)
-        elif kind == "transfer_failed":
+        elif kind == "request_failed":
             rid = msg[2]
-            if rid in self.pd.requests:
-                self._fail(rid, f"its KV transfer failed ({msg[3]})")
+            if rid in self.pd.requests and rank in self.pd.holder(rid):
+                self._fail(rid, msg[3])
         elif kind == "stats":
             w = self.pd.workers[rank]
             for key, value in msg[2].items():
@@ -319,6 +328,11 @@ class PdEngine:
                       w.role, rank, proc.pid, proc.exitcode)
             held = {rid: self.pd.requests[rid].phase for rid in w.requests if rid in self.pd.requests}
             retry, fail = self.pd.worker_died(rank)
+            streamed = [rid for rid in retry if self._first[rid][1] >= 0]  # its first token already went out
+            retry = [rid for rid in retry if rid not in streamed]
+            fail += streamed
+            self.pd.stats.retried -= len(streamed)
+            self.pd.stats.failed += len(streamed)
             for rid in fail:
                 self._fail(rid, f"the {w.role} worker {rank} serving it died"
                                 + (" during its KV transfer" if held.get(rid) == "transfer" else ""))

@@ -81,11 +81,18 @@ class _Worker:
 
     def run(self) -> None:
         while True:
-            idle = not self.engine.has_unfinished and not self.sends and not self.recvs
-            for msg in self._drain(block=idle):
+            # nothing to step: wait for a command (briefly while transfers are pending, to poll them)
+            timeout = None if self.engine.has_unfinished else 0.005 if self.sends or self.recvs else 0.05
+            for msg in self._drain(timeout):
                 if msg[0] == "stop":
                     return
-                self._handle(msg)
+                try:
+                    self._handle(msg)
+                except Exception as e:  # noqa: BLE001 - one bad request must not take the worker down
+                    rid = msg[1] if len(msg) > 1 else None
+                    log.error("%s failed for request %s: %s", msg[0], rid, e)
+                    self.outbox.put(("request_failed", self.spec.rank, rid,
+                                     f"a {msg[0]} command failed on the worker ({type(e).__name__}: {e})"))
             self._poll_transfers()
             if self.engine.has_unfinished:
                 t0 = time.perf_counter()
@@ -101,10 +108,10 @@ class _Worker:
                     self.outbox.put(("prefilled", self.spec.rank, rid))
             self._report()
 
-    def _drain(self, block: bool) -> list:
+    def _drain(self, timeout: float | None) -> list:
         msgs = []
         try:
-            msgs.append(self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait())
+            msgs.append(self.inbox.get(timeout=timeout) if timeout else self.inbox.get_nowait())
             while True:
                 msgs.append(self.inbox.get_nowait())
         except queue.Empty:
@@ -128,7 +135,8 @@ class _Worker:
 
             _, rid, dst, tag = msg
             req = self.sched.handoffs.get(rid)
-            if req is None:  # aborted meanwhile
+            if req is None:  # aborted meanwhile, or not ours
+                self.outbox.put(("request_failed", self.spec.rank, rid, "its KV is not on the prefill worker"))
                 return
             blocks = req.block_ids[: -(-req.num_prompt_tokens // self.sched.block_size)]
             self.sends[rid] = send_kv(rid, self.engine.runner.export_kv(blocks), dst, tag)
@@ -158,7 +166,8 @@ class _Worker:
                     continue
                 self.outbox.put(("sent", self.spec.rank, rid, t.nbytes, t.tensor.shape[3], t.seconds))
             except RuntimeError as e:
-                self.outbox.put(("transfer_failed", self.spec.rank, rid, str(e).splitlines()[0]))
+                self.outbox.put(("request_failed", self.spec.rank, rid,
+                                 f"its KV transfer failed ({str(e).splitlines()[0]})"))
             del self.sends[rid]
             self.sched.release_handoff(rid)
             self.announced.discard(rid)
@@ -168,15 +177,22 @@ class _Worker:
                     continue
             except RuntimeError as e:
                 del self.recvs[rid]
-                self.outbox.put(("transfer_failed", self.spec.rank, rid, str(e).splitlines()[0]))
+                self.aborted_recvs.discard(rid)
+                self.outbox.put(("request_failed", self.spec.rank, rid,
+                                 f"its KV transfer failed ({str(e).splitlines()[0]})"))
                 continue
             del self.recvs[rid]
             if rid in self.aborted_recvs:
                 self.aborted_recvs.discard(rid)
                 continue
             prompt, first, params, seed, num_cached = fields
-            self.sched.add_prefilled_request(rid, prompt, first, params, self.engine.tokenizer.eos_token_ids, seed,
-                                             t.tensor, num_cached)
+            try:
+                self.sched.add_prefilled_request(rid, prompt, first, params, self.engine.tokenizer.eos_token_ids,
+                                                 seed, t.tensor, num_cached)
+            except ValueError as e:
+                self.outbox.put(("request_failed", self.spec.rank, rid, str(e)))
+                continue
+            self.outbox.put(("received", self.spec.rank, rid))
 
     def _report(self) -> None:
         now = time.monotonic()
