@@ -246,3 +246,26 @@ def test_block_pool_integrity_catches_a_double_owner():
         pool.check_integrity(Counter(ids + ids[:1]))
     pool.decref(ids)
     assert pool.num_free == 4
+
+
+@pytest.mark.parametrize("num_blocks,drafted", [(6, False), (7, True)])
+def test_draft_slots_only_take_blocks_no_decode_needs(num_blocks, drafted):
+    """Two decodes that each need a new block, the first with a 4-token draft chain that needs one more: the drafts
+    get that block only if it is left over once both decodes have theirs; never by preempting the second."""
+    cfg = SchedulerConfig(num_blocks=num_blocks, block_size=4, chunk_size=16, prefix_cache=False, spec_method="draft",
+                          gamma=4, branch=1, spec_max_batch=8)
+    s = Scheduler(cfg)
+    add(s, "a", 8, max_tokens=12)
+    add(s, "b", 8, max_tokens=12, base=200)
+    step(s)  # both prompts in one step; each samples its first token
+    out = s.schedule()
+    assert s.stats.num_preemptions == 0 and set(out.num_scheduled_tokens) == {"a", "b"}
+    assert out.num_scheduled_tokens["b"] == 1 and "b" not in out.spec_depth  # no room left for b's drafts
+    if drafted:
+        assert out.spec_depth == {"a": 4} and out.num_scheduled_tokens["a"] == 5
+        assert len(s.requests["a"].block_ids) == 4  # positions 0..12: the draft block was granted
+        sent = next(c for c in out.cached_requests if c.request_id == "a").new_block_ids
+        assert len(sent) == 2  # the runner learns about both new blocks
+    else:
+        assert out.spec_depth == {} and out.num_scheduled_tokens["a"] == 1
+    s.check_integrity()

@@ -69,6 +69,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._finished_ids: set[str] = set()  # runner state to drop at the next step
         self._new_ids: set[str] = set()  # admitted (or resumed) since the last step
+        self._out_data: dict = {}  # this step's NewRequestData / CachedRequestData by request id
         # prefill/decode disaggregation (core.pd_scheduler): a prefill worker hands a request off after its first
         # token, keeping its blocks until they are shipped; a decode worker admits requests with imported KV
         self.hand_off_after_prefill = False
@@ -162,6 +163,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Decide this step's work: running decodes first, then prefill chunks, then admissions."""
         out = SchedulerOutput()
+        self._out_data = {}
         budget = [self.config.chunk_size]  # prefill tokens left this step
         counts = Counter()
         self._admit_batch()
@@ -178,6 +180,7 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: list[int], counts: Counter) -> bool:
         preempted = False
+        drafting: list[Request] = []  # decodes with drafts, given their draft slots once everyone has a token
         i = 0
         while i < len(self.running):
             req = self.running[i]
@@ -186,18 +189,13 @@ class Scheduler:
                 if counts["decode"] >= self.config.max_decode:
                     i += 1
                     continue
-                n = 1 + self._spec_slots(req)
+                n = 1
             else:
                 if counts["prefill"] >= self.config.max_prefill or budget[0] == 0:
                     i += 1
                     continue
                 n = min(remaining, budget[0])
             new_blocks = self._grow(req, req.num_computed_tokens + n)
-            if new_blocks is None and n > 1 and remaining == 1:  # drafts never cost another request its blocks
-                req.spec_token_ids = []
-                req.spec_depth = 0
-                n = 1
-                new_blocks = self._grow(req, req.num_computed_tokens + n)
             while new_blocks is None:  # out of blocks: preempt the most recently admitted request
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -209,16 +207,36 @@ class Scheduler:
                 break  # req itself was preempted; it was the last one
             if remaining == 1:
                 counts["decode"] += 1
-                if req.spec_token_ids:
-                    out.spec_token_ids[req.request_id] = req.spec_token_ids
-                elif req.spec_depth:
-                    out.spec_depth[req.request_id] = req.spec_depth
+                if self._spec_slots(req):
+                    drafting.append(req)
             else:
                 counts["prefill"] += 1
                 budget[0] -= n
             self._add_to_output(out, req, n, new_blocks)
             i += 1
+        for req in drafting:
+            self._schedule_drafts(out, req)
         return preempted
+
+    def _schedule_drafts(self, out: SchedulerOutput, req: Request) -> None:
+        """Add a decode's draft slots if free (or cached) blocks allow: drafts never cost another request its
+        blocks, nor a waiting request its admission order (they only ever use what is left)."""
+        slots = self._spec_slots(req)
+        if req.status is not RequestStatus.RUNNING:
+            return
+        new_blocks = self._grow(req, req.num_computed_tokens + 1 + slots)
+        if new_blocks is None:
+            req.spec_token_ids = []
+            req.spec_depth = 0
+            return
+        rid = req.request_id
+        out.num_scheduled_tokens[rid] += slots
+        data = self._out_data[rid]
+        (data.block_ids if isinstance(data, NewRequestData) else data.new_block_ids).extend(new_blocks)
+        if req.spec_token_ids:
+            out.spec_token_ids[rid] = req.spec_token_ids
+        else:
+            out.spec_depth[rid] = req.spec_depth
 
     def _spec_slots(self, req: Request) -> int:
         """KV slots this step's drafts take after the request's last token: prompt-lookup tokens or a tree."""
@@ -308,15 +326,16 @@ class Scheduler:
         rid = req.request_id
         if rid in self._new_ids:
             self._new_ids.discard(rid)
-            out.new_requests.append(
-                NewRequestData(
-                    rid, list(req.all_token_ids), req.num_prompt_tokens, list(req.block_ids),
-                    req.num_computed_tokens, req.sampling_params, req.seed, req.imported_kv,
-                )
+            data = NewRequestData(
+                rid, list(req.all_token_ids), req.num_prompt_tokens, list(req.block_ids),
+                req.num_computed_tokens, req.sampling_params, req.seed, req.imported_kv,
             )
+            out.new_requests.append(data)
             req.imported_kv = None  # the runner has it now; after a preemption the request recomputes
         else:
-            out.cached_requests.append(CachedRequestData(rid, new_blocks, req.num_computed_tokens))
+            data = CachedRequestData(rid, list(new_blocks), req.num_computed_tokens)
+            out.cached_requests.append(data)
+        self._out_data[rid] = data
         out.num_scheduled_tokens[rid] = num_tokens
 
     # --- after the runner ---------------------------------------------------------------------------------
