@@ -63,6 +63,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="prefill worker processes with --disaggregate (default: 1)")
     p.add_argument("--decode-workers", type=int, default=None,
                    help="decode worker processes with --disaggregate (default: 1)")
+    p.add_argument("--prefill-tp", type=int, default=None,
+                   help="tensor-parallel ranks of each prefill worker with --disaggregate (default: --tp)")
+    p.add_argument("--decode-tp", type=int, default=None,
+                   help="tensor-parallel ranks of each decode worker with --disaggregate (default: --tp)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,26 +115,32 @@ def engine_config(args) -> C.EngineConfig:
             gamma=args.gamma, branch=args.branch, spec_tree_nodes=args.spec_tree_nodes,
             spec_max_batch=args.spec_max_batch, disaggregate=args.disaggregate,
             prefill_workers=args.prefill_workers, decode_workers=args.decode_workers, tp=args.tp,
+            prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
             seed=args.seed,
         )
     except ValueError as e:
         raise CliError(str(e)) from None
 
 
-def check_model_file(path: str, draft_path: str | None = None, tp: int = 1) -> None:
+def tp_sizes(cfg: C.EngineConfig) -> dict[str, int]:
+    """Every tensor-parallel size the engine will use, by flag (each disaggregated pool has its own)."""
+    return {"--prefill-tp": cfg.prefill_tp, "--decode-tp": cfg.decode_tp} if cfg.disaggregate else {"--tp": cfg.tp}
+
+
+def check_model_file(path: str, draft_path: str | None = None, tps: dict[str, int] | None = None) -> None:
     """Fail fast on a file that cannot be served (a draft model that cannot draft for it, a --tp its dimensions do
     not allow), before the server starts."""
     from .model.gguf_loader import ModelLoadError, open_gguf, read_model_config
 
     reader = open_gguf(path)
     model_config = read_model_config(reader, path)
-    if tp > 1:
+    for flag, tp in (tps or {}).items():
         from .distributed.tp import TpPlan
 
         try:
             TpPlan.make(model_config, 0, tp)
         except ValueError as e:
-            raise CliError(str(e)) from None
+            raise CliError(str(e).replace("--tp", flag, 1)) from None
     if draft_path is not None:
         from .spec.draft import check_same_vocabulary
 
@@ -162,7 +172,7 @@ def cmd_serve(args) -> int:
 
         if not torch.cuda.is_available():
             raise CliError("--gpu was given but torch sees no CUDA device")
-    check_model_file(cfg.model, cfg.draft_model, cfg.tp)
+    check_model_file(cfg.model, cfg.draft_model, tp_sizes(cfg))
     logging.basicConfig(level=server_cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     name = server_cfg.served_model_name or os.path.splitext(os.path.basename(cfg.model))[0]
     mode = "continuous batching" if cfg.scheduled else "static batching (pass --scheduled for continuous batching)"
@@ -204,7 +214,7 @@ def cmd_generate(args) -> int:
     cfg = engine_config(args)
     if cfg.disaggregate:
         raise CliError("--disaggregate is for justapi serve")
-    check_model_file(cfg.model, cfg.draft_model, cfg.tp)
+    check_model_file(cfg.model, cfg.draft_model, tp_sizes(cfg))
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k)

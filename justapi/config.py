@@ -105,6 +105,8 @@ class EngineConfig:
     decode_workers: int | None = None  # default 1 with disaggregate
     kv_memory_fraction: float = DEFAULT_KV_MEMORY_FRACTION  # share of available memory for a default-sized pool
     tp: int = 1  # tensor-parallel ranks (distributed.tp); rank 0 is the engine, the others worker processes
+    prefill_tp: int | None = None  # with disaggregate: tensor-parallel ranks of each prefill worker (default tp)
+    decode_tp: int | None = None  # ... of each decode worker (default tp)
     seed: int = 0
     show_progress: bool = True
 
@@ -123,12 +125,10 @@ class EngineConfig:
             raise ValueError(f"--pool-blocks must be a positive integer, not {self.pool_blocks!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"--max-model-len must be a positive integer, not {self.max_model_len!r}")
-        self._check_speculation()
-        self._check_disaggregation()
         if not isinstance(self.tp, int) or self.tp < 1:
             raise ValueError(f"--tp must be a positive integer, not {self.tp!r}")
-        if self.tp > 1 and self.disaggregate:
-            raise ValueError("--tp cannot be combined with --disaggregate in this version")
+        self._check_speculation()
+        self._check_disaggregation()
         if not isinstance(self.spec_max_batch, int) or self.spec_max_batch < 0:
             raise ValueError(f"--spec-max-batch must be a non-negative integer, not {self.spec_max_batch!r}")
         if self.num_threads is not None and self.num_threads < 1:
@@ -162,7 +162,7 @@ class EngineConfig:
                              f"more than the node budget --spec-tree-nodes {self.spec_tree_nodes}")
 
     def _check_disaggregation(self) -> None:
-        for name in ("prefill_workers", "decode_workers"):
+        for name in ("prefill_workers", "decode_workers", "prefill_tp", "decode_tp"):
             value = getattr(self, name)
             flag = "--" + name.replace("_", "-")
             if value is None:
@@ -180,6 +180,8 @@ class EngineConfig:
                              "--spec-method) in this version")
         object.__setattr__(self, "prefill_workers", self.prefill_workers or 1)
         object.__setattr__(self, "decode_workers", self.decode_workers or 1)
+        object.__setattr__(self, "prefill_tp", self.prefill_tp or self.tp)
+        object.__setattr__(self, "decode_tp", self.decode_tp or self.tp)
 
     @property
     def speculation(self) -> str | None:

@@ -47,8 +47,14 @@ def test_bad_disaggregation_settings_fail_naming_the_flag(tiny_model):
         EngineConfig(tiny_model, disaggregate=True)
     with pytest.raises(ValueError, match="speculative decoding"):
         EngineConfig(tiny_model, scheduled=True, disaggregate=True, spec_method="ngram")
+    with pytest.raises(ValueError, match="--decode-tp needs --disaggregate"):
+        EngineConfig(tiny_model, scheduled=True, decode_tp=2)
+    with pytest.raises(ValueError, match="--prefill-tp must be a positive integer"):
+        EngineConfig(tiny_model, scheduled=True, disaggregate=True, prefill_tp=0)
     cfg = EngineConfig(tiny_model, scheduled=True, disaggregate=True)
-    assert (cfg.prefill_workers, cfg.decode_workers) == (1, 1)
+    assert (cfg.prefill_workers, cfg.decode_workers, cfg.prefill_tp, cfg.decode_tp) == (1, 1, 1, 1)
+    cfg = EngineConfig(tiny_model, scheduled=True, disaggregate=True, tp=2, decode_tp=3)
+    assert (cfg.prefill_tp, cfg.decode_tp) == (2, 3)
 
 
 def mixed_requests(n=12, seed=0):
@@ -104,6 +110,33 @@ def test_greedy_output_identical_to_the_colocated_engine_and_no_leaked_blocks(ti
             assert problem is None, (rank, problem)
             assert held["running"] == held["handoffs"] == held["transfers"] == held["blocks_held_by_requests"] == 0
             assert held["free_blocks"] + held["cached_blocks"] == held["num_blocks"]
+    finally:
+        engine.close()
+
+
+def test_each_pool_with_its_own_tensor_parallel_size_gives_the_colocated_output(tiny_model):
+    """Prefill on 2 ranks (the tiny model's 2 KV heads split), decode on 4 (each KV head replicated on two): the
+    KV is gathered from one layout and spread over the other."""
+    from justapi.engine.pd_engine import PdEngine
+
+    opts = dict(pool_blocks=256, batch_invariant=True, scheduled=True, chunk_size=64, show_progress=False)
+    prompts, params = mixed_requests(8, seed=3)
+    want = LLM(tiny_model, **opts).generate(prompts, params)
+    engine = PdEngine(EngineConfig(tiny_model, disaggregate=True, prefill_tp=2, decode_tp=4, num_threads=1, **opts))
+    try:
+        assert [len(f) for f in engine.followers] == [1, 3]
+        assert [w["tp"] for w in engine.health()[1]["workers"]] == [2, 4]
+        done, failed = run_all(engine, prompts, params)
+        assert not failed
+        assert [done[f"r{i}"].token_ids for i in range(len(prompts))] == [w.token_ids for w in want]
+        assert engine.pd.stats.kv_transfers >= 1
+        for rank, (problem, held) in engine.check_integrity().items():
+            assert problem is None, (rank, problem)
+        os.kill(engine.followers[1][2].pid, signal.SIGKILL)  # a decode shard dies: its worker is stopped, clearly
+        engine.followers[1][2].join(10)
+        engine.step()
+        serving, detail = engine.health()
+        assert not serving and detail["dead_workers"] == ["decode worker 1"]
     finally:
         engine.close()
 

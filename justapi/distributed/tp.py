@@ -74,11 +74,20 @@ def head_rows(heads: tuple[int, ...], head_dim: int) -> torch.Tensor:
 
 
 class TpComm:
-    """The collectives a sharded model needs, with the time they take (for the benchmark)."""
+    """The collectives a sharded model needs, with the time they take (for the benchmark).
 
-    def __init__(self, plan: TpPlan, vocab_size: int) -> None:
+    ``group``: the ranks of this engine, None for the default group (``--tp`` alone); a disaggregated engine's
+    worker pools each form a sub-group of one world (engine.pd_engine). Ranks are the group's own, 0 leading.
+    ``kv_heads_of``: every rank's KV heads (TpPlan.kv_heads), to reassemble a request's KV (``gather_kv``).
+    """
+
+    def __init__(self, plan: TpPlan, vocab_size: int, group=None, kv_heads_of: list[tuple[int, ...]] | None = None,
+                 num_kv_heads: int = 0) -> None:
         self.plan = plan
         self.vocab_size = vocab_size
+        self.group = group
+        self.kv_heads_of = kv_heads_of or [plan.kv_heads]
+        self.num_kv_heads = num_kv_heads
         self.slice_len = max(even_range(vocab_size, plan.size, r)[1] - even_range(vocab_size, plan.size, r)[0]
                              for r in range(plan.size))
         self.seconds = 0.0  # spent in collectives (all-reduce, all-gather), this rank's view
@@ -88,7 +97,7 @@ class TpComm:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
         y = x.float()
-        dist.all_reduce(y)
+        dist.all_reduce(y, group=self.group)
         self.seconds += time.perf_counter() - t0
         self.calls += 1
         self.bytes += y.numel() * 4
@@ -101,7 +110,7 @@ class TpComm:
         padded = logits.new_zeros(rows, self.slice_len)
         padded[:, :n] = logits
         parts = [torch.empty_like(padded) for _ in range(self.plan.size)]
-        dist.all_gather(parts, padded)
+        dist.all_gather(parts, padded, group=self.group)
         out = torch.cat([p[:, : b - a] for p, (a, b) in
                          zip(parts, (even_range(self.vocab_size, self.plan.size, r) for r in range(self.plan.size)))],
                         dim=1)
@@ -109,3 +118,32 @@ class TpComm:
         self.calls += 1
         self.bytes += padded.numel() * 4 * self.plan.size
         return out
+
+    def gather_kv(self, local: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's KV of the same blocks, [layers, 2, its kv heads, blocks, block_size, dim], → on rank 0 the
+        KV with every head of the model in order (a replicated head is taken from its first holder); None elsewhere.
+        """
+        most = max(len(h) for h in self.kv_heads_of)
+        if local.shape[2] < most:  # uneven splits: pad so that every rank sends the same shape
+            pad = local.new_zeros(*local.shape[:2], most - local.shape[2], *local.shape[3:])
+            local = torch.cat([local, pad], dim=2)
+        parts = [torch.empty_like(local) for _ in self.kv_heads_of] if self.plan.rank == 0 else None
+        dist.gather(local.contiguous(), parts, group=self.group, group_dst=0)
+        if parts is None:
+            return None
+        full = local.new_empty(*local.shape[:2], self.num_kv_heads, *local.shape[3:])
+        seen = set()
+        for part, heads in zip(parts, self.kv_heads_of):
+            for j, h in enumerate(heads):
+                if h not in seen:
+                    seen.add(h)
+                    full[:, :, h] = part[:, :, j]
+        assert len(seen) == self.num_kv_heads, "the ranks' KV heads do not cover the model's"
+        return full
+
+
+def broadcast(obj, group=None):
+    """Rank 0's ``obj`` on every rank of ``group`` (pickled: a step's SchedulerOutput, a command, None to stop)."""
+    box = [obj]
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    return box[0]

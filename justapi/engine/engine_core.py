@@ -66,9 +66,10 @@ def available_memory_bytes() -> int:
 class EngineCore:
     """A loaded model with its scheduler and runner; ``step()`` runs one iteration of continuous batching."""
 
-    def __init__(self, config: EngineConfig, tp_rank: int = 0, tp_init: str | None = None) -> None:
+    def __init__(self, config: EngineConfig, tp_rank: int = 0, tp_init: str | None = None, tp_group=None) -> None:
         """``tp_rank`` > 0: a tensor-parallel worker (engine.tp_worker), which loads its shard and runs the runner
-        only; rank 0 starts those workers itself when ``config.tp`` > 1."""
+        only. With ``config.tp`` > 1, rank 0 starts those workers itself and they form the default group, unless
+        ``tp_group`` is given: the sub-group its ranks already form in a disaggregated engine's world."""
         self.config = config
         if config.gpu and not torch.cuda.is_available():
             raise ModelLoadError("--gpu was given but torch sees no CUDA device (torch.cuda.is_available() is False)")
@@ -80,17 +81,21 @@ class EngineCore:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tp))
         reader = open_gguf(config.model)
         self.model_config = read_model_config(reader, config.model)
-        self.tp_workers: list = []
+        self.tp_workers: list = []  # processes this engine started (--tp alone)
+        self.tp_group = tp_group
+        self.tp_leader = config.tp > 1 and tp_rank == 0  # broadcasts each step to the other ranks
         plan = comm = None
         if config.tp > 1:
             from ..distributed.tp import TpComm, TpPlan
             from .tp_worker import join_group, start_workers
 
             plan = TpPlan.make(self.model_config, tp_rank, config.tp)  # a bad --tp fails here, before any process
-            if tp_rank == 0:
-                tp_init, self.tp_workers = start_workers(config)
-            join_group(config, tp_rank, tp_init)
-            comm = TpComm(plan, self.model_config.vocab_size)
+            if tp_group is None:
+                if tp_rank == 0:
+                    tp_init, self.tp_workers = start_workers(config)
+                join_group(config, tp_rank, tp_init)
+            heads = [TpPlan.make(self.model_config, r, config.tp).kv_heads for r in range(config.tp)]
+            comm = TpComm(plan, self.model_config.vocab_size, tp_group, heads, self.model_config.num_kv_heads)
         if tp_rank == 0:
             self.tokenizer = Tokenizer(config.model, reader)
             self.chat_template = ChatTemplate(self.tokenizer.chat_template)
@@ -108,11 +113,9 @@ class EngineCore:
         self.max_model_len = self._max_model_len()
         num_blocks = self._num_blocks()
         if plan is not None:  # every rank's pool has rank 0's size (rank 0 holds the most KV heads)
-            import torch.distributed as dist
+            from ..distributed.tp import broadcast
 
-            box = [num_blocks]
-            dist.broadcast_object_list(box, src=0)
-            num_blocks = box[0]
+            num_blocks = broadcast(num_blocks, tp_group)
         sched_config = SchedulerConfig(
             num_blocks=num_blocks,
             block_size=config.block_size,
@@ -261,16 +264,36 @@ class EngineCore:
 
     def _execute(self, sched):
         """Run the step here and, with --tp, on every worker: they receive the same (small) SchedulerOutput."""
-        if self.tp_workers:
-            from .tp_worker import broadcast_step
+        if self.tp_leader:
+            from ..distributed.tp import broadcast
 
-            broadcast_step(sched)
+            broadcast(sched, self.tp_group)
         return self.runner.execute(sched)
+
+    def export_kv(self, block_ids: list[int]) -> torch.Tensor:
+        """The K/V of ``block_ids`` with every KV head of the model, [layers, 2, kv_heads, blocks, block_size, dim]:
+        with --tp, each rank holds some heads, and rank 0 gathers them."""
+        if not self.tp_leader:
+            return self.runner.export_kv(block_ids)
+        from ..distributed.tp import broadcast
+
+        broadcast(("export_kv", list(block_ids)), self.tp_group)
+        return self.model.comm.gather_kv(self.runner.export_kv(block_ids))
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any."""
+        if not self.tp_leader:
+            return
+        self.tp_leader = False
         if self.tp_workers:
             from .tp_worker import stop_workers
 
             stop_workers(self.tp_workers)
             self.tp_workers = []
+        else:  # the disaggregated engine's sub-group: tell its ranks to leave; the engine owns the processes
+            from ..distributed.tp import broadcast
+
+            try:
+                broadcast(None, self.tp_group)
+            except RuntimeError:
+                pass  # a rank is already gone

@@ -1,7 +1,10 @@
 """PdEngine: the server side of prefill/decode disaggregation (``justapi serve --disaggregate``).
 
-It starts P prefill and D decode worker processes (engine.pd_worker; ranks 0..P-1 prefill, P..P+D-1 decode) in one
+It starts P prefill and D decode workers (engine.pd_worker; workers 0..P-1 prefill, P..P+D-1 decode) in one
 torch.distributed group, and offers AsyncLLM the same interface as EngineCore: add, abort, step, has_unfinished.
+Each pool has its own tensor-parallel size (``--prefill-tp``, ``--decode-tp``): a worker of size N is N processes
+forming a sub-group of the world; the server talks to its leader, which ships or receives the KV with every head
+(gathered from its ranks, or handed to them with the step that admits the request).
 ``step`` collects what the workers sent (token ids, hand-offs, transfer figures, load reports), routes with
 core.pd_scheduler.PdScheduler, detokenizes, and watches the worker processes: a dead worker is logged, shown on
 /health, and its requests are sent to another prefill worker (still in prefill) or failed with an error.
@@ -32,7 +35,7 @@ from ..sampling_params import SamplingParams
 from .async_llm import EngineDeadError
 from .engine_core import check_token_ids
 from .output_processor import OutputProcessor, RequestOutput
-from .pd_worker import WorkerSpec, worker_main
+from .pd_worker import WorkerSpec, follower_main, worker_main
 
 log = logging.getLogger("justapi.pd")
 
@@ -71,39 +74,55 @@ class PdEngine:
     def _start_workers(self) -> None:
         cfg = self.config
         p, d = cfg.prefill_workers, cfg.decode_workers
-        world = p + d
+        roles = ["prefill"] * p + ["decode"] * d
+        sizes = [cfg.prefill_tp] * p + [cfg.decode_tp] * d  # each worker's tensor-parallel ranks
+        layout, start = [], 0
+        for n in sizes:  # global ranks: worker after worker, each leader first
+            layout.append(tuple(range(start, start + n)))
+            start += n
+        self._dist_rank = [ranks[0] for ranks in layout]  # where a worker's KV is sent from / to
+        world = start
         threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // world)
         if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
             init_method = None
         else:
             init_method = f"tcp://127.0.0.1:{_free_port()}"
-        worker_config = dataclasses.replace(
-            cfg, disaggregate=False, prefill_workers=None, decode_workers=None, num_threads=threads,
-            show_progress=False, kv_memory_fraction=cfg.kv_memory_fraction / world,
-        )
         ctx = multiprocessing.get_context("spawn")
         self.outbox = ctx.Queue()
         self.inboxes = []
-        self.procs = []
-        roles = ["prefill"] * p + ["decode"] * d
-        for rank, role in enumerate(roles):
+        self.procs = []  # the workers' leaders, by worker index
+        self.followers: list[list] = []  # the workers' tensor-parallel ranks > 0
+        workers = p + d
+        for rank, (role, n) in enumerate(zip(roles, sizes)):
+            worker_config = dataclasses.replace(
+                cfg, disaggregate=False, prefill_workers=None, decode_workers=None, prefill_tp=None, decode_tp=None,
+                tp=n, num_threads=threads, show_progress=False, kv_memory_fraction=cfg.kv_memory_fraction / workers,
+            )
+            spec = WorkerSpec(rank, world, role, worker_config, init_method, GROUP_TIMEOUT_S, threads, tuple(layout))
             inbox = ctx.Queue()
-            spec = WorkerSpec(rank, world, role, worker_config, init_method, GROUP_TIMEOUT_S, threads)
             proc = ctx.Process(target=worker_main, args=(spec, inbox, self.outbox), name=f"justapi-{role}-{rank}",
                                daemon=True)
             proc.start()
             self.inboxes.append(inbox)
             self.procs.append(proc)
-        log.info("started %d prefill and %d decode workers (%d threads each), rendezvous %s", p, d, threads,
+            self.followers.append([])
+            for tp_rank in range(1, n):
+                f = ctx.Process(target=follower_main, args=(dataclasses.replace(spec, tp_rank=tp_rank),),
+                                name=f"justapi-{role}-{rank}-tp{tp_rank}", daemon=True)
+                f.start()
+                self.followers[rank].append(f)
+        log.info("started %d prefill (tp %d) and %d decode (tp %d) workers, %d processes of %d threads, "
+                 "rendezvous %s", p, cfg.prefill_tp, d, cfg.decode_tp, world, threads,
                  init_method or "env:// (MASTER_ADDR/MASTER_PORT)")
         ready: dict[int, tuple[int, int]] = {}
         self._pids: dict[int, int] = {}
         deadline = time.monotonic() + START_TIMEOUT_S
-        while len(ready) < world:
+        while len(ready) < workers:
             try:
                 msg = self.outbox.get(timeout=1.0)
             except queue.Empty:
-                dead = [r for r, pr in enumerate(self.procs) if not pr.is_alive() and r not in ready]
+                dead = [r for r, pr in enumerate(self.procs) if r not in ready and not (
+                    pr.is_alive() and all(f.is_alive() for f in self.followers[r]))]
                 if dead or time.monotonic() > deadline:
                     self.close()
                     why = f"worker {dead[0]} exited" if dead else "workers did not start in time"
@@ -116,7 +135,7 @@ class PdEngine:
                 ready[msg[1]] = (msg[2], msg[3])
                 self._pids[msg[1]] = msg[4]
         self.pd = PdScheduler([WorkerInfo(r, roles[r], num_blocks=ready[r][0], block_size=ready[r][1],
-                                          free_blocks=ready[r][0]) for r in range(world)])
+                                          free_blocks=ready[r][0]) for r in range(workers)])
         smallest = min(n for n, _ in ready.values())
         self._admission = Scheduler(SchedulerConfig(num_blocks=smallest, block_size=cfg.block_size,
                                                     max_model_len=self.max_model_len))
@@ -132,7 +151,7 @@ class PdEngine:
             if proc.is_alive():
                 inbox.put(("stop",))
         deadline = time.monotonic() + 5
-        for proc in self.procs:
+        for proc in self.procs + [f for fs in self.followers for f in fs]:  # leaders release their followers
             proc.join(timeout=max(0.1, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.terminate()
@@ -145,6 +164,7 @@ class PdEngine:
         detail = {"prefill_workers_alive": len(self.pd.pool("prefill")),
                   "decode_workers_alive": len(self.pd.pool("decode")),
                   "workers": [{"rank": w.rank, "role": w.role, "alive": w.alive, "pid": self._pids.get(w.rank),
+                               "tp": len(self.followers[w.rank]) + 1,
                                "requests": w.load} for w in self.pd.workers.values()]}
         if dead:
             detail["dead_workers"] = dead
@@ -309,9 +329,9 @@ class PdEngine:
         self._tag += 1
         nblocks = -(-len(prompt) // self.config.block_size)
         shape = tuple(nblocks if x is None else x for x in self._kv_shape)
-        self.inboxes[src].put(("send", rid, dst, self._tag))
-        self.inboxes[dst].put(("recv", rid, src, self._tag, shape, (prompt, first, params, seed,
-                                                                  req.num_cached_tokens)))
+        self.inboxes[src].put(("send", rid, self._dist_rank[dst], self._tag))
+        self.inboxes[dst].put(("recv", rid, self._dist_rank[src], self._tag, shape,
+                               (prompt, first, params, seed, req.num_cached_tokens)))
 
     def _fail(self, rid: str, why: str) -> None:
         self._drop(rid)
@@ -322,7 +342,15 @@ class PdEngine:
     def _check_workers(self) -> None:
         for rank, proc in enumerate(self.procs):
             w = self.pd.workers[rank]
-            if not w.alive or proc.is_alive():
+            if not w.alive:
+                continue
+            lost = [f for f in self.followers[rank] if not f.is_alive()]
+            if lost and proc.is_alive():  # a worker without all its shards cannot step: stop it as a whole
+                log.error("%s worker %d: its tensor-parallel rank (pid %s) died with exit code %s", w.role, rank,
+                          lost[0].pid, lost[0].exitcode)
+                proc.kill()
+                proc.join(5)
+            if proc.is_alive():
                 continue
             log.error("%s worker %d (pid %s) died with exit code %s; serving with the remaining workers",
                       w.role, rank, proc.pid, proc.exitcode)

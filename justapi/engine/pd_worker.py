@@ -29,30 +29,49 @@ REPORT_INTERVAL_S = 0.25
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    rank: int
-    world_size: int
+    rank: int  # the worker's index (prefill workers first); the server's name for it
+    world_size: int  # processes in the group: every worker's tensor-parallel ranks
     role: str  # "prefill" | "decode"
-    config: EngineConfig
+    config: EngineConfig  # config.tp: this worker's tensor-parallel size
     init_method: str | None  # None: env:// (MASTER_ADDR / MASTER_PORT)
     timeout_s: float
     threads: int
+    layout: tuple[tuple[int, ...], ...] = ()  # each worker's global ranks, its leader first
+    tp_rank: int = 0  # this process's rank within its worker; 0 leads (talks to the server), others follow
+
+    @property
+    def dist_rank(self) -> int:
+        return self.layout[self.rank][self.tp_rank] if self.layout else self.rank
+
+
+def _join(spec: WorkerSpec):
+    """Join the world, form every worker's tensor-parallel sub-group (each process must create every group, in the
+    same order) and load the engine; the engine's rank ``spec.tp_rank`` of its worker."""
+    import torch
+    import torch.distributed as dist
+
+    from ..distributed.kv_transfer import init_process_group
+    from .engine_core import EngineCore
+
+    torch.set_num_threads(spec.threads)
+    if spec.config.gpu:
+        torch.cuda.set_device(spec.dist_rank % torch.cuda.device_count())
+    init_process_group(spec.dist_rank, spec.world_size, spec.init_method, spec.timeout_s,
+                       "nccl" if spec.config.gpu else "gloo")
+    group = None
+    for i, ranks in enumerate(spec.layout):
+        if len(ranks) > 1:
+            g = dist.new_group(list(ranks))
+            if i == spec.rank:
+                group = g
+    return EngineCore(spec.config, tp_rank=spec.tp_rank, tp_group=group)
 
 
 def worker_main(spec: WorkerSpec, inbox, outbox) -> None:
     """Process entry point: join the group, load the model, then serve commands until told to stop."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {spec.role}-worker-{spec.rank}: %(message)s")
     try:
-        import torch
-
-        from ..distributed.kv_transfer import init_process_group
-        from .engine_core import EngineCore
-
-        torch.set_num_threads(spec.threads)
-        if spec.config.gpu:
-            torch.cuda.set_device(spec.rank % torch.cuda.device_count())
-        init_process_group(spec.rank, spec.world_size, spec.init_method, spec.timeout_s,
-                           "nccl" if spec.config.gpu else "gloo")
-        engine = EngineCore(spec.config)
+        engine = _join(spec)
         engine.scheduler.hand_off_after_prefill = spec.role == "prefill"
         outbox.put(("ready", spec.rank, engine.scheduler.pool.num_blocks, engine.config.block_size, os.getpid()))
     except BaseException as e:  # noqa: BLE001 - reported to the server, which names the worker
@@ -63,6 +82,17 @@ def worker_main(spec: WorkerSpec, inbox, outbox) -> None:
     except BaseException as e:  # noqa: BLE001
         log.error("worker failed: %s", traceback.format_exc())
         outbox.put(("failed", spec.rank, f"{type(e).__name__}: {e}"))
+    finally:
+        engine.close()  # its tensor-parallel ranks leave
+
+
+def follower_main(spec: WorkerSpec) -> None:
+    """Entry point of a worker's tensor-parallel rank > 0: its shard, then the steps its leader broadcasts."""
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s %(levelname)s {spec.role}-worker-{spec.rank}-tp{spec.tp_rank}: %(message)s")
+    from .tp_worker import follow
+
+    follow(_join(spec))
 
 
 class _Worker:
@@ -139,7 +169,7 @@ class _Worker:
                 self.outbox.put(("request_failed", self.spec.rank, rid, "its KV is not on the prefill worker"))
                 return
             blocks = req.block_ids[: -(-req.num_prompt_tokens // self.sched.block_size)]
-            self.sends[rid] = send_kv(rid, self.engine.runner.export_kv(blocks), dst, tag)
+            self.sends[rid] = send_kv(rid, self.engine.export_kv(blocks), dst, tag)
         elif kind == "check":
             try:
                 self.sched.check_integrity()

@@ -54,13 +54,11 @@ def join_group(config: EngineConfig, rank: int, init: str | None) -> None:
     init_process_group(rank, config.tp, init, GROUP_TIMEOUT_S, "nccl" if config.gpu else "gloo")
 
 
-def broadcast_step(sched) -> None:
-    dist.broadcast_object_list([sched], src=0)
-
-
 def stop_workers(procs: list) -> None:
+    from ..distributed.tp import broadcast
+
     try:
-        dist.broadcast_object_list([None], src=0)
+        broadcast(None)
     except RuntimeError:
         pass  # a worker is already gone
     for p in procs:
@@ -75,10 +73,22 @@ def tp_worker_main(config: EngineConfig, rank: int, init: str | None) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-worker-{rank}: %(message)s")
     from .engine_core import EngineCore
 
-    engine = EngineCore(config, tp_rank=rank, tp_init=init)
+    follow(EngineCore(config, tp_rank=rank, tp_init=init))
+
+
+def follow(engine) -> None:
+    """A worker rank's loop: run what rank 0 broadcasts to the engine's group until it broadcasts None.
+
+    A SchedulerOutput: run the step on this shard. ("export_kv", block ids): send this rank's KV of those blocks to
+    rank 0 (a disaggregated prefill worker shipping a request's KV, EngineCore.export_kv).
+    """
+    from ..distributed.tp import broadcast
+
     while True:
-        box = [None]
-        dist.broadcast_object_list(box, src=0)
-        if box[0] is None:
+        msg = broadcast(None, engine.tp_group)
+        if msg is None:
             return
-        engine.runner.execute(box[0])
+        if isinstance(msg, tuple) and msg[0] == "export_kv":
+            engine.model.comm.gather_kv(engine.runner.export_kv(msg[1]))
+        else:
+            engine.runner.execute(msg)

@@ -165,10 +165,14 @@ class ModelRunner:
         return torch.stack([torch.stack([k.index_select(1, idx), v.index_select(1, idx)]) for k, v in self.kv_caches])
 
     def import_kv(self, block_ids: list[int], kv: torch.Tensor) -> None:
-        """Write ``kv`` (as ``export_kv`` makes it, possibly fewer blocks than ``block_ids``) into the first blocks."""
+        """Write ``kv`` (as ``EngineCore.export_kv`` makes it, possibly fewer blocks than ``block_ids``) into the
+        first blocks."""
         n = kv.shape[3]
         idx = torch.tensor(block_ids[:n], dtype=torch.long, device=self.device)
         kv = kv.to(self.device)
+        tp = self.model.tp
+        if tp is not None:  # ``kv`` has every KV head of the model; this rank keeps its own (engine.export_kv)
+            kv = kv.index_select(2, torch.tensor(tp.kv_heads, dtype=torch.long, device=self.device))
         for layer, (k, v) in enumerate(self.kv_caches):
             k.index_copy_(1, idx, kv[layer, 0])
             v.index_copy_(1, idx, kv[layer, 1])
