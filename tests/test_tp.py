@@ -9,6 +9,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 from justapi import LLM, SamplingParams
 from justapi.config import ModelConfig
@@ -74,6 +75,68 @@ def test_tp_with_prefix_cache_and_draft_tree_speculation(tiny_model):
         assert [r.token_ids for r in llm.generate(prompts, params)] == want
         sched = llm.engine.scheduler
         assert sched.stats.spec_accepted_tokens > 0 and sched.cache.hits > 0
+    finally:
+        llm.engine.close()
+
+
+def test_each_rank_reads_only_its_shard_from_the_file(tmp_path):
+    """The loader cuts each rank's rows or whole-block columns out of the stored bytes: the same values as slicing
+    the whole tensor, 4-bit weights stay 4-bit, and columns off the block grid fall back to dequantized slices."""
+    from tiny_gguf import write_tiny_model
+
+    from justapi.model.gguf_loader import load_tensors, open_gguf, read_model_config
+    from justapi.model.llama import shard_selection
+    from justapi.model.quant import Q4Unpacked
+
+    path = write_tiny_model(str(tmp_path / "q4.gguf"), "qwen2", qtype="Q4_1", tied=False)  # head_dim 16
+    reader = open_gguf(path)
+    cfg = read_model_config(reader, path)
+    whole = load_tensors(reader, path, torch.float32, False)
+    whole_q4 = load_tensors(reader, path, torch.float32, False, keep_q4=True)
+    for size in (2, 4):
+        plan = TpPlan.make(cfg, size - 1, size)
+        select = lambda name: shard_selection(name, plan, cfg.head_dim)  # noqa: E731
+        mine = load_tensors(reader, path, torch.float32, False, select=select)
+        mine_q4 = load_tensors(reader, path, torch.float32, False, keep_q4=True, select=select)
+        for name, t in whole.items():
+            sel = select(name)
+            want = t if sel is None else t.index_select(sel[0], sel[1])
+            assert torch.equal(mine[name], want), name
+            q = mine_q4[name]
+            if isinstance(whole_q4[name], Q4Unpacked) and sel is not None and sel[0] == 0:
+                assert isinstance(q, Q4Unpacked) and torch.equal(q.q, whole_q4[name].q[sel[1]]), name
+        down = mine_q4["blk.0.ffn_down.weight"]  # 128 / size intermediate columns: whole 32-blocks
+        cols = select("blk.0.ffn_down.weight")[1]
+        assert isinstance(down, Q4Unpacked)
+        assert torch.equal(down.dequantize(), whole_q4["blk.0.ffn_down.weight"].dequantize()[:, cols])
+        assert mine["blk.0.attn_q.bias"].shape == (len(plan.q_heads) * cfg.head_dim,)
+        # the output projection's columns: 2 heads of 16 on 2 ranks (one block), 16 columns on 4 (half a block)
+        assert isinstance(mine_q4["blk.0.attn_output.weight"], Q4Unpacked) == (size == 2)
+
+
+def test_4bit_weights_stay_4bit_under_tp(tmp_path):
+    """--dtype auto with --tp 2: every rank multiplies its 4-bit shard with the int4 kernel; the distributions match
+    one rank's within bf16 rounding (partial sums are added in fp32 across ranks, in a different order)."""
+    from tiny_gguf import write_tiny_model
+
+    from justapi.model.quant import Int4Weight
+
+    path = write_tiny_model(str(tmp_path / "q4.gguf"), hidden=128, intermediate=256, qtype="Q4_1", weight_scale=0.05)
+    opts = dict(pool_blocks=128, dtype="auto", scheduled=True, show_progress=False)
+    prompts = _prompts(6, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    want = LLM(path, **opts).generate(prompts, params)
+    llm = LLM(path, tp=2, **opts)
+    try:
+        layer = llm.engine.model.layers[0]
+        assert isinstance(layer.qkv, Int4Weight) and isinstance(layer.down, Int4Weight)
+        assert layer.qkv.shape == (2 * 32 + 2 * 32, 128) and layer.down.shape == (128, 128)  # heads 0-1, KV head 0
+        got = llm.generate(prompts, params)
+        for g, w in zip(got, want):
+            a, b = dict(g.outputs[0].logprobs[0].top), dict(w.outputs[0].logprobs[0].top)
+            for tok in a.keys() & b.keys():
+                assert a[tok] == pytest.approx(b[tok], rel=0.01, abs=0.05)  # logits are bf16: 8 bits of mantissa
+            assert len(a.keys() & b.keys()) >= 4
     finally:
         llm.engine.close()
 

@@ -102,8 +102,12 @@ class EngineCore:
         dtype_name = "float32" if config.batch_invariant else config.dtype
         self.draft_model = self._load_draft(reader, dtype_name) if config.draft_model is not None else None
         dtype, keep_q4 = resolve_dtype(dtype_name, reader, config.gpu)
-        keep_q4 = keep_q4 and plan is None  # shards are sliced from dense weights
-        tensors = load_tensors(reader, config.model, dtype, config.show_progress and tp_rank == 0, keep_q4)
+        select = None
+        if plan is not None:
+            from ..model.llama import shard_selection
+
+            select = lambda name: shard_selection(name, plan, self.model_config.head_dim)  # noqa: E731
+        tensors = load_tensors(reader, config.model, dtype, config.show_progress and tp_rank == 0, keep_q4, select)
         del reader
         self.model = LlamaModel(self.model_config, tensors, config.device, config.batch_invariant, plan, comm)
         if config.cpu_kernels and not config.gpu:

@@ -140,13 +140,44 @@ def _progress(items: list, desc: str, enabled: bool) -> Iterator:
     return iter(tqdm(items, desc=desc, unit="tensor", disable=not sys.stderr.isatty(), leave=False))
 
 
+# (dim, indices): the rows (0) or columns (1) of a tensor, in PyTorch's [out, in] layout, that a caller keeps
+Selection = tuple[int, torch.Tensor]
+
+
+def _select_raw(raw: np.ndarray, qtype, shape: tuple[int, ...], sel: Selection | None):
+    """Cut ``sel`` out of a tensor's bytes as stored (rows of whole quantization blocks) before dequantizing;
+    (raw, shape, left): ``left`` is a selection still to apply after dequantizing (None when done here), for
+    columns that do not fall on block boundaries."""
+    import gguf
+
+    if sel is None:
+        return raw, shape, None
+    dim, idx = sel
+    idx = idx.numpy()
+    quantized = raw.dtype == np.uint8 and qtype not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
+    if dim == 0 and (len(shape) == 2 or not quantized):  # rows (a 1-D tensor's elements): a row is stored whole
+        return raw[idx], (len(idx),) + tuple(shape[1:]), None
+    if dim == 1 and not quantized:
+        return raw[:, idx], (shape[0], len(idx)), None
+    if dim == 1:
+        block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        starts = idx[::block]
+        if len(idx) % block == 0 and (starts % block == 0).all() and (
+                idx.reshape(-1, block) == starts[:, None] + np.arange(block)).all():
+            blocks = raw.reshape(shape[0], shape[1] // block, block_bytes)[:, starts // block]
+            return blocks.reshape(shape[0], -1), (shape[0], len(idx)), None
+    return raw, shape, sel
+
+
 def load_tensors(
-    reader, path: str, dtype: torch.dtype, show_progress: bool = True, keep_q4: bool = False
+    reader, path: str, dtype: torch.dtype, show_progress: bool = True, keep_q4: bool = False, select=None,
 ) -> dict[str, torch.Tensor | Q4Unpacked]:
     """All tensors of the file in PyTorch's [out, in] layout, dequantized to ``dtype``.
 
     With ``keep_q4``, 2-D Q4_0/Q4_1 weights other than the token embedding (looked up, not multiplied) stay
-    4-bit, as Q4Unpacked, for the int4 kernel.
+    4-bit, as Q4Unpacked, for the int4 kernel. ``select(name)`` → None (the whole tensor) or a Selection: only
+    those rows or columns are read from the file and dequantized (a tensor-parallel rank's shard, model.llama
+    ``shard_selection``), so a rank never holds more of a tensor than its slice and whole quantization blocks.
     """
     import gguf
 
@@ -158,17 +189,23 @@ def load_tensors(
     out: dict[str, torch.Tensor] = {}
     for t in _progress(list(reader.tensors), f"loading {os.path.basename(path)}", show_progress):
         shape = tuple(int(d) for d in reversed(t.shape))
-        if keep_q4 and t.tensor_type in q4_types and len(shape) == 2 and t.name != "token_embd.weight":
-            out[t.name] = unpack_q4(t.data, t.tensor_type == gguf.GGMLQuantizationType.Q4_1, shape)
+        sel = select(t.name) if select is not None else None
+        raw, shape, left = _select_raw(t.data, t.tensor_type, shape, sel)
+        if (keep_q4 and left is None and t.tensor_type in q4_types and len(shape) == 2
+                and t.name != "token_embd.weight"):
+            out[t.name] = unpack_q4(raw, t.tensor_type == gguf.GGMLQuantizationType.Q4_1, shape)
             continue
         try:
             if t.tensor_type == gguf.GGMLQuantizationType.F32:
-                arr = np.asarray(t.data, dtype=np.float32)
+                arr = np.asarray(raw, dtype=np.float32)
             elif t.tensor_type == gguf.GGMLQuantizationType.F16:
-                arr = np.asarray(t.data).astype(np.float32)
+                arr = np.asarray(raw).astype(np.float32)
             else:
-                arr = gguf.quants.dequantize(t.data, t.tensor_type)
+                arr = gguf.quants.dequantize(raw, t.tensor_type)
         except Exception as e:
             raise ModelLoadError(f"{path}: tensor {t.name} cannot be read ({type(e).__name__}: {e})") from None
-        out[t.name] = torch.from_numpy(np.array(arr, copy=True).reshape(shape)).to(dtype)
+        tensor = torch.from_numpy(np.array(arr, copy=True).reshape(shape))
+        if left is not None:
+            tensor = tensor.index_select(left[0], left[1]).contiguous()
+        out[t.name] = tensor.to(dtype)
     return out

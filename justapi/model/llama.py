@@ -37,8 +37,9 @@ class LlamaModel:
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], device: str, batch_invariant: bool,
                  tp=None, comm=None):
-        """``tp``: a distributed.tp.TpPlan; the model then keeps only this rank's slice of every weight and
-        ``comm`` (a TpComm) combines the ranks' partial results. ``config`` stays the whole model's."""
+        """``tp``: a distributed.tp.TpPlan; ``tensors`` are then this rank's slices (loaded with
+        ``shard_selection``) and ``comm`` (a TpComm) combines the ranks' partial results. ``config`` stays the
+        whole model's."""
         if tp is not None:
             config = dataclasses.replace(config, num_heads=len(tp.q_heads), num_kv_heads=len(tp.kv_heads))
         self.config = config
@@ -53,10 +54,7 @@ class LlamaModel:
             if t is None and required:
                 raise ModelLoadError(f"{config.path}: tensor {name} is missing")
             if t is None or isinstance(t, Q4Unpacked):
-                assert t is None or tp is None, "tensor parallelism runs dense weights"
                 return t
-            if tp is not None:
-                t = shard(name, t, tp, config.head_dim)
             return t.to(device)
 
         def matrix(*names: str) -> torch.Tensor | Int4Weight:
@@ -147,21 +145,22 @@ class LlamaModel:
         return logits if self.tp is None else self.comm.gather_vocab(logits)
 
 
-def shard(name: str, t: torch.Tensor, tp, head_dim: int) -> torch.Tensor:
-    """This rank's slice of the GGUF tensor ``name`` [out, in] (see distributed.tp for the split)."""
+def shard_selection(name: str, tp, head_dim: int):
+    """The rows (dim 0) or columns (dim 1) of the GGUF tensor ``name`` [out, in] that rank ``tp`` holds, or None
+    for the whole tensor (see distributed.tp for the split); gguf_loader.load_tensors reads only those."""
     from ..distributed.tp import head_rows
 
     kind = name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0]
     if kind in ("token_embd", "output"):  # vocabulary rows
-        return t[tp.vocab[0] : tp.vocab[1]].contiguous()
-    if kind == "attn_q":
-        return t.index_select(0, head_rows(tp.q_heads, head_dim)).contiguous()
-    if kind in ("attn_k", "attn_v"):
-        return t.index_select(0, head_rows(tp.kv_heads, head_dim)).contiguous()
+        return 0, torch.arange(*tp.vocab)
+    if kind == "attn_q":  # weight rows and bias entries of the rank's query heads
+        return 0, head_rows(tp.q_heads, head_dim)
+    if kind in ("attn_k", "attn_v"):  # ... of its KV heads (repeated where replicated)
+        return 0, head_rows(tp.kv_heads, head_dim)
     if kind == "attn_output":
-        return t.index_select(1, head_rows(tp.q_heads, head_dim)).contiguous()
+        return 1, head_rows(tp.q_heads, head_dim)
     if kind in ("ffn_gate", "ffn_up"):
-        return t[tp.ffn[0] : tp.ffn[1]].contiguous()
+        return 0, torch.arange(*tp.ffn)
     if kind == "ffn_down":
-        return t[:, tp.ffn[0] : tp.ffn[1]].contiguous()
-    return t  # norms: replicated
+        return 1, torch.arange(*tp.ffn)
+    return None  # norms: replicated
