@@ -18,8 +18,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing
+import multiprocessing.connection as mp_connection
 import os
-import queue
 import random
 import socket
 import time
@@ -88,7 +88,9 @@ class PdEngine:
         else:
             init_method = f"tcp://127.0.0.1:{_free_port()}"
         ctx = multiprocessing.get_context("spawn")
-        self.outbox = ctx.Queue()
+        # one pipe per worker to the server, not one shared queue: a worker killed while writing to a shared
+        # queue would leave its lock taken (and a half-written message in it), and every other worker would block
+        self._pipes: dict = {}  # the server's ends of the live workers' pipes → worker index
         self.inboxes = []
         self.procs = []  # the workers' leaders, by worker index
         self.followers: list[list] = []  # the workers' tensor-parallel ranks > 0
@@ -100,9 +102,12 @@ class PdEngine:
             )
             spec = WorkerSpec(rank, world, role, worker_config, init_method, GROUP_TIMEOUT_S, threads, tuple(layout))
             inbox = ctx.Queue()
-            proc = ctx.Process(target=worker_main, args=(spec, inbox, self.outbox), name=f"justapi-{role}-{rank}",
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=worker_main, args=(spec, inbox, writer), name=f"justapi-{role}-{rank}",
                                daemon=True)
             proc.start()
+            writer.close()  # the worker holds the only write end: its death reads as end of file here
+            self._pipes[reader] = rank
             self.inboxes.append(inbox)
             self.procs.append(proc)
             self.followers.append([])
@@ -117,10 +122,11 @@ class PdEngine:
         ready: dict[int, tuple[int, int]] = {}
         self._pids: dict[int, int] = {}
         deadline = time.monotonic() + START_TIMEOUT_S
+        pending: list = []
         while len(ready) < workers:
-            try:
-                msg = self.outbox.get(timeout=1.0)
-            except queue.Empty:
+            if not pending:
+                pending = self._receive(1.0)
+            if not pending:
                 dead = [r for r, pr in enumerate(self.procs) if r not in ready and not (
                     pr.is_alive() and all(f.is_alive() for f in self.followers[r]))]
                 if dead or time.monotonic() > deadline:
@@ -128,6 +134,7 @@ class PdEngine:
                     why = f"worker {dead[0]} exited" if dead else "workers did not start in time"
                     raise ModelLoadError(f"--disaggregate: {why} while loading the model")
                 continue
+            msg = pending.pop(0)
             if msg[0] == "failed":
                 self.close()
                 raise ModelLoadError(f"--disaggregate: {roles[msg[1]]} worker {msg[1]} failed to start: {msg[2]}")
@@ -178,14 +185,11 @@ class PdEngine:
         answers: dict[int, tuple[str | None, dict]] = {}
         deadline = time.monotonic() + timeout_s
         while len(answers) < len(alive) and time.monotonic() < deadline:
-            try:
-                msg = self.outbox.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            if msg[0] == "checked":
-                answers[msg[1]] = (msg[2], msg[3])
-            else:
-                self._handle(msg, [])
+            for msg in self._receive(0.1):
+                if msg[0] == "checked":
+                    answers[msg[1]] = (msg[2], msg[3])
+                else:
+                    self._handle(msg, [])
         return answers
 
     # --- requests -----------------------------------------------------------------------------------------------
@@ -257,17 +261,23 @@ class PdEngine:
     def step(self) -> list[RequestOutput]:
         """Everything the workers reported since the last call (waiting up to 20 ms for the first message)."""
         reports: list[RequestOutput] = []
-        msgs = []
-        try:
-            msgs.append(self.outbox.get(timeout=0.02))
-            while True:
-                msgs.append(self.outbox.get_nowait())
-        except queue.Empty:
-            pass
-        for msg in msgs:
+        for msg in self._receive(0.02):
             self._handle(msg, reports)
         self._check_workers()
         return reports
+
+    def _receive(self, timeout: float) -> list:
+        """Every message the workers sent, waiting up to ``timeout`` for the first. A pipe that ends (its worker
+        died, maybe mid-message) is dropped; _check_workers handles the worker."""
+        msgs = []
+        for conn in mp_connection.wait(list(self._pipes), timeout):
+            try:
+                while conn.poll():
+                    msgs.append(conn.recv())
+            except (EOFError, OSError):
+                log.info("worker %d closed its pipe", self._pipes.pop(conn))
+                conn.close()
+        return msgs
 
     def _handle(self, msg, reports: list[RequestOutput]) -> None:
         kind, rank = msg[0], msg[1]

@@ -1,8 +1,8 @@
 """A prefill or decode worker process of the disaggregated engine (``justapi serve --disaggregate``).
 
 Each worker is a whole engine (model replica, KV pool, continuous-batching scheduler) in its own process. The
-server (engine.pd_engine) talks to it through two multiprocessing queues: commands in (add, abort, send KV,
-receive KV, stop), results out (new token ids per request, hand-offs, transfer figures, load reports). KV itself
+server (engine.pd_engine) talks to it through a multiprocessing queue of commands in (add, abort, send KV,
+receive KV, stop) and a pipe of results out (new token ids per request, hand-offs, transfer figures, load reports). KV itself
 goes worker to worker over torch.distributed (distributed.kv_transfer), never through the server.
 
 A prefill worker's scheduler hands a request off after its first token, keeping the prompt's blocks until the
@@ -67,8 +67,19 @@ def _join(spec: WorkerSpec):
     return EngineCore(spec.config, tp_rank=spec.tp_rank, tp_group=group)
 
 
-def worker_main(spec: WorkerSpec, inbox, outbox) -> None:
+class _Outbox:
+    """The worker's end of its own pipe to the server (engine.pd_engine says why not a shared queue)."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+
+    def put(self, msg) -> None:
+        self.conn.send(msg)
+
+
+def worker_main(spec: WorkerSpec, inbox, conn) -> None:
     """Process entry point: join the group, load the model, then serve commands until told to stop."""
+    outbox = _Outbox(conn)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {spec.role}-worker-{spec.rank}: %(message)s")
     try:
         engine = _join(spec)
