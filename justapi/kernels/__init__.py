@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 log = logging.getLogger("justapi.kernels")
 
@@ -32,6 +33,7 @@ def decode_kernels():
             from torch.utils import cpp_extension
 
             src = os.path.join(os.path.dirname(__file__), "paged_attention.cpp")
+            _clear_stale_lock(cpp_extension._get_build_directory("justapi_paged_attention", False))
             _module = cpp_extension.load(
                 name="justapi_paged_attention",
                 sources=[src],
@@ -42,3 +44,22 @@ def decode_kernels():
             log.warning("C++ decode-attention kernel unavailable, using the torch path: %s", str(e).splitlines()[0])
             _module = None
         return _module
+
+
+# torch's extension builder waits forever on a lock file that a process killed mid-build leaves behind; a build
+# takes about 40 s here, so a lock this old has no builder left
+STALE_LOCK_S = 600.0
+
+
+def _clear_stale_lock(build_dir: str) -> None:
+    lock = os.path.join(build_dir, "lock")
+    try:
+        age = time.time() - os.path.getmtime(lock)
+    except OSError:
+        return  # no lock: nobody is building
+    if age > STALE_LOCK_S:
+        log.warning("removing %s, left %.0f s ago by a build that did not finish", lock, age)
+        try:
+            os.remove(lock)
+        except OSError:
+            pass
