@@ -244,3 +244,30 @@ def test_smollm2_int4_weights_stay_close_to_fp32(real_llm, real_model_path):
         common.append(next((i for i, (s, t) in enumerate(zip(a.token_ids, b.token_ids)) if s != t), 32))
     assert sum(common) / len(common) >= 14, common
     assert sum(c >= 8 for c in common) >= 5, common
+
+
+@pytest.mark.parametrize("style", ["norm", "neox"])
+def test_fused_rms_norm_and_hoisted_joint_rotary_are_bit_identical_to_the_formulas(style):
+    """The forward pass looks the rotary tables up once per pass and rotates Q and K heads as one tensor, and uses
+    torch's fused RMSNorm: on fp32 both give exactly what the per-layer, per-tensor formulas give."""
+    from justapi.model.layers import RotaryEmbedding, rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 7, 40):
+        x, w = torch.randn(n, 576, generator=g) * 3, torch.randn(576, generator=g)
+        assert torch.equal(rms_norm(x, w, 1e-5), w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)))
+    rope = RotaryEmbedding(64, 10000.0, 4096, style, "cpu")
+    pos = torch.tensor([0, 5, 4095, 17])
+
+    def formula(x):
+        cos, sin = rope.cos[pos].unsqueeze(1), rope.sin[pos].unsqueeze(1)
+        if style == "neox":
+            x1, x2 = x.chunk(2, dim=-1)
+            return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+
+    q, k = torch.randn(4, 9, 64, generator=g), torch.randn(4, 3, 64, generator=g)
+    joint = rope.rotate(torch.cat([q, k], dim=1), *rope.tables(pos))
+    assert torch.equal(joint, torch.cat([formula(q), formula(k)], dim=1))
+    assert not torch.equal(joint[:, :9], q)  # it rotates

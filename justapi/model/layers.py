@@ -14,10 +14,9 @@ BATCH_INVARIANT_TILE = 16
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension, computed in fp32 as the reference implementations do."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    """RMSNorm over the last dimension: torch's fused kernel (one op instead of seven; on fp32 it is bit-identical
+    to ``weight * x * rsqrt(mean(x²) + eps)``, tested; on bf16 it accumulates in fp32 and rounds once)."""
+    return F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps)
 
 
 def linear(
@@ -64,10 +63,17 @@ class RotaryEmbedding:
         self.sin = freqs.sin().to(device)
         self.style = style
 
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of each token's position, [tokens, 1, head_dim/2] fp32: looked up once per forward pass."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` of shape [tokens, heads, head_dim] by each token's position."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [tokens, 1, head_dim/2]
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        return self.rotate(x, *self.tables(positions))
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x`` [tokens, heads, head_dim] rotated with ``tables``' cos and sin (in ``x``'s dtype)."""
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         if self.style == "neox":
             x1, x2 = x.chunk(2, dim=-1)
             return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

@@ -118,19 +118,23 @@ class LlamaModel:
             mine = ((input_ids >= a) & (input_ids < b)).unsqueeze(1).to(self.embed.dtype)
             x = self.comm.all_reduce(F.embedding((input_ids - a).clamp(0, b - a - 1), self.embed) * mine)
         n = x.shape[0]
+        cos, sin = self.rope.tables(positions)  # once, not per layer
+        qk_heads = cfg.num_heads + cfg.num_kv_heads
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
             qkv = linear(h, layer.qkv, layer.qkv_bias, bi)
-            q = qkv[:, : self.q_size].view(n, cfg.num_heads, cfg.head_dim)
-            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(n, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, self.q_size + self.kv_size :].view(n, cfg.num_kv_heads, cfg.head_dim)
-            if layer.q_norm is not None:
-                q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-                k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
             # attention runs in the KV cache's dtype (fp32): bf16 batched matmuls with 3-row GQA groups are slower
             # than fp32 on CPU, and the cache keeps full precision whatever the weights' dtype
-            q = self.rope(q.to(k_cache.dtype), positions)
-            k = self.rope(k.to(k_cache.dtype), positions)
+            if layer.q_norm is None:  # Q and K heads side by side are rotated as one tensor (elementwise: the same)
+                qk = self.rope.rotate(qkv[:, : self.q_size + self.kv_size].view(n, qk_heads, cfg.head_dim)
+                                      .to(k_cache.dtype), cos, sin)
+                q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
+            else:
+                q = qkv[:, : self.q_size].view(n, cfg.num_heads, cfg.head_dim)
+                k = qkv[:, self.q_size : self.q_size + self.kv_size].view(n, cfg.num_kv_heads, cfg.head_dim)
+                q = self.rope.rotate(rms_norm(q, layer.q_norm, cfg.rms_norm_eps).to(k_cache.dtype), cos, sin)
+                k = self.rope.rotate(rms_norm(k, layer.k_norm, cfg.rms_norm_eps).to(k_cache.dtype), cos, sin)
             write_kv(k_cache, v_cache, k, v.to(v_cache.dtype), meta.slot_mapping)
             attn = paged_attention(q, k_cache, v_cache, meta, self.scale, self.kernels).to(x.dtype)
             o = linear(attn.reshape(n, self.q_size), layer.o, None, bi)

@@ -1,0 +1,77 @@
+"""A/B of one decode step's forward pass: LlamaModel.forward (and model/layers.py) at a git revision vs the working
+tree, on SmolLM2 with --dtype auto, in one process, interleaved, best of 30 × 5 calls each.
+
+usage: python benchmarks/forward_ab.py [--base HEAD~1]
+
+This VM's speed drifts by up to 3× within minutes, so end-to-end tok/s of two separate runs cannot resolve a 10%
+change; the minimum over many interleaved repetitions of the same inputs can. The inputs are captured from a real
+decode step of 1 and of 8 sequences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import textwrap
+import time
+
+import justapi.model.llama as L
+from justapi import LLM, SamplingParams
+from justapi.model.gguf_loader import default_model_path
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def old_version(rev: str):
+    """(forward, RotaryEmbedding) as they were at ``rev``, bound to the current module's other names."""
+    show = lambda path: subprocess.run(["git", "-C", ROOT, "show", f"{rev}:{path}"], capture_output=True,  # noqa: E731
+                                       text=True, check=True).stdout
+    src = show("justapi/model/llama.py")
+    start = src.index("    @torch.inference_mode()\n    def forward(")
+    end = src.find("\ndef ", start)
+    ns = dict(vars(L))
+    exec(show("justapi/model/layers.py"), ns)  # noqa: S102 - our own source at another revision
+    exec(textwrap.dedent(src[start : end if end >= 0 else len(src)]), ns)  # noqa: S102
+    return ns["forward"], ns["RotaryEmbedding"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", default="HEAD~1")
+    args = ap.parse_args()
+    old_forward, OldRope = old_version(args.base)
+    new_forward = L.LlamaModel.forward
+    llm = LLM(default_model_path(), scheduled=True, pool_blocks=512, show_progress=False)
+    model = llm.engine.model
+    new_rope = model.rope
+    old_rope = OldRope.__new__(OldRope)
+    old_rope.__dict__.update(new_rope.__dict__)
+
+    captured = {}
+
+    def spy(self, *a, **k):
+        captured.setdefault(a[0].shape[0], (a, k))
+        return new_forward(self, *a, **k)
+
+    L.LlamaModel.forward = spy
+    llm.generate([[400 + i for i in range(20)]], SamplingParams(max_tokens=3, temperature=0))
+    llm.generate([[400 + i + j for i in range(20)] for j in range(8)], SamplingParams(max_tokens=3, temperature=0))
+    L.LlamaModel.forward = new_forward
+    print(f"forward pass of one decode step, {args.base} vs working tree, best of 30 x 5")
+    for n in (1, 8):
+        a, k = captured[n]
+        best = {"base": 1e9, "new": 1e9}
+        for _ in range(30):
+            for name, f, rope in (("base", old_forward, old_rope), ("new", new_forward, new_rope)):
+                model.rope = rope
+                t = time.perf_counter()
+                for _ in range(5):
+                    f(model, *a, **k)
+                best[name] = min(best[name], (time.perf_counter() - t) / 5)
+        print(f"{n} rows: base {best['base'] * 1e3:.2f} ms, new {best['new'] * 1e3:.2f} ms, "
+              f"new/base {best['new'] / best['base']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
