@@ -16,6 +16,8 @@ import subprocess
 import textwrap
 import time
 
+import torch
+
 import justapi.model.llama as L
 from justapi import LLM, SamplingParams
 from justapi.model.gguf_loader import default_model_path
@@ -45,6 +47,9 @@ def main() -> None:
     llm = LLM(default_model_path(), scheduled=True, pool_blocks=512, show_progress=False)
     model = llm.engine.model
     new_rope = model.rope
+    new_head = model.lm_head
+    # a weight wrapper the base revision may not know (quant.Int8RowWeight): the base multiplies its dense tensor
+    old_head = new_head if isinstance(new_head, torch.Tensor) else new_head.dense
     old_rope = OldRope.__new__(OldRope)
     old_rope.__dict__.update(new_rope.__dict__)
 
@@ -63,8 +68,9 @@ def main() -> None:
         a, k = captured[n]
         best = {"base": 1e9, "new": 1e9}
         for _ in range(30):
-            for name, f, rope in (("base", old_forward, old_rope), ("new", new_forward, new_rope)):
-                model.rope = rope
+            for name, f, rope, head in (("base", old_forward, old_rope, old_head),
+                                        ("new", new_forward, new_rope, new_head)):
+                model.rope, model.lm_head = rope, head
                 t = time.perf_counter()
                 for _ in range(5):
                     f(model, *a, **k)

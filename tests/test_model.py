@@ -220,14 +220,16 @@ def test_smollm2_int4_weights_stay_close_to_fp32(real_llm, real_model_path):
 
     Stated tolerance: per-position KL below 0.03 nats (measured max 0.010) with ≥ 90% argmax agreement
     (measured 0.94 and 1.0); greedy chat answers of 32 tokens share on average ≥ 14 leading tokens with the fp32
-    answers (measured 21.9) and at least 5 of 8 agree on their first 8 tokens (measured 6; greedy text flips at
-    near-ties, and then the two continuations are different texts).
+    answers (measured 20.4 in a batch of 8, 26.1 one at a time, where the LM head runs int8) and at least 5 of 8
+    agree on their first 8 tokens (measured 7 and 8; greedy text flips at near-ties, and then the two
+    continuations are different texts).
     """
     from justapi import LLM
-    from justapi.model.quant import Int4Weight
+    from justapi.model.quant import Int4Weight, Int8RowWeight
 
     q4 = LLM(real_model_path, pool_blocks=64, dtype="auto", show_progress=False)
     assert all(isinstance(layer.down, Int4Weight) for layer in q4.engine.model.layers)
+    assert isinstance(q4.engine.model.lm_head, Int8RowWeight)
     for text in ["The quick brown fox jumps over the lazy dog. " * 3, "def fibonacci(n):\n    if n < 2:\n"]:
         ids = real_llm.tokenizer.encode(text)
         exact = torch.log_softmax(paged_prefill_logits(real_llm.engine.model, ids, 16, 11), -1)
@@ -239,11 +241,30 @@ def test_smollm2_int4_weights_stay_close_to_fp32(real_llm, real_model_path):
                  "Say hello in Spanish."]
     chats = [real_llm.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    common = []
-    for a, b in zip(real_llm.generate(chats, params), q4.generate(chats, params)):
-        common.append(next((i for i, (s, t) in enumerate(zip(a.token_ids, b.token_ids)) if s != t), 32))
-    assert sum(common) / len(common) >= 14, common
-    assert sum(c >= 8 for c in common) >= 5, common
+    exact = real_llm.generate(chats, params)
+    for fast in (q4.generate(chats, params), [q4.generate([c], params)[0] for c in chats]):  # batch, one at a time
+        common = [next((i for i, (s, t) in enumerate(zip(a.token_ids, b.token_ids)) if s != t), 32)
+                  for a, b in zip(exact, fast)]
+        assert sum(common) / len(common) >= 14, common
+        assert sum(c >= 8 for c in common) >= 5, common
+
+
+def test_int8_row_weights_are_within_half_a_step_and_match_their_own_dequantization():
+    from justapi.model.quant import INT4_MAX_ROWS, Int8RowWeight
+
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(500, 96, generator=g) * torch.rand(500, 1, generator=g) * 4).to(torch.bfloat16)
+    head = Int8RowWeight(w)
+    scale = head.scale.float()[:, None]
+    assert torch.equal(head.scale.float().to(torch.bfloat16), head.scale)  # bf16-exact: the kernel adds no rounding
+    assert (head.q.abs() <= 127).all() and (scale.squeeze(1) * 127 >= w.float().abs().amax(1)).all()
+    deq = head.q.float() * scale
+    assert ((deq - w.float()).abs() <= scale / 2 + 1e-6).all()
+    x = torch.randn(INT4_MAX_ROWS - 1, 96, generator=g)
+    want = x.to(torch.bfloat16).float() @ deq.T
+    assert torch.allclose(head.matmul(x).float(), want, rtol=1e-2, atol=1e-2)
+    big = torch.randn(INT4_MAX_ROWS, 96, generator=g)  # from INT4_MAX_ROWS rows: the dense weight itself
+    assert torch.equal(head.matmul(big), torch.nn.functional.linear(big.to(torch.bfloat16), w))
 
 
 @pytest.mark.parametrize("style", ["norm", "neox"])

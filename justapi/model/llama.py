@@ -16,7 +16,7 @@ from ..config import ModelConfig
 from .attention import AttentionMetadata, paged_attention, write_kv
 from .gguf_loader import ModelLoadError
 from .layers import RotaryEmbedding, linear, rms_norm
-from .quant import Int4Weight, Q4Unpacked, cat_q4
+from .quant import Int4Weight, Int8RowWeight, Q4Unpacked, cat_q4
 
 
 @dataclass
@@ -88,6 +88,9 @@ class LlamaModel:
             )
         self.norm = take("output_norm.weight")
         self.lm_head = matrix("output.weight") if "output.weight" in tensors else self.embed
+        if isinstance(self.lm_head, torch.Tensor) and self.lm_head.dtype == torch.bfloat16 and any(
+                isinstance(layer.down, Int4Weight) for layer in self.layers):
+            self.lm_head = Int8RowWeight(self.lm_head)  # a 4-bit model's dense head: int8 rows for decode
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.context_length, config.rope_style, device)
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
