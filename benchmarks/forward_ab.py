@@ -1,7 +1,8 @@
 """A/B of one decode step's forward pass: LlamaModel.forward (and model/layers.py) at a git revision vs the working
-tree, on SmolLM2 with --dtype auto, in one process, interleaved, best of 30 × 5 calls each.
+tree, on SmolLM2 with --dtype auto, in one process, interleaved, best of 30 × 5 calls each (3 × 5 for a prefill
+chunk).
 
-usage: python benchmarks/forward_ab.py [--base HEAD~1]
+usage: python benchmarks/forward_ab.py [--base HEAD~1] [--reps 30]
 
 This VM's speed drifts by up to 3× within minutes, so end-to-end tok/s of two separate runs cannot resolve a 10%
 change; the minimum over many interleaved repetitions of the same inputs can. The inputs are captured from a real
@@ -41,6 +42,7 @@ def old_version(rev: str):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", default="HEAD~1")
+    ap.add_argument("--reps", type=int, default=30)
     args = ap.parse_args()
     old_forward, OldRope = old_version(args.base)
     new_forward = L.LlamaModel.forward
@@ -61,13 +63,16 @@ def main() -> None:
 
     L.LlamaModel.forward = spy
     llm.generate([[400 + i for i in range(20)]], SamplingParams(max_tokens=3, temperature=0))
-    llm.generate([[400 + i + j for i in range(20)] for j in range(8)], SamplingParams(max_tokens=3, temperature=0))
+    for n in (8, 32):
+        llm.generate([[400 + i + j for i in range(20)] for j in range(n)], SamplingParams(max_tokens=30, temperature=0))
+    llm.generate([[5000 + i * 7 for i in range(512)]], SamplingParams(max_tokens=1, temperature=0))  # one chunk
     L.LlamaModel.forward = new_forward
-    print(f"forward pass of one decode step, {args.base} vs working tree, best of 30 x 5")
-    for n in (1, 8):
+    print(f"forward pass of one step (decode rows, or a 512-token prefill chunk), {args.base} vs working tree, "
+          f"best of {args.reps} x 5")
+    for n in (1, 8, 32, 512):
         a, k = captured[n]
         best = {"base": 1e9, "new": 1e9}
-        for _ in range(30):
+        for _ in range(args.reps if n < 512 else max(2, args.reps // 10)):
             for name, f, rope, head in (("base", old_forward, old_rope, old_head),
                                         ("new", new_forward, new_rope, new_head)):
                 model.rope, model.lm_head = rope, head
