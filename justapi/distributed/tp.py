@@ -78,16 +78,15 @@ class TpComm:
 
     ``group``: the ranks of this engine, None for the default group (``--tp`` alone); a disaggregated engine's
     worker pools each form a sub-group of one world (engine.pd_engine). Ranks are the group's own, 0 leading.
-    ``kv_heads_of``: every rank's KV heads (TpPlan.kv_heads), to reassemble a request's KV (``gather_kv``).
     """
 
-    def __init__(self, plan: TpPlan, vocab_size: int, group=None, kv_heads_of: list[tuple[int, ...]] | None = None,
-                 num_kv_heads: int = 0) -> None:
+    def __init__(self, plan: TpPlan, cfg: ModelConfig, group=None) -> None:
         self.plan = plan
-        self.vocab_size = vocab_size
+        self.vocab_size = vocab_size = cfg.vocab_size
         self.group = group
-        self.kv_heads_of = kv_heads_of or [plan.kv_heads]
-        self.num_kv_heads = num_kv_heads
+        # every rank's KV heads, to reassemble a request's KV (gather_kv)
+        self.kv_heads_of = [TpPlan.make(cfg, r, plan.size).kv_heads for r in range(plan.size)]
+        self.num_kv_heads = cfg.num_kv_heads
         self.slice_len = max(even_range(vocab_size, plan.size, r)[1] - even_range(vocab_size, plan.size, r)[0]
                              for r in range(plan.size))
         self.seconds = 0.0  # spent in collectives (all-reduce, all-gather), this rank's view

@@ -94,8 +94,7 @@ class EngineCore:
                 if tp_rank == 0:
                     tp_init, self.tp_workers = start_workers(config)
                 join_group(config, tp_rank, tp_init)
-            heads = [TpPlan.make(self.model_config, r, config.tp).kv_heads for r in range(config.tp)]
-            comm = TpComm(plan, self.model_config.vocab_size, tp_group, heads, self.model_config.num_kv_heads)
+            comm = TpComm(plan, self.model_config, tp_group)
         if tp_rank == 0:
             self.tokenizer = Tokenizer(config.model, reader)
             self.chat_template = ChatTemplate(self.tokenizer.chat_template)

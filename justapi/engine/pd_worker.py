@@ -36,12 +36,12 @@ class WorkerSpec:
     init_method: str | None  # None: env:// (MASTER_ADDR / MASTER_PORT)
     timeout_s: float
     threads: int
-    layout: tuple[tuple[int, ...], ...] = ()  # each worker's global ranks, its leader first
+    layout: tuple[tuple[int, ...], ...]  # each worker's global ranks, its leader first
     tp_rank: int = 0  # this process's rank within its worker; 0 leads (talks to the server), others follow
 
     @property
     def dist_rank(self) -> int:
-        return self.layout[self.rank][self.tp_rank] if self.layout else self.rank
+        return self.layout[self.rank][self.tp_rank]
 
 
 def _join(spec: WorkerSpec):

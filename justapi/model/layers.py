@@ -67,10 +67,6 @@ class RotaryEmbedding:
         """cos and sin of each token's position, [tokens, 1, head_dim/2] fp32: looked up once per forward pass."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` of shape [tokens, heads, head_dim] by each token's position."""
-        return self.rotate(x, *self.tables(positions))
-
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x`` [tokens, heads, head_dim] rotated with ``tables``' cos and sin (in ``x``'s dtype)."""
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
