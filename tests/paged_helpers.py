@@ -14,7 +14,8 @@ def paged_prefill_logits(model, token_ids: list[int], block_size: int = 4, chunk
     g = torch.Generator().manual_seed(seed)
     table = torch.randperm(num_blocks, generator=g)
     shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
-    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
+    dtype = model.kv_dtype  # as the engine's runner allocates it
+    caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
     out = []
     for start in range(0, len(token_ids), chunk):
         end = min(start + chunk, len(token_ids))

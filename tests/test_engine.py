@@ -67,6 +67,28 @@ def test_batch_invariance_takes_the_float32_path(tmp_path):
         EngineConfig(model=path, dtype="bfloat16", batch_invariant=True)
 
 
+def test_kv_cache_dtype_follows_the_compute_dtype_and_a_bf16_pool_holds_twice_the_blocks(tmp_path, monkeypatch):
+    """--kv-cache-dtype auto: bf16 when the model computes in bf16 (a 4-bit file under --dtype auto), fp32 on the
+    fp32 path; a pool sized from memory gets twice the blocks in bf16. An explicit float32 overrides auto."""
+    from justapi.config import EngineConfig
+    from justapi.engine import engine_core
+    from tiny_gguf import write_tiny_model
+
+    monkeypatch.setattr(engine_core, "available_memory_bytes", lambda: 64 << 20)
+    path = write_tiny_model(str(tmp_path / "q4.gguf"), "llama", hidden=128, intermediate=256, qtype="Q4_1")
+    auto = LLM(path, show_progress=False).engine
+    exact = LLM(path, dtype="float32", show_progress=False).engine
+    wide = LLM(path, kv_cache_dtype="float32", show_progress=False).engine
+    assert auto.model.kv_dtype == torch.bfloat16 and auto.runner.kv_caches[0][1].dtype == torch.bfloat16
+    assert exact.model.kv_dtype == torch.float32 and exact.runner.kv_caches[0][0].dtype == torch.float32
+    assert wide.model.dtype == torch.bfloat16 and wide.model.kv_dtype == torch.float32
+    assert auto.scheduler.pool.num_blocks == 2 * exact.scheduler.pool.num_blocks == 2 * wide.scheduler.pool.num_blocks
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert all(len(r.token_ids) == 12 for r in LLM(path, show_progress=False).generate([[5, 6, 7], [8] * 40], params))
+    with pytest.raises(ValueError, match="--kv-cache-dtype must be one of"):
+        EngineConfig(model=path, kv_cache_dtype="int8")
+
+
 def test_cpp_decode_kernel_keeps_greedy_output(engines):
     """The C++ paged decode-attention kernel against the pure-torch path: same greedy tokens, batched."""
     with_kernel, without = engines(), engines(cpu_kernels=False)
@@ -194,7 +216,7 @@ def test_smollm2_batching_and_preemption_equivalence(real_model_path):
     assert tokens(base.generate(prompts, params)) == alone
     torch_path = LLM(real_model_path, pool_blocks=256, batch_invariant=True, show_progress=False, scheduled=True,
                      cpu_kernels=False)
-    assert tokens(torch_path.generate(prompts, params)) == alone  # the C++ decode kernel changes no token
+    assert tokens(torch_path.generate(prompts, params)) == alone  # the C++ kernels (attention, norm, rotary) change no token
     del base, torch_path
     chunked = LLM(real_model_path, pool_blocks=12, block_size=4, chunk_size=3, batch_invariant=True, show_progress=False, scheduled=True)
     assert tokens(chunked.generate(prompts, params)) == alone

@@ -1,11 +1,64 @@
-"""The C++ kernel's build: a lock left by a build that was killed does not make every later start wait forever."""
+"""The C++ kernels: the fused layer ops against the torch path they replace, and the build (a lock left by a
+killed build does not make every later start wait forever). Decode attention: tests/test_model.py."""
 
 from __future__ import annotations
 
 import os
 import time
 
+import pytest
+import torch
+import torch.nn.functional as F
+
 from justapi.kernels import STALE_LOCK_S, _clear_stale_lock
+from justapi.model.attention import write_kv
+from justapi.model.layers import RotaryEmbedding, rms_norm
+
+
+@pytest.mark.parametrize("style", ["norm", "neox"])
+@pytest.mark.parametrize("act,cache", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                       (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)])
+def test_rope_write_kv_is_bit_identical_to_the_torch_path(cpp_kernels, style, act, cache):
+    """Rotated Q, and K/V stored at shuffled slots, exactly as rotate() + write_kv() make them."""
+    heads, kv_heads, dim, bs, blocks, n = 6, 2, 64, 4, 12, 9
+    g = torch.Generator().manual_seed(3)
+    qkv = (torch.randn(n, (heads + 2 * kv_heads) * dim, generator=g) * 3).to(act)
+    positions = torch.randint(0, 500, (n,), generator=g)
+    slots = torch.randperm(blocks * bs, generator=g)[:n]
+    rope = RotaryEmbedding(dim, 10000.0, 512, style, "cpu")
+    cos, sin = rope.tables(positions)
+    want_k, want_v = torch.zeros(kv_heads, blocks, bs, dim, dtype=cache), torch.zeros(kv_heads, blocks, bs, dim, dtype=cache)
+    qk = rope.rotate(qkv[:, : (heads + kv_heads) * dim].view(n, heads + kv_heads, dim).float(), cos, sin)
+    write_kv(want_k, want_v, qk[:, heads:], qkv[:, (heads + kv_heads) * dim :].view(n, kv_heads, dim), slots)
+    got_k, got_v = torch.zeros_like(want_k), torch.zeros_like(want_v)
+    q = cpp_kernels.rope_write_kv(qkv, cos, sin, style == "neox", heads, kv_heads, dim, got_k, got_v, slots)
+    assert q.dtype == torch.float32 and torch.equal(q, qk[:, :heads])
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        cpp_kernels.rope_write_kv(qkv, cos, sin, False, heads, kv_heads, dim, got_k, got_v, slots + blocks * bs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_matches_add_then_rms_norm(cpp_kernels, dtype):
+    """x += residual exactly as torch adds; the norm within fp32 rounding (fp32) or one bf16 step (bf16)."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(37, 576, generator=g) * 4).to(dtype)
+    r = torch.randn(37, 576, generator=g).to(dtype)
+    w = torch.rand(576, generator=g) + 0.5
+    want_x = x + r
+    want_h = rms_norm(want_x, w, 1e-5).float()
+    got_x, got_h = cpp_kernels.add_rms_norm(x.clone(), r, w, 1e-5)
+    assert torch.equal(got_x, want_x) and got_h.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got_h, want_h, rtol=2e-6, atol=1e-6)
+        exact = (want_x.double() * torch.rsqrt(want_x.double().pow(2).mean(-1, keepdim=True) + 1e-5) * w.double())
+        torch.testing.assert_close(got_h.double(), exact, rtol=2e-6, atol=1e-6)
+    else:  # one rounding to bf16 of the fp32 result: within half a bf16 step of it (torch's path rounds twice)
+        exact = want_x.float() * torch.rsqrt(want_x.float().pow(2).mean(-1, keepdim=True) + 1e-5) * w
+        assert ((got_h.float() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-6).all()
+        torch.testing.assert_close(got_h.float(), want_h, rtol=2 ** -7, atol=1e-2)
+    _, alone = cpp_kernels.add_rms_norm(want_x.clone(), None, w, 1e-5)  # no residual: the norm only
+    assert torch.equal(alone, got_h)
 
 
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):

@@ -45,6 +45,13 @@ def resolve_dtype(name: str, reader, gpu: bool) -> tuple[torch.dtype, bool]:
     return torch.bfloat16, not gpu
 
 
+def resolve_kv_dtype(name: str, compute_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype for ``--kv-cache-dtype name`` (see config.KV_CACHE_DTYPES)."""
+    if name == "auto":
+        return torch.bfloat16 if compute_dtype == torch.bfloat16 else torch.float32
+    return _DTYPES[name]
+
+
 def check_token_ids(token_ids: list[int], vocab: int) -> None:
     bad = next((t for t in token_ids if not 0 <= t < vocab), None)
     if bad is not None:
@@ -108,7 +115,8 @@ class EngineCore:
             select = lambda name: shard_selection(name, plan, self.model_config.head_dim)  # noqa: E731
         tensors = load_tensors(reader, config.model, dtype, config.show_progress and tp_rank == 0, keep_q4, select)
         del reader
-        self.model = LlamaModel(self.model_config, tensors, config.device, config.batch_invariant, plan, comm)
+        self.model = LlamaModel(self.model_config, tensors, config.device, config.batch_invariant, plan, comm,
+                                kv_dtype=resolve_kv_dtype(config.kv_cache_dtype, dtype))
         if config.cpu_kernels and not config.gpu:
             self.model.kernels = decode_kernels()
             if self.draft_model is not None:
@@ -169,7 +177,8 @@ class EngineCore:
         dtype, keep_q4 = resolve_dtype(dtype_name, reader, self.config.gpu)
         tensors = load_tensors(reader, path, dtype, self.config.show_progress, keep_q4)
         log.info("draft model %s: %d layers, hidden %d", path, draft_config.num_layers, draft_config.hidden_size)
-        return LlamaModel(draft_config, tensors, self.config.device, self.config.batch_invariant)
+        return LlamaModel(draft_config, tensors, self.config.device, self.config.batch_invariant,
+                          kv_dtype=resolve_kv_dtype(self.config.kv_cache_dtype, dtype))
 
     def _kv_bytes_per_block(self) -> int:
         """KV bytes of one block: the target's, plus the draft's own cache at the same block ids."""

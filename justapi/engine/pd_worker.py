@@ -20,7 +20,6 @@ import traceback
 from dataclasses import dataclass
 
 from ..config import EngineConfig
-from ..model.runner import KV_DTYPE
 
 log = logging.getLogger("justapi.worker")
 
@@ -198,7 +197,7 @@ class _Worker:
             from ..distributed.kv_transfer import recv_kv
 
             _, rid, src, tag, shape, fields = msg
-            self.recvs[rid] = (recv_kv(rid, shape, KV_DTYPE, src, tag, self.engine.config.device), fields)
+            self.recvs[rid] = (recv_kv(rid, shape, self.engine.model.kv_dtype, src, tag, self.engine.config.device), fields)
 
     def _poll_transfers(self) -> None:
         for rid, t in list(self.sends.items()):

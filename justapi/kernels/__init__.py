@@ -1,7 +1,8 @@
 """The engine's own CPU kernels, compiled from C++ on first use by torch's extension builder and cached.
 
-``decode_kernels()`` returns the compiled module, or None where it cannot be built (no compiler) or is turned off
-with ``JUSTAPI_KERNELS=0``; callers then take the pure-torch path, which computes the same thing more slowly.
+One module: ``decode_attention`` (paged_attention.cpp), ``add_rms_norm`` and ``rope_write_kv`` (layer_ops.cpp).
+``decode_kernels()`` returns it, or None where it cannot be built (no compiler) or is turned off with
+``JUSTAPI_KERNELS=0``; callers then take the pure-torch path, which computes the same thing more slowly.
 The build runs once per machine (about a minute) and lands in torch's extension cache (``TORCH_EXTENSIONS_DIR``,
 by default ~/.cache/torch_extensions).
 """
@@ -32,12 +33,18 @@ def decode_kernels():
         try:
             from torch.utils import cpp_extension
 
-            src = os.path.join(os.path.dirname(__file__), "paged_attention.cpp")
+            here = os.path.dirname(__file__)
+            sources = [os.path.join(here, name) for name in ("paged_attention.cpp", "layer_ops.cpp")]
             _clear_stale_lock(cpp_extension._get_build_directory("justapi_paged_attention", False))
             _module = cpp_extension.load(
                 name="justapi_paged_attention",
-                sources=[src],
-                extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+                sources=sources,
+                # -fopenmp: at::parallel_for is inline OpenMP; without it every call runs on one thread.
+                # The module links libgomp by soname, so it shares the one torch has loaded (one thread pool).
+                # -ffp-contract=off: no fused multiply-adds where the source has none, so elementwise code rounds
+                # exactly as torch's separate ops do (layer_ops.cpp's rotary is bit-identical to the torch path).
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+                extra_ldflags=["-fopenmp"],
                 verbose=False,
             )
         except Exception as e:  # no compiler, no headers: the torch path still works

@@ -1,23 +1,276 @@
 // Decode attention straight from the paged KV cache: one query token per sequence, keys and values read in place
 // through the block table, so no [sequences, context, head_dim] copy of the cache is ever made.
 //
-// Cache layout (see justapi/model/attention.py): [num_kv_heads, num_blocks, block_size, head_dim], fp32.
+// Cache layout (see justapi/model/attention.py): [num_kv_heads, num_blocks, block_size, head_dim], fp32 or bf16
+// (a bf16 value is the top half of an fp32: widened as it is read; all arithmetic is fp32).
 // Work item = (sequence, kv head): its `group` query heads share every key/value row it reads.
 //   pass 1: s[h][t] = scale * q[h] . k[t]        for t < context_len
 //   pass 2: p = softmax(s[h])                     (max-subtracted, fp32)
 //   pass 3: out[h] = sum_t p[h][t] * v[t]
-// Each work item is computed alone, so a sequence's result never depends on the rest of the batch.
+// Each work item is computed alone, so a sequence's result never depends on the rest of the batch. Work items run
+// on torch's intra-op threads (at::parallel_for: OpenMP, so the extension is built with -fopenmp).
+//
+// Two implementations of the same passes: AVX-512 for head_dim 64 and 128 (query and accumulator rows held in
+// registers, blocks prefetched, exp vectorised), and a portable one for everything else.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
+#include <tuple>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kMaxGroup = 16;  // query heads per KV head
+
+// --- portable ----------------------------------------------------------------------------------------------------
+
+// a cache row as fp32: fp32 rows are used in place, bf16 rows widened into `buf`
+inline const float* row_f32(const float* src, float*, int64_t) { return src; }
+inline const float* row_f32(const uint16_t* src, float* buf, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) {
+    const uint32_t bits = static_cast<uint32_t>(src[d]) << 16;
+    std::memcpy(buf + d, &bits, sizeof(float));
+  }
+  return buf;
+}
+
+template <typename T>
+void attend(const float* qh, const T* kp, const T* vp, const int64_t* table, int64_t ctx, int64_t kvh,
+            int64_t num_blocks, int64_t block_size, int64_t head_dim, int64_t group, float scale, float* oh,
+            std::vector<float>& scores) {
+  scores.resize(group * ctx + head_dim * (1 + group));
+  float* row = scores.data() + group * ctx;
+  float* acc = row + head_dim;
+  const int64_t nblk = (ctx + block_size - 1) / block_size;
+  for (int64_t ib = 0; ib < nblk; ++ib) {
+    const T* kb = kp + (kvh * num_blocks + table[ib]) * block_size * head_dim;
+    const int64_t n = std::min(block_size, ctx - ib * block_size);
+    for (int64_t j = 0; j < n; ++j) {
+      const float* kr = row_f32(kb + j * head_dim, row, head_dim);
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = qh + g * head_dim;
+        float s = 0.f;
+        for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * kr[d];
+        scores[g * ctx + ib * block_size + j] = s * scale;
+      }
+    }
+  }
+  float inv_sum[kMaxGroup];
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores.data() + g * ctx;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < ctx; ++t) mx = std::max(mx, sg[t]);
+    float sum = 0.f;
+    for (int64_t t = 0; t < ctx; ++t) {
+      sg[t] = std::exp(sg[t] - mx);
+      sum += sg[t];
+    }
+    inv_sum[g] = 1.f / sum;
+  }
+  std::fill(acc, acc + group * head_dim, 0.f);
+  for (int64_t ib = 0; ib < nblk; ++ib) {
+    const T* vb = vp + (kvh * num_blocks + table[ib]) * block_size * head_dim;
+    const int64_t n = std::min(block_size, ctx - ib * block_size);
+    for (int64_t j = 0; j < n; ++j) {
+      const float* vr = row_f32(vb + j * head_dim, row, head_dim);
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = scores[g * ctx + ib * block_size + j];
+        float* ag = acc + g * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * vr[d];
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t d = 0; d < head_dim; ++d) oh[g * head_dim + d] = acc[g * head_dim + d] * inv_sum[g];
+}
+
+// --- AVX-512 -----------------------------------------------------------------------------------------------------
+
+#if defined(__AVX512F__)
+// 16 cache values as fp32 lanes
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// exp(x) of 16 lanes for x <= 0: x = n ln2 + r with |r| <= ln2/2, exp(r) by Cephes' degree-6 polynomial (within
+// 2 ulp of expf), scaled by 2^n; x is clamped at -87 (exp(-87) ~ 1.6e-38, far below any weight that counts)
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// s[0..n) = exp(s - max(s)), unnormalised; *inv_sum = 1 / their sum
+inline void softmax_avx512(float* s, int64_t n, float* inv_sum) {
+  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t));
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - t)) - 1);
+  if (tail) mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, s + t));
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  __m512 sum = _mm512_setzero_ps();
+  for (t = 0; t + 16 <= n; t += 16) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
+    _mm512_storeu_ps(s + t, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  if (tail) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + t), m));
+    _mm512_mask_storeu_ps(s + t, tail, e);
+    sum = _mm512_mask_add_ps(sum, tail, sum, e);
+  }
+  *inv_sum = 1.f / _mm512_reduce_add_ps(sum);
+}
+
+// r[i] = the sum of v[i]'s 16 lanes, for 16 vectors at once (a transposing tree: 45 shuffles and adds instead of
+// 16 separate horizontal sums of 9 each)
+inline __m512 hsum16(const __m512* v) {
+  __m512 w[8];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [v0 e0+e2, v1 e0+e2, v0 e1+e3, v1 e1+e3]
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  __m512 x[4];
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane's partial sums of v[4i .. 4i+3]
+    const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  __m512 u[2];
+  for (int i = 0; i < 2; ++i)  // 128-bit lanes: x[2i] lanes 0+1, 2+3, then x[2i+1]'s
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// prefetch the `bytes` of a cache block into L1 (the blocks of a sequence are scattered, so the hardware
+// prefetcher, which follows streams within a page, does not see them coming)
+inline void prefetch_block(const void* p, int64_t bytes) {
+  for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(static_cast<const char*>(p) + c, _MM_HINT_T0);
+}
+
+// head_dim = 16 * V; blocks outermost so each is read from memory once, query/accumulator rows in registers
+template <typename T, int V>
+void attend_avx512(const float* qh, const T* kp, const T* vp, const int64_t* table, int64_t ctx, int64_t kvh,
+                   int64_t num_blocks, int64_t block_size, int64_t group, float scale, float* oh,
+                   std::vector<float>& scores) {
+  constexpr int64_t D = 16 * V;
+  constexpr int64_t kAhead = 2;  // blocks prefetched ahead of the one being read (measured: 2 > 1, 4)
+  scores.resize(group * ctx + group * D);
+  float* acc_all = scores.data() + group * ctx;
+  const int64_t nblk = (ctx + block_size - 1) / block_size;
+  const int64_t block_elems = block_size * D, block_bytes = block_elems * sizeof(T);
+  auto kblock = [&](int64_t ib) { return kp + (kvh * num_blocks + table[ib]) * block_elems; };
+  auto vblock = [&](int64_t ib) { return vp + (kvh * num_blocks + table[ib]) * block_elems; };
+  for (int64_t ib = 0; ib < std::min(kAhead, nblk); ++ib) prefetch_block(kblock(ib), block_bytes);
+  for (int64_t ib = 0; ib < nblk; ++ib) {
+    if (ib + kAhead < nblk) prefetch_block(kblock(ib + kAhead), block_bytes);
+    else if (ib + kAhead - nblk < nblk) prefetch_block(vblock(ib + kAhead - nblk), block_bytes);
+    const T* kb = kblock(ib);
+    const int64_t n = std::min(block_size, ctx - ib * block_size);
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 q[V];
+      for (int i = 0; i < V; ++i) q[i] = _mm512_mul_ps(_mm512_loadu_ps(qh + g * D + 16 * i), _mm512_set1_ps(scale));
+      float* sg = scores.data() + g * ctx + ib * block_size;
+      for (int64_t j0 = 0; j0 < n; j0 += 16) {  // 16 rows' dot products, reduced together
+        const int64_t m = std::min<int64_t>(16, n - j0);
+        __m512 s[16];
+        for (int64_t j = 0; j < 16; ++j) {
+          if (j < m) {
+            const T* kr = kb + (j0 + j) * D;
+            s[j] = _mm512_mul_ps(q[0], load16(kr));
+            for (int i = 1; i < V; ++i) s[j] = _mm512_fmadd_ps(q[i], load16(kr + 16 * i), s[j]);
+          } else {
+            s[j] = _mm512_setzero_ps();
+          }
+        }
+        _mm512_mask_storeu_ps(sg + j0, static_cast<__mmask16>((1u << m) - 1), hsum16(s));
+      }
+    }
+  }
+  float inv_sum[kMaxGroup];
+  for (int64_t g = 0; g < group; ++g) softmax_avx512(scores.data() + g * ctx, ctx, inv_sum + g);
+  std::fill(acc_all, acc_all + group * D, 0.f);
+  for (int64_t ib = 0; ib < nblk; ++ib) {
+    if (ib + kAhead < nblk) prefetch_block(vblock(ib + kAhead), block_bytes);
+    const T* vb = vblock(ib);
+    const int64_t n = std::min(block_size, ctx - ib * block_size);
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 acc[V];
+      for (int i = 0; i < V; ++i) acc[i] = _mm512_loadu_ps(acc_all + g * D + 16 * i);
+      const float* sg = scores.data() + g * ctx + ib * block_size;
+      for (int64_t j = 0; j < n; ++j) {
+        const __m512 p = _mm512_set1_ps(sg[j]);
+        for (int i = 0; i < V; ++i) acc[i] = _mm512_fmadd_ps(p, load16(vb + j * D + 16 * i), acc[i]);
+      }
+      for (int i = 0; i < V; ++i) _mm512_storeu_ps(acc_all + g * D + 16 * i, acc[i]);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const __m512 inv = _mm512_set1_ps(inv_sum[g]);
+    for (int i = 0; i < V; ++i)
+      _mm512_storeu_ps(oh + g * D + 16 * i, _mm512_mul_ps(_mm512_loadu_ps(acc_all + g * D + 16 * i), inv));
+  }
+}
+#endif  // __AVX512F__
+
+// the work items of one call, split over torch's threads
+template <typename T>
+void run(const float* qp, const T* kp, const T* vp, const int64_t* tables, const int64_t* lens, float* op,
+         int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
+         int64_t head_dim, int64_t max_blocks, float scale) {
+  const int64_t group = num_heads / num_kv_heads;
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / num_kv_heads, kvh = item % num_kv_heads;
+      const int64_t off = (b * num_heads + kvh * group) * head_dim;  // this kv head's `group` query heads
+      const int64_t* table = tables + b * max_blocks;
+#if defined(__AVX512F__)
+      if (head_dim == 64) {
+        attend_avx512<T, 4>(qp + off, kp, vp, table, lens[b], kvh, num_blocks, block_size, group, scale, op + off,
+                            scores);
+        continue;
+      }
+      if (head_dim == 128) {
+        attend_avx512<T, 8>(qp + off, kp, vp, table, lens[b], kvh, num_blocks, block_size, group, scale, op + off,
+                            scores);
+        continue;
+      }
+#endif
+      attend<T>(qp + off, kp, vp, table, lens[b], kvh, num_blocks, block_size, head_dim, group, scale, op + off,
+                scores);
+    }
+  });
+}
+
+}  // namespace
 
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 && v_cache.dtype() == torch::kFloat32,
-              "decode_attention: fp32 query and cache expected");
+  const auto cache_dtype = k_cache.scalar_type();
+  TORCH_CHECK(q.dtype() == torch::kFloat32, "decode_attention: fp32 query expected");
+  TORCH_CHECK((cache_dtype == torch::kFloat32 || cache_dtype == torch::kBFloat16) && v_cache.scalar_type() == cache_dtype,
+              "decode_attention: fp32 or bf16 K and V caches of one dtype expected");
   TORCH_CHECK(block_tables.dtype() == torch::kInt64 && context_lens.dtype() == torch::kInt64,
               "decode_attention: int64 block tables and context lengths expected");
   q = q.contiguous();
@@ -27,70 +280,43 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   context_lens = context_lens.contiguous();
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "decode_attention: shape mismatch");
-  const int64_t group = num_heads / num_kv_heads;
+  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0 && v_cache.sizes() == k_cache.sizes(),
+              "decode_attention: shape mismatch");
+  TORCH_CHECK(num_heads / num_kv_heads <= kMaxGroup, "decode_attention: more than 16 query heads per KV head");
+  TORCH_CHECK(block_tables.size(0) == num_seqs && context_lens.size(0) == num_seqs, "decode_attention: batch mismatch");
   const int64_t max_blocks = block_tables.size(1);
-  auto out = torch::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  // every table entry a sequence reads is checked here, once, so the loops index without checks
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_blocks * block_size, "decode_attention: bad context length");
+    for (int64_t i = 0; i < (lens[b] + block_size - 1) / block_size; ++i)
+      TORCH_CHECK(tables[b * max_blocks + i] >= 0 && tables[b * max_blocks + i] < num_blocks,
+                  "decode_attention: block id out of range");
+  }
+  auto out = torch::empty_like(q);
   const float fscale = static_cast<float>(scale);
-
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<float> acc(group * head_dim);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / num_kv_heads, kvh = item % num_kv_heads;
-      const int64_t ctx = lens[b];
-      TORCH_CHECK(ctx >= 1 && ctx <= max_blocks * block_size, "decode_attention: bad context length");
-      const int64_t* table = tables + b * max_blocks;
-      scores.assign(group * ctx, 0.f);
-      const float* qh = qp + (b * num_heads + kvh * group) * head_dim;  // this kv head's `group` query heads
-      for (int64_t t = 0; t < ctx; ++t) {
-        const int64_t block = table[t / block_size];
-        TORCH_CHECK(block >= 0 && block < num_blocks, "decode_attention: block id out of range");
-        const float* kr = kp + ((kvh * num_blocks + block) * block_size + t % block_size) * head_dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qh + g * head_dim;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * kr[d];
-          scores[g * ctx + t] = s * fscale;
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * ctx;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < ctx; ++t) mx = std::max(mx, sg[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < ctx; ++t) {
-          sg[t] = std::exp(sg[t] - mx);
-          sum += sg[t];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < ctx; ++t) sg[t] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < ctx; ++t) {
-        const int64_t block = table[t / block_size];
-        const float* vr = vp + ((kvh * num_blocks + block) * block_size + t % block_size) * head_dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * ctx + t];
-          float* ag = acc.data() + g * head_dim;
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * vr[d];
-        }
-      }
-      float* oh = op + (b * num_heads + kvh * group) * head_dim;
-      std::copy(acc.begin(), acc.end(), oh);
-    }
-  });
+  if (cache_dtype == torch::kFloat32)
+    run<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tables, lens,
+               out.data_ptr<float>(), num_seqs, num_heads, num_kv_heads, num_blocks, block_size, head_dim, max_blocks,
+               fscale);
+  else
+    run<uint16_t>(q.data_ptr<float>(), reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+                  reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), tables, lens,
+                  out.data_ptr<float>(), num_seqs, num_heads, num_kv_heads, num_blocks, block_size, head_dim,
+                  max_blocks, fscale);
   return out;
 }
 
+// layer_ops.cpp
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,
+                                                      torch::Tensor weight, double eps);
+torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, bool neox, int64_t num_heads,
+                            int64_t num_kv_heads, int64_t dim, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor slots);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "decode attention over the paged KV cache (fp32, CPU)");
+  m.def("decode_attention", &decode_attention, "decode attention over the paged KV cache (fp32 or bf16 cache, CPU)");
+  m.def("add_rms_norm", &add_rms_norm, "x += residual; rms_norm(x) * weight (fp32 accumulation), in place on x");
+  m.def("rope_write_kv", &rope_write_kv, "rotary embedding of fused QKV rows, K/V stored at their slots; returns Q");
 }

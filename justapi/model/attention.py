@@ -29,7 +29,9 @@ class SeqSpan:
     query_start: int  # first row of this sequence in the flat batch
     num_query_tokens: int  # new tokens this step
     context_len: int  # tokens visible to the last new token, the new ones included
-    block_table: torch.Tensor  # [ceil(context_len / block_size)] int64
+    # [ceil(context_len / block_size)] int64; None for a span of the decode batch, which reads
+    # AttentionMetadata.decode_block_tables instead
+    block_table: torch.Tensor | None
     # [num_query_tokens, M] bool over the last M context positions (M >= num_query_tokens; a draft tree's nodes),
     # everything before them visible; None: causal
     mask: torch.Tensor | None = None
@@ -49,10 +51,10 @@ class AttentionMetadata:
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """Store new keys/values [num_tokens, num_kv_heads, head_dim] at their slots."""
+    """Store new keys/values [num_tokens, num_kv_heads, head_dim] at their slots, in the cache's dtype."""
     heads, _, _, dim = k_cache.shape
-    k_cache.view(heads, -1, dim).index_copy_(1, slots, k.transpose(0, 1))
-    v_cache.view(heads, -1, dim).index_copy_(1, slots, v.transpose(0, 1))
+    k_cache.view(heads, -1, dim).index_copy_(1, slots, k.transpose(0, 1).to(k_cache.dtype))
+    v_cache.view(heads, -1, dim).index_copy_(1, slots, v.transpose(0, 1).to(v_cache.dtype))
 
 
 def paged_attention(
@@ -66,11 +68,17 @@ def paged_attention(
     """Attention of query rows ``q`` [num_tokens, num_heads, head_dim] over their sequences' cached K/V.
 
     ``kernels``: the compiled module of justapi.kernels; the decode batch then reads the cache in place.
+    The cache may be fp32 or bf16; ``q`` and the result are fp32 (on the torch path, gathered K/V are widened).
     """
+    use_kernel = (kernels is not None and q.device.type == "cpu" and q.dtype == torch.float32
+                  and k_cache.dtype in (torch.float32, torch.bfloat16))
+    if use_kernel and meta.decode_rows is not None and meta.decode_rows.numel() == q.shape[0]:
+        # decode rows only (they are then rows 0..n-1 in order): no gather of the queries, no scatter of the result
+        return kernels.decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
     out = torch.empty_like(q)
     if meta.decode_rows is not None:
         qd = q[meta.decode_rows]
-        if kernels is not None and qd.device.type == "cpu" and qd.dtype == k_cache.dtype == torch.float32:
+        if use_kernel:
             out[meta.decode_rows] = kernels.decode_attention(
                 qd, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
             )
@@ -106,8 +114,8 @@ def _sequence_attention(q, k_cache, v_cache, span: SeqSpan, scale: float) -> tor
     num_kv_heads = k_cache.shape[0]
     group = num_heads // num_kv_heads
     ctx = span.context_len
-    k = _gather(k_cache, span.block_table, ctx).transpose(1, 2)  # [kvh, d, ctx]
-    v = _gather(v_cache, span.block_table, ctx)  # [kvh, ctx, d]
+    k = _gather(k_cache, span.block_table, ctx).to(q.dtype).transpose(1, 2)  # [kvh, d, ctx]
+    v = _gather(v_cache, span.block_table, ctx).to(q.dtype)  # [kvh, ctx, d]
     qh = q.view(num_q, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * num_q, head_dim)
     scores = torch.bmm(qh, k).view(num_kv_heads, group, num_q, ctx) * scale
     visible = _visibility(span, q.device)  # [num_q, ctx]
@@ -146,8 +154,8 @@ def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float
     group = num_heads // num_kv_heads
     length = meta.decode_max_context
     tables = meta.decode_block_tables
-    k = _gather_blocks(k_cache, tables.flatten()).view(num_kv_heads, num_seqs, -1, head_dim)[:, :, :length]
-    v = _gather_blocks(v_cache, tables.flatten()).view(num_kv_heads, num_seqs, -1, head_dim)[:, :, :length]
+    k = _gather_blocks(k_cache, tables.flatten()).view(num_kv_heads, num_seqs, -1, head_dim)[:, :, :length].to(q.dtype)
+    v = _gather_blocks(v_cache, tables.flatten()).view(num_kv_heads, num_seqs, -1, head_dim)[:, :, :length].to(q.dtype)
     qh = q.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1)  # [kvh, B, group, d]
     scores = torch.matmul(qh, k.transpose(2, 3)) * scale  # [kvh, B, group, L]
     pad = torch.arange(length, device=q.device).unsqueeze(0) >= meta.decode_context_lens.unsqueeze(1)  # [B, L]

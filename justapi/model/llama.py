@@ -36,14 +36,16 @@ class LlamaModel:
     """Weights and the forward pass of a decoder-only Llama-family model."""
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], device: str, batch_invariant: bool,
-                 tp=None, comm=None):
+                 tp=None, comm=None, kv_dtype: torch.dtype = torch.float32):
         """``tp``: a distributed.tp.TpPlan; ``tensors`` are then this rank's slices (loaded with
         ``shard_selection``) and ``comm`` (a TpComm) combines the ranks' partial results. ``config`` stays the
-        whole model's."""
+        whole model's. ``kv_dtype``: the element type of the KV cache this model's runner allocates (fp32 or
+        bf16); attention computes in fp32 either way."""
         if tp is not None:
             config = dataclasses.replace(config, num_heads=len(tp.q_heads), num_kv_heads=len(tp.kv_heads))
         self.config = config
         self.batch_invariant = batch_invariant
+        self.kv_dtype = kv_dtype
         self.tp = tp
         self.comm = comm
 
@@ -87,6 +89,9 @@ class LlamaModel:
                 )
             )
         self.norm = take("output_norm.weight")
+        for layer in self.layers:  # norm weights in fp32 (tiny), as the C++ add_rms_norm takes them
+            layer.attn_norm, layer.ffn_norm = layer.attn_norm.float(), layer.ffn_norm.float()
+        self.norm = self.norm.float()
         self.lm_head = matrix("output.weight") if "output.weight" in tensors else self.embed
         if isinstance(self.lm_head, torch.Tensor) and self.lm_head.dtype == torch.bfloat16 and any(
                 isinstance(layer.down, Int4Weight) for layer in self.layers):
@@ -123,31 +128,52 @@ class LlamaModel:
         n = x.shape[0]
         cos, sin = self.rope.tables(positions)  # once, not per layer
         qk_heads = cfg.num_heads + cfg.num_kv_heads
+        eps = cfg.rms_norm_eps
+        # the C++ layer ops (justapi.kernels.layer_ops): x += residual and the norm in one call, rotary and the
+        # K/V store in another; the torch path below computes the same (rotary bit-identical, the norm's sum of
+        # squares in another order)
+        fused = self.kernels is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+        residual = None  # the last sublayer's output, not yet added to x
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-            qkv = linear(h, layer.qkv, layer.qkv_bias, bi)
-            v = qkv[:, self.q_size + self.kv_size :].view(n, cfg.num_kv_heads, cfg.head_dim)
-            # attention runs in the KV cache's dtype (fp32): bf16 batched matmuls with 3-row GQA groups are slower
-            # than fp32 on CPU, and the cache keeps full precision whatever the weights' dtype
-            if layer.q_norm is None:  # Q and K heads side by side are rotated as one tensor (elementwise: the same)
-                qk = self.rope.rotate(qkv[:, : self.q_size + self.kv_size].view(n, qk_heads, cfg.head_dim)
-                                      .to(k_cache.dtype), cos, sin)
-                q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
+            if fused:
+                x, h = self.kernels.add_rms_norm(x, residual, layer.attn_norm, eps)
             else:
-                q = qkv[:, : self.q_size].view(n, cfg.num_heads, cfg.head_dim)
-                k = qkv[:, self.q_size : self.q_size + self.kv_size].view(n, cfg.num_kv_heads, cfg.head_dim)
-                q = self.rope.rotate(rms_norm(q, layer.q_norm, cfg.rms_norm_eps).to(k_cache.dtype), cos, sin)
-                k = self.rope.rotate(rms_norm(k, layer.k_norm, cfg.rms_norm_eps).to(k_cache.dtype), cos, sin)
-            write_kv(k_cache, v_cache, k, v.to(v_cache.dtype), meta.slot_mapping)
+                x = x if residual is None else x + residual
+                h = rms_norm(x, layer.attn_norm, eps)
+            qkv = linear(h, layer.qkv, layer.qkv_bias, bi)
+            # attention computes in fp32 whatever the weights' and the cache's dtype: bf16 batched matmuls with
+            # 3-row GQA groups are slower than fp32 on CPU; the cache stores K/V in its own dtype (write_kv)
+            if layer.q_norm is None and fused:
+                q = self.kernels.rope_write_kv(qkv, cos, sin, self.rope.style == "neox", cfg.num_heads,
+                                               cfg.num_kv_heads, cfg.head_dim, k_cache, v_cache, meta.slot_mapping)
+            else:
+                v = qkv[:, self.q_size + self.kv_size :].view(n, cfg.num_kv_heads, cfg.head_dim)
+                if layer.q_norm is None:  # Q and K heads side by side are rotated as one tensor (elementwise)
+                    qk = self.rope.rotate(qkv[:, : self.q_size + self.kv_size].view(n, qk_heads, cfg.head_dim)
+                                          .float(), cos, sin)
+                    q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
+                else:
+                    q = qkv[:, : self.q_size].view(n, cfg.num_heads, cfg.head_dim)
+                    k = qkv[:, self.q_size : self.q_size + self.kv_size].view(n, cfg.num_kv_heads, cfg.head_dim)
+                    q = self.rope.rotate(rms_norm(q, layer.q_norm, eps).float(), cos, sin)
+                    k = self.rope.rotate(rms_norm(k, layer.k_norm, eps).float(), cos, sin)
+                write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             attn = paged_attention(q, k_cache, v_cache, meta, self.scale, self.kernels).to(x.dtype)
             o = linear(attn.reshape(n, self.q_size), layer.o, None, bi)
-            x = x + (o if self.tp is None else self.comm.all_reduce(o))
-            h = rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps)
+            o = o if self.tp is None else self.comm.all_reduce(o)
+            if fused:
+                x, h = self.kernels.add_rms_norm(x, o, layer.ffn_norm, eps)
+            else:
+                x = x + o
+                h = rms_norm(x, layer.ffn_norm, eps)
             gate_up = linear(h, layer.gate_up, None, bi)
             gate, up = gate_up.chunk(2, dim=-1)
             down = linear(F.silu(gate) * up, layer.down, None, bi)
-            x = x + (down if self.tp is None else self.comm.all_reduce(down))
-        x = rms_norm(x[logits_rows], self.norm, cfg.rms_norm_eps)
+            residual = down if self.tp is None else self.comm.all_reduce(down)
+        if fused:
+            x = self.kernels.add_rms_norm(x, residual, self.norm, eps)[1][logits_rows]
+        else:
+            x = rms_norm((x + residual)[logits_rows], self.norm, eps)
         logits = linear(x, self.lm_head, None, bi).float()
         return logits if self.tp is None else self.comm.gather_vocab(logits)
 

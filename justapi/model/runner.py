@@ -28,13 +28,10 @@ class _RequestState:
     seed: int
 
 
-KV_DTYPE = torch.float32  # the cache keeps full precision whatever the weights' dtype
-
-
 def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
-    """Bytes of K and V that one block takes across all layers."""
+    """Bytes of K and V that one block takes across all layers (in the model's KV dtype)."""
     cfg = model.config
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * KV_DTYPE.itemsize
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * model.kv_dtype.itemsize
 
 
 def new_kv_caches(model: LlamaModel, num_blocks: int, block_size: int, device: str):
@@ -43,7 +40,7 @@ def new_kv_caches(model: LlamaModel, num_blocks: int, block_size: int, device: s
     shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
     # zero-filled: padded decode rows read unused slots, and 0 * garbage could be NaN
     return [
-        (torch.zeros(shape, dtype=KV_DTYPE, device=device), torch.zeros(shape, dtype=KV_DTYPE, device=device))
+        (torch.zeros(shape, dtype=model.kv_dtype, device=device), torch.zeros(shape, dtype=model.kv_dtype, device=device))
         for _ in range(cfg.num_layers)
     ]
 
@@ -72,6 +69,7 @@ class FlatBatch:
         self.positions: list[int] = []
         self.slots: list[int] = []
         self.spans: list[SeqSpan] = []
+        self.tables: list[list[int]] = []  # each span's block ids (made tensors in forward, where needed)
         self.logits_rows: list[int] = []
 
     def add(self, token_ids: list[int], positions: list[int], first_slot: int, block_ids: list[int],
@@ -87,8 +85,8 @@ class FlatBatch:
         self.input_ids.extend(token_ids)
         self.positions.extend(positions)
         self.slots.extend(block_ids[p // bs] * bs + p % bs for p in range(first_slot, end))
-        table = torch.tensor(block_ids[: -(-end // bs)], dtype=torch.long)
-        self.spans.append(SeqSpan(row, n, end, table, mask))
+        self.tables.append(block_ids[: -(-end // bs)])
+        self.spans.append(SeqSpan(row, n, end, None, mask))
         if logits == "last":
             self.logits_rows.append(row + n - 1)
         elif logits == "all":
@@ -98,11 +96,12 @@ class FlatBatch:
         """Run the model; logits [len(logits_rows), vocab] (fp32)."""
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.tensor(self.slots, dtype=torch.long, device=dev), seqs=self.spans)
-        decode_spans = [s for s in self.spans if s.num_query_tokens == 1 and s.mask is None]
-        if decode_spans:
-            _add_decode_batch(meta, decode_spans, dev)
-        for span in self.spans:
-            span.block_table = span.block_table.to(dev)
+        decode = [i for i, s in enumerate(self.spans) if s.num_query_tokens == 1 and s.mask is None]
+        if decode:
+            _add_decode_batch(meta, [self.spans[i] for i in decode], [self.tables[i] for i in decode], dev)
+        for span, table in zip(self.spans, self.tables):
+            if not (span.num_query_tokens == 1 and span.mask is None):  # the decode batch reads its own tables
+                span.block_table = torch.tensor(table, dtype=torch.long, device=dev)
         return model.forward(
             torch.tensor(self.input_ids, dtype=torch.long, device=dev),
             torch.tensor(self.positions, dtype=torch.long, device=dev),
@@ -112,14 +111,13 @@ class FlatBatch:
         )
 
 
-def _add_decode_batch(meta: AttentionMetadata, spans: list[SeqSpan], device: str) -> None:
-    """Sequences with one new token and no mask also go as one padded batch (see attention._decode_attention)."""
-    max_blocks = max(len(s.block_table) for s in spans)
-    tables = torch.zeros(len(spans), max_blocks, dtype=torch.long)
-    for i, s in enumerate(spans):
-        tables[i, : len(s.block_table)] = s.block_table
+def _add_decode_batch(meta: AttentionMetadata, spans: list[SeqSpan], tables: list[list[int]], device: str) -> None:
+    """Sequences with one new token and no mask go as one padded batch (see attention._decode_attention); its
+    tables are built as lists and made one tensor (not one per sequence)."""
+    width = max(len(t) for t in tables)
     meta.decode_rows = torch.tensor([s.query_start for s in spans], dtype=torch.long, device=device)
-    meta.decode_block_tables = tables.to(device)
+    meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long,
+                                            device=device)
     meta.decode_context_lens = torch.tensor([s.context_len for s in spans], dtype=torch.long, device=device)
     meta.decode_max_context = max(s.context_len for s in spans)
 
@@ -169,7 +167,7 @@ class ModelRunner:
         first blocks."""
         n = kv.shape[3]
         idx = torch.tensor(block_ids[:n], dtype=torch.long, device=self.device)
-        kv = kv.to(self.device)
+        kv = kv.to(self.device, self.model.kv_dtype)
         tp = self.model.tp
         if tp is not None:  # ``kv`` has every KV head of the model; this rank keeps its own (engine.export_kv)
             kv = kv.index_select(2, torch.tensor(tp.kv_heads, dtype=torch.long, device=self.device))

@@ -1,0 +1,155 @@
+// Two fused steps of a decoder layer, each one call instead of a dozen small torch ops (at one decode row, every
+// torch op costs microseconds of dispatch for nanoseconds of work):
+//
+//   add_rms_norm   x += residual (optional), h = rms_norm(x) * weight
+//   rope_write_kv  rotate the Q and K heads of the fused QKV output, store K and V at their cache slots, return Q
+//
+// Built into the same module as paged_attention.cpp (see justapi/kernels/__init__.py). Compiled with
+// -ffp-contract=off: rope_write_kv's products and sums are then rounded exactly as torch's elementwise ops round
+// them, so its result is bit-identical to the torch path (tested).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+
+namespace {
+
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
+template <typename T>
+inline T narrow(float x) { return static_cast<T>(x); }  // c10::BFloat16(float) rounds to nearest even, as torch
+
+template <typename T>
+void add_rms_norm_rows(T* x, const T* residual, const float* weight, T* h, int64_t rows, int64_t dim, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = x + r * dim;
+      T* hr = h + r * dim;
+      float ss = 0.f;
+      for (int64_t d = 0; d < dim; ++d) {
+        if (residual != nullptr) xr[d] = narrow<T>(widen(xr[d]) + widen(residual[r * dim + d]));
+        const float v = widen(xr[d]);
+        ss += v * v;
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
+      for (int64_t d = 0; d < dim; ++d) hr[d] = narrow<T>(widen(xr[d]) * inv * weight[d]);
+    }
+  });
+}
+
+// "norm" style rotates adjacent pairs (2i, 2i+1), "neox" the halves (i, i + dim/2); cos/sin: [rows, dim/2] fp32
+template <typename T, typename C>
+void rope_write_rows(const T* qkv, int64_t row_stride, const float* cos, const float* sin, bool neox, int64_t rows,
+                     int64_t num_heads, int64_t num_kv_heads, int64_t dim, C* k_cache, C* v_cache,
+                     int64_t cache_head_stride, const int64_t* slots, float* q_out) {
+  const int64_t half = dim / 2;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = qkv + r * row_stride;
+      const float* c = cos + r * half;
+      const float* s = sin + r * half;
+      for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
+        const T* x = row + h * dim;
+        const bool is_q = h < num_heads;
+        float* qo = is_q ? q_out + (r * num_heads + h) * dim : nullptr;
+        C* ko = is_q ? nullptr : k_cache + (h - num_heads) * cache_head_stride + slots[r] * dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const int64_t a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+          const float x1 = widen(x[a]), x2 = widen(x[b]);
+          const float t1 = x1 * c[i], t2 = x2 * s[i], t3 = x2 * c[i], t4 = x1 * s[i];
+          const float y1 = t1 - t2, y2 = t3 + t4;
+          if (is_q) {
+            qo[a] = y1;
+            qo[b] = y2;
+          } else {
+            ko[a] = narrow<C>(y1);
+            ko[b] = narrow<C>(y2);
+          }
+        }
+      }
+      const T* v = row + (num_heads + num_kv_heads) * dim;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        C* vo = v_cache + h * cache_head_stride + slots[r] * dim;
+        for (int64_t d = 0; d < dim; ++d) vo[d] = narrow<C>(widen(v[h * dim + d]));
+      }
+    }
+  });
+}
+
+template <typename T>
+void rope_write_dispatch_cache(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, bool neox,
+                               int64_t num_heads, int64_t num_kv_heads, int64_t dim, torch::Tensor& k_cache,
+                               torch::Tensor& v_cache, const torch::Tensor& slots, torch::Tensor& q) {
+  const int64_t head_stride = k_cache.size(1) * k_cache.size(2) * dim;  // one KV head's blocks
+  const T* src = qkv.data_ptr<T>();
+  if (k_cache.scalar_type() == torch::kFloat32)
+    rope_write_rows<T, float>(src, qkv.stride(0), cos.data_ptr<float>(), sin.data_ptr<float>(), neox, qkv.size(0),
+                              num_heads, num_kv_heads, dim, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                              head_stride, slots.data_ptr<int64_t>(), q.data_ptr<float>());
+  else
+    rope_write_rows<T, c10::BFloat16>(src, qkv.stride(0), cos.data_ptr<float>(), sin.data_ptr<float>(), neox,
+                                      qkv.size(0), num_heads, num_kv_heads, dim, k_cache.data_ptr<c10::BFloat16>(),
+                                      v_cache.data_ptr<c10::BFloat16>(), head_stride, slots.data_ptr<int64_t>(),
+                                      q.data_ptr<float>());
+}
+
+}  // namespace
+
+// x [rows, dim] fp32 or bf16 (updated in place when residual is given), weight [dim] fp32; returns h like x
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,
+                                                      torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "add_rms_norm: contiguous [rows, dim] input expected");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16, "add_rms_norm: fp32 or bf16");
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.numel() == x.size(1), "add_rms_norm: fp32 weight [dim]");
+  weight = weight.contiguous();
+  torch::Tensor res;
+  if (residual.has_value()) {
+    res = residual->contiguous();
+    TORCH_CHECK(res.sizes() == x.sizes() && res.scalar_type() == x.scalar_type(), "add_rms_norm: residual like x");
+  }
+  auto h = torch::empty_like(x);
+  const float feps = static_cast<float>(eps);
+  if (x.scalar_type() == torch::kFloat32)
+    add_rms_norm_rows<float>(x.data_ptr<float>(), res.defined() ? res.data_ptr<float>() : nullptr,
+                             weight.data_ptr<float>(), h.data_ptr<float>(), x.size(0), x.size(1), feps);
+  else
+    add_rms_norm_rows<c10::BFloat16>(x.data_ptr<c10::BFloat16>(),
+                                     res.defined() ? res.data_ptr<c10::BFloat16>() : nullptr, weight.data_ptr<float>(),
+                                     h.data_ptr<c10::BFloat16>(), x.size(0), x.size(1), feps);
+  return {x, h};
+}
+
+// qkv [rows, (num_heads + 2 * num_kv_heads) * dim] (rows may be strided), cos/sin [rows, dim/2] fp32, caches
+// [num_kv_heads, num_blocks, block_size, dim] fp32 or bf16, slots [rows] int64; returns rotated Q [rows, heads, dim]
+torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, bool neox, int64_t num_heads,
+                            int64_t num_kv_heads, int64_t dim, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor slots) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * dim,
+              "rope_write_kv: qkv [rows, (heads + 2 kv_heads) * dim] with unit column stride expected");
+  TORCH_CHECK(qkv.scalar_type() == torch::kFloat32 || qkv.scalar_type() == torch::kBFloat16, "rope_write_kv: fp32 or bf16");
+  TORCH_CHECK(dim % 2 == 0, "rope_write_kv: even head_dim expected");
+  cos = cos.reshape({qkv.size(0), dim / 2}).contiguous();
+  sin = sin.reshape({qkv.size(0), dim / 2}).contiguous();
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32, "rope_write_kv: fp32 tables");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.scalar_type() == v_cache.scalar_type() && k_cache.size(0) == num_kv_heads &&
+                  k_cache.size(3) == dim,
+              "rope_write_kv: contiguous K/V caches [kv_heads, blocks, block_size, dim] of one dtype expected");
+  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 || k_cache.scalar_type() == torch::kBFloat16,
+              "rope_write_kv: fp32 or bf16 cache");
+  slots = slots.contiguous();
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.numel() == qkv.size(0), "rope_write_kv: int64 slot per row");
+  const int64_t num_slots = k_cache.size(1) * k_cache.size(2);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < slots.numel(); ++r)
+    TORCH_CHECK(sp[r] >= 0 && sp[r] < num_slots, "rope_write_kv: slot out of range");
+  auto q = torch::empty({qkv.size(0), num_heads, dim}, qkv.options().dtype(torch::kFloat32));
+  if (qkv.scalar_type() == torch::kFloat32)
+    rope_write_dispatch_cache<float>(qkv, cos, sin, neox, num_heads, num_kv_heads, dim, k_cache, v_cache, slots, q);
+  else
+    rope_write_dispatch_cache<c10::BFloat16>(qkv, cos, sin, neox, num_heads, num_kv_heads, dim, k_cache, v_cache,
+                                             slots, q);
+  return q;
+}
