@@ -56,11 +56,13 @@ def test_tiny_architectures_match_transformers(tmp_path, arch, tied):
     (64, 32, torch.bfloat16),  # two 16-row chunks per block, bf16 rows widened
     (128, 16, torch.bfloat16),
 ], ids=["d8-fp32", "d8-bf16", "d64-bs4-fp32", "d64-bs32-bf16", "d128-bs16-bf16"])
-def test_paged_attention_equals_dense_for_mixed_batch(kernel, dim, bs, cache_dtype):
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["fused", "matmuls"])
+def test_paged_attention_equals_dense_for_mixed_batch(kernel, dim, bs, cache_dtype, batch_invariant):
     """A prefill chunk, two decode tokens and a draft tree in one call, against dense fp32 attention over the
     same cached values.
 
-    With ``kernel``, the decode rows go through the C++ kernel that reads the paged cache in place.
+    With ``kernel``, the decode rows go through the C++ kernel that reads the paged cache in place; the prefill
+    chunk and the tree go through torch's fused attention, or with ``batch_invariant`` through plain matmuls.
     """
     kernels = None
     if kernel:
@@ -92,7 +94,7 @@ def test_paged_attention_equals_dense_for_mixed_batch(kernel, dim, bs, cache_dty
         decode_context_lens=torch.tensor([s.context_len for s in decode]),
         decode_max_context=max(s.context_len for s in decode),
     )
-    got = paged_attention(q, k_cache, v_cache, meta, dim ** -0.5, kernels)
+    got = paged_attention(q, k_cache, v_cache, meta, dim ** -0.5, kernels, batch_invariant)
     assert got.dtype == torch.float32
     for span in spans:
         n, ctx = span.num_query_tokens, span.context_len

@@ -158,7 +158,7 @@ class LlamaModel:
                     q = self.rope.rotate(rms_norm(q, layer.q_norm, eps).float(), cos, sin)
                     k = self.rope.rotate(rms_norm(k, layer.k_norm, eps).float(), cos, sin)
                 write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-            attn = paged_attention(q, k_cache, v_cache, meta, self.scale, self.kernels).to(x.dtype)
+            attn = paged_attention(q, k_cache, v_cache, meta, self.scale, self.kernels, bi).to(x.dtype)
             o = linear(attn.reshape(n, self.q_size), layer.o, None, bi)
             o = o if self.tp is None else self.comm.all_reduce(o)
             if fused:
