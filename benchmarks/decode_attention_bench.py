@@ -70,7 +70,7 @@ def main() -> None:
     v = torch.randn(kv_heads, pool, bs, dim, generator=g)
     print(f"{seqs} sequences, {int(ctx.sum())} context tokens, {layers} layers' caches, {torch.get_num_threads()} threads")
     for dtype in (torch.float32, torch.bfloat16):
-        caches = [(k.to(dtype), v.to(dtype)) for _ in range(layers)]
+        caches = [(k.to(dtype, copy=True), v.to(dtype, copy=True)) for _ in range(layers)]  # 30 distinct caches
         ref = None
         best = {name: float("inf") for name, _ in kernels}
         usable = []
