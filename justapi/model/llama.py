@@ -170,10 +170,11 @@ class LlamaModel:
             gate, up = gate_up.chunk(2, dim=-1)
             down = linear(F.silu(gate) * up, layer.down, None, bi)
             residual = down if self.tp is None else self.comm.all_reduce(down)
+        x, residual = x[logits_rows], residual[logits_rows]  # only the rows that give logits (row-wise from here)
         if fused:
-            x = self.kernels.add_rms_norm(x, residual, self.norm, eps)[1][logits_rows]
+            x = self.kernels.add_rms_norm(x, residual, self.norm, eps)[1]
         else:
-            x = rms_norm((x + residual)[logits_rows], self.norm, eps)
+            x = rms_norm(x + residual, self.norm, eps)
         logits = linear(x, self.lm_head, None, bi).float()
         return logits if self.tp is None else self.comm.gather_vocab(logits)
 
