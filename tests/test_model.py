@@ -265,6 +265,38 @@ def test_smollm2_int4_weights_stay_close_to_fp32(real_llm, real_model_path):
         assert sum(c >= 8 for c in common) >= 5, common
 
 
+@pytest.mark.real_model
+def test_smollm2_greedy_output_is_the_same_with_and_without_onednn_prepacked_weights(real_model_path, monkeypatch):
+    """The bf16 weights of --dtype auto are reordered once into oneDNN's layout (quant.prepack_bf16); batches of 6+
+    rows (a batch of 8, and the prompts' prefill) then multiply the prepacked copy. Greedy text must not change."""
+    from justapi import LLM
+    from justapi.model import quant
+
+    chats = [f"Question {i}: name {i + 2} animals that live in the sea, and say why." for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    packed = LLM(real_model_path, pool_blocks=128, dtype="auto", show_progress=False)
+    assert packed.engine.model.layers[0].down.dense.is_mkldnn and packed.engine.model.lm_head.dense.is_mkldnn
+    monkeypatch.setattr(quant, "ONEDNN_PREPACK", False)
+    plain = LLM(real_model_path, pool_blocks=128, dtype="auto", show_progress=False)
+    assert not plain.engine.model.layers[0].down.dense.is_mkldnn
+    assert [r.token_ids for r in packed.generate(chats, params)] == [r.token_ids for r in plain.generate(chats, params)]
+
+
+def test_prepacked_bf16_linear_matches_the_plain_product():
+    from justapi.model.quant import bf16_linear, prepack_bf16
+
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(300, 160, generator=g).to(torch.bfloat16)
+    packed = prepack_bf16(w)
+    assert packed.is_mkldnn and torch.equal(packed.to_dense(), w)
+    for rows in (1, 6, 33, 512):
+        x = torch.randn(rows, 160, generator=g).to(torch.bfloat16)
+        want = x.float() @ w.float().T
+        got = bf16_linear(x, packed)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 300)
+        assert torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2)  # one bf16 rounding of an fp32 sum
+
+
 def test_int8_row_weights_are_within_half_a_step_and_match_their_own_dequantization():
     from justapi.model.quant import INT4_MAX_ROWS, Int8RowWeight
 

@@ -70,6 +70,35 @@ def cat_q4(parts: list[Q4Unpacked]) -> Q4Unpacked:
 # 6x slower at 512). Batches of at least this many rows use a bf16 copy of the same dequantized weight instead.
 INT4_MAX_ROWS = 6
 
+# A plain bf16 ``F.linear`` on CPU goes through oneDNN, which reorders the weight into its blocked (AMX/AVX-512)
+# layout on every call; at decode sizes that reorder costs as much as the product. The weight is reordered once at
+# load instead, as torch's own inductor does when it freezes a model (``mkldnn._reorder_linear_weight``), and
+# multiplied with ``mkldnn._linear_pointwise``. Tests turn this off to check that greedy output is unchanged.
+ONEDNN_PREPACK = True
+PREPACK_ROWS_HINT = 32  # the batch size oneDNN picks the layout for; any number of rows works with it
+
+
+def _prepack_available() -> bool:
+    try:
+        return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def prepack_bf16(w: torch.Tensor) -> torch.Tensor:
+    """A CPU bf16 [out, in] weight in oneDNN's blocked layout (an opaque mkldnn tensor), or ``w`` itself where
+    prepacking is off or unavailable; ``bf16_linear`` multiplies either."""
+    if not ONEDNN_PREPACK or w.device.type != "cpu" or w.dtype != torch.bfloat16 or not _prepack_available():
+        return w
+    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PREPACK_ROWS_HINT)
+
+
+def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` for a bf16 ``x`` [rows, in] and a weight from ``prepack_bf16``."""
+    if w.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    return torch.nn.functional.linear(x, w)
+
 
 class Int4Weight:
     """A packed [out, in] 4-bit weight and its bf16 dequantization; ``matmul(x)`` is ``x @ w.T``.
@@ -84,7 +113,7 @@ class Int4Weight:
         self.packed = torch._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32).contiguous(), 1)
         # [in / 32, out, 2]: the layout the kernel reads
         self.scales_zeros = torch.stack([w.scale.t(), w.zero.t()], dim=-1).to(torch.bfloat16).contiguous()
-        self.dense = w.dequantize().to(torch.bfloat16)
+        self.dense = prepack_bf16(w.dequantize().to(torch.bfloat16))  # for batches of INT4_MAX_ROWS rows or more
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -94,7 +123,7 @@ class Int4Weight:
         """``x`` [rows, in] (any float dtype) → [rows, out] bfloat16."""
         x = x.to(torch.bfloat16)
         if x.shape[0] >= INT4_MAX_ROWS:
-            return torch.nn.functional.linear(x, self.dense)
+            return bf16_linear(x, self.dense)
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_zeros)
 
 
@@ -110,7 +139,9 @@ class Int8RowWeight:
     """
 
     def __init__(self, dense: torch.Tensor) -> None:
-        self.dense = dense
+        self.dense = prepack_bf16(dense.to(torch.bfloat16))
+        self.dtype = dense.dtype
+        self.shape = tuple(dense.shape)
         w = dense.float()
         scale = (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.bfloat16).tiny)
         up = scale.to(torch.bfloat16)
@@ -118,17 +149,9 @@ class Int8RowWeight:
         self.scale = up.contiguous()
         self.q = torch.round(w / up.float()[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.dense.shape)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.dense.dtype
-
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [rows, in] (any float dtype) → [rows, out] bfloat16."""
         x = x.to(torch.bfloat16)
         if x.shape[0] >= INT4_MAX_ROWS:
-            return torch.nn.functional.linear(x, self.dense.to(torch.bfloat16))
+            return bf16_linear(x, self.dense)
         return torch._weight_int8pack_mm(x, self.q, self.scale)
