@@ -96,6 +96,11 @@ def test_paged_attention_equals_dense_for_mixed_batch(kernel, dim, bs, cache_dty
     )
     got = paged_attention(q, k_cache, v_cache, meta, dim ** -0.5, kernels, batch_invariant)
     assert got.dtype == torch.float32
+    if not batch_invariant:  # the chunk's and the tree's additive masks are built once, reused by the next layer
+        biases = [(s, s.bias) for s in spans if s.bias is not None]
+        assert [s.num_query_tokens for s, _ in biases] == [6, 4]
+        assert torch.equal(paged_attention(q, k_cache, v_cache, meta, dim ** -0.5, kernels, batch_invariant), got)
+        assert all(s.bias is b for s, b in biases)
     for span in spans:
         n, ctx = span.num_query_tokens, span.context_len
         k = k_cache[:, span.block_table].flatten(1, 2)[:, :ctx].transpose(0, 1).repeat_interleave(heads // kv_heads, dim=1)

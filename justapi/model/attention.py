@@ -17,7 +17,7 @@ bring its own mask over its new tokens (a draft tree); the default is causal.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,9 @@ class SeqSpan:
     # [num_query_tokens, M] bool over the last M context positions (M >= num_query_tokens; a draft tree's nodes),
     # everything before them visible; None: causal
     mask: torch.Tensor | None = None
+    # the additive mask of the fused path, [num_query_tokens, context_len] (0 or -inf), built by the first layer
+    # that needs it and reused by the others
+    bias: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -132,13 +135,16 @@ def _sequence_attention(q, k_cache, v_cache, span: SeqSpan, scale: float) -> tor
 
 
 def _sequence_attention_fused(q, k_cache, v_cache, span: SeqSpan, scale: float) -> torch.Tensor:
-    """``_sequence_attention`` through torch's fused kernel (grouped query heads, boolean mask): measured 3.3x
+    """``_sequence_attention`` through torch's fused kernel (grouped query heads, additive mask): measured 3.3x
     faster on a 512-token chunk, within 1e-6 of it."""
     ctx = span.context_len
+    if span.bias is None or span.bias.dtype != q.dtype:  # once per step, not once per layer
+        span.bias = torch.zeros(span.num_query_tokens, ctx, dtype=q.dtype, device=q.device).masked_fill_(
+            ~_visibility(span, q.device), float("-inf"))
     k = _gather(k_cache, span.block_table, ctx).to(q.dtype).unsqueeze(0)  # [1, kvh, ctx, d]
     v = _gather(v_cache, span.block_table, ctx).to(q.dtype).unsqueeze(0)
-    o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=_visibility(span, q.device),
-                                       scale=scale, enable_gqa=True)  # [1, heads, num_q, d]
+    o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=span.bias, scale=scale,
+                                       enable_gqa=True)  # [1, heads, num_q, d]
     return o[0].transpose(0, 1)
 
 
