@@ -111,7 +111,11 @@ def test_paged_attention_equals_dense_for_mixed_batch(kernel, dim, bs, cache_dty
         scores = torch.einsum("qhd,khd->hqk", qs, k.float()) * dim ** -0.5
         probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
         want = torch.einsum("hqk,khd->qhd", probs, v.float())
-        torch.testing.assert_close(got[span.query_start : span.query_start + n], want, atol=2e-5, rtol=1e-5)
+        # the fused path computes a bf16 cache's prefill chunks and trees in bf16 (queries and softmax weights
+        # rounded to bf16, fp32 accumulation): measured within 6e-3 here
+        bf16_math = not batch_invariant and cache_dtype == torch.bfloat16 and n > 1
+        tol = dict(atol=1e-2, rtol=1e-2) if bf16_math else dict(atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(got[span.query_start : span.query_start + n], want, **tol)
 
 
 @pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
@@ -235,14 +239,14 @@ def test_smollm2_bfloat16_weights_stay_close_to_fp32(real_llm, real_model_path):
 
 @pytest.mark.real_model
 def test_smollm2_int4_weights_stay_close_to_fp32(real_llm, real_model_path):
-    """--dtype auto (Q4_1 weights through the int4 kernel, bf16 activations, bf16 KV cache) against the exact fp32
-    path.
+    """--dtype auto (Q4_1 weights through the int4 kernel, bf16 activations, bf16 KV cache, prefill attention in
+    bf16) against the exact fp32 path.
 
-    Stated tolerance: per-position KL below 0.03 nats (measured max 0.021; 0.012 with an fp32 cache) with ≥ 90%
-    argmax agreement (measured 0.97 and 1.0); greedy chat answers of 32 tokens share on average ≥ 14 leading
-    tokens with the fp32 answers (measured 23.0 in a batch of 8, 24.3 one at a time, where the LM head runs int8)
-    and at least 5 of 8 agree on their first 8 tokens (measured 7 and 8; greedy text flips at near-ties, and then
-    the two continuations are different texts).
+    Stated tolerance: per-position KL below 0.03 nats (measured max 0.014; 0.007 with the prefill attention in
+    fp32) with ≥ 90% argmax agreement (measured 0.97 and 1.0); greedy chat answers of 32 tokens share on average
+    ≥ 14 leading tokens with the fp32 answers (measured 25.6 in a batch of 8, 23.0 one at a time, where the LM head
+    runs int8) and at least 5 of 8 agree on their first 8 tokens (measured 7 and 7; greedy text flips at
+    near-ties, and then the two continuations are different texts).
     """
     from justapi import LLM
     from justapi.model.quant import Int4Weight, Int8RowWeight
