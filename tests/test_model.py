@@ -224,8 +224,8 @@ def test_smollm2_greedy_matches_transformers_plain_and_chat(real_llm, smollm_ref
 
 @pytest.mark.real_model
 def test_smollm2_bfloat16_weights_stay_close_to_fp32(real_llm, real_model_path):
-    """bf16 weights and KV cache (attention computes in fp32) against the exact fp32 path: stated tolerance, not
-    equality (KL measured 0.009 max, argmax agreement 0.97)."""
+    """bf16 weights and KV cache (decode attention computes in fp32, prefill attention in bf16) against the exact
+    fp32 path: stated tolerance, not equality (KL measured 0.006 max, argmax agreement 0.94)."""
     from justapi import LLM
 
     bf16 = LLM(real_model_path, pool_blocks=64, dtype="bfloat16", show_progress=False)
@@ -233,8 +233,8 @@ def test_smollm2_bfloat16_weights_stay_close_to_fp32(real_llm, real_model_path):
     exact = torch.log_softmax(paged_prefill_logits(real_llm.engine.model, ids, 16, 11), -1)
     fast = torch.log_softmax(paged_prefill_logits(bf16.engine.model, ids, 16, 11), -1)
     kl = (exact.exp() * (exact - fast)).sum(-1)
-    assert kl.max().item() < 0.02  # measured 0.005 with an fp32 cache, 0.009 with bf16
-    assert (exact.argmax(-1) == fast.argmax(-1)).float().mean().item() >= 0.9  # measured 0.97
+    assert kl.max().item() < 0.02  # measured 0.005 with an fp32 cache, 0.009 with bf16, 0.006 with bf16 attention
+    assert (exact.argmax(-1) == fast.argmax(-1)).float().mean().item() >= 0.9  # measured 0.97, 0.94 (bf16 attention)
 
 
 @pytest.mark.real_model
