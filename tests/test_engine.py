@@ -152,6 +152,19 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(engines):
     assert other[0].token_ids != alone[0]
 
 
+def test_greedy_rows_pick_the_first_maximum_and_mixed_batches_keep_their_rows():
+    from justapi.model.sampler import SampleRow, sample
+
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(3))
+    logits[:, 7] = logits[:, 250] = logits.max() + 1  # a tie: the lower id wins, as argmax
+    logits[2, 40] = logits.max() + 5
+    greedy = SampleRow(SamplingParams(temperature=0), 0, [])
+    assert sample(logits, [greedy] * 4)[0] == [7, 7, 40, 7]
+    logits[1, 99] = logits.max() + 5  # the only token a top-1 sampled row can draw
+    hot = SampleRow(SamplingParams(temperature=1.0, top_k=1), 0, [])  # a sampled row between greedy ones
+    assert sample(logits, [greedy, hot, greedy, greedy])[0] == [7, 99, 40, 7]
+
+
 def test_sampling_filters_and_penalties(engines):
     llm = engines()
     p = prompts_for(llm, 1, seed=3)[0]
