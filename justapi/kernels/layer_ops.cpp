@@ -27,13 +27,19 @@ void add_rms_norm_rows(T* x, const T* residual, const float* weight, T* h, int64
     for (int64_t r = begin; r < end; ++r) {
       T* xr = x + r * dim;
       T* hr = h + r * dim;
+      if (residual != nullptr) {
+        const T* rr = residual + r * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) xr[d] = narrow<T>(widen(xr[d]) + widen(rr[d]));
+      }
       float ss = 0.f;
+#pragma omp simd reduction(+ : ss)  // vector lanes of partial sums: fp32 rounding of another order than torch's
       for (int64_t d = 0; d < dim; ++d) {
-        if (residual != nullptr) xr[d] = narrow<T>(widen(xr[d]) + widen(residual[r * dim + d]));
         const float v = widen(xr[d]);
         ss += v * v;
       }
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
+#pragma omp simd
       for (int64_t d = 0; d < dim; ++d) hr[d] = narrow<T>(widen(xr[d]) * inv * weight[d]);
     }
   });
