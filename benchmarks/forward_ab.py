@@ -2,10 +2,12 @@
 tree, on SmolLM2 with --dtype auto, in one process, interleaved, best of 30 × 5 calls each (3 × 5 for a prefill
 chunk).
 
-usage: python benchmarks/forward_ab.py [--base HEAD~1] [--reps 30] [--prepack-ab]
+usage: python benchmarks/forward_ab.py [--base HEAD~1] [--reps 30] [--prepack-ab | --amx-ab]
 
 --prepack-ab: instead of a revision, the working tree's forward with the bf16 weights multiplied plain (a second
 copy of the model loaded with quant.ONEDNN_PREPACK off) as the base, against the prepacked weights.
+--amx-ab: the working tree's forward with the 4-bit AMX kernel off (quant.AMX_MAX_ROWS = 0: batches take the bf16
+copy) as the base, against it on.
 
 This VM's speed drifts by up to 3× within minutes, so end-to-end tok/s of two separate runs cannot resolve a 10%
 change; the minimum over many interleaved repetitions of the same inputs can. The inputs are captured from a real
@@ -48,12 +50,17 @@ def main() -> None:
     ap.add_argument("--base", default="HEAD~1")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--prepack-ab", action="store_true")
+    ap.add_argument("--amx-ab", action="store_true")
     args = ap.parse_args()
     new_forward = L.LlamaModel.forward
     llm = LLM(default_model_path(), scheduled=True, pool_blocks=512, show_progress=False)
     model = llm.engine.model
     new_rope, new_head, new_layers = model.rope, model.lm_head, model.layers
-    if args.prepack_ab:
+    amx_rows = quant.AMX_MAX_ROWS
+    if args.amx_ab:
+        base_name = "4-bit AMX kernel off"
+        old_forward, old_rope, old_head, old_layers = new_forward, new_rope, new_head, new_layers
+    elif args.prepack_ab:
         base_name = "plain bf16 weights"
         quant.ONEDNN_PREPACK = False
         plain = LLM(default_model_path(), scheduled=True, pool_blocks=16, show_progress=False).engine.model
@@ -92,6 +99,7 @@ def main() -> None:
             for name, f, rope, head, layers in (("base", old_forward, old_rope, old_head, old_layers),
                                                 ("new", new_forward, new_rope, new_head, new_layers)):
                 model.rope, model.lm_head, model.layers = rope, head, layers
+                quant.AMX_MAX_ROWS = 0 if args.amx_ab and name == "base" else amx_rows
                 t = time.perf_counter()
                 for _ in range(5):
                     f(model, *a, **k)

@@ -40,7 +40,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's context)")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the radix prefix cache off (default: on)")
     p.add_argument("--no-cpu-kernels", action="store_true",
-                   help="decode attention in pure torch instead of the C++ kernel compiled on first use")
+                   help="pure torch instead of the C++ kernels compiled on first use (decode attention, fused "
+                        "layer ops, the 4-bit AMX matmul)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="make every sequence's results independent of the batch it shares (slower at small batches)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")

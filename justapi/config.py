@@ -98,7 +98,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context length
     batch_invariant: bool = False  # True: a sequence's results never depend on what else is in the batch
     num_threads: int | None = None  # torch intra-op threads; None: all cores
-    cpu_kernels: bool = True  # the C++ paged decode-attention kernel (justapi.kernels); False: pure torch
+    cpu_kernels: bool = True  # the C++ kernels (justapi.kernels: decode attention, layer ops, AMX matmul); False: torch
     spec_method: str | None = None  # "ngram": speculative decoding by prompt lookup
     draft_model: str | None = None  # a GGUF with the target's vocabulary: speculative decoding with a draft model
     gamma: int | None = None  # draft tokens per step, the tree's depth (default DEFAULT_GAMMA when speculating)

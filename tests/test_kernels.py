@@ -61,6 +61,37 @@ def test_add_rms_norm_matches_add_then_rms_norm(cpp_kernels, dtype):
     assert torch.equal(alone, got_h)
 
 
+@pytest.mark.parametrize("rows", [6, 16, 17, 40, 64, 65, 130])
+def test_int4_amx_matmul_equals_the_bf16_product_of_the_same_weights(cpp_kernels, rows):
+    """4-bit weights expanded to bf16 on the fly and multiplied on AMX tiles (int4_matmul.cpp): the weight values
+    of Q4Unpacked.dequantize(), products summed in fp32, the result rounded once; against the bf16 product of the
+    dequantized copy (oneDNN, the path batches take without the kernel). Row counts cross the 16-row tiles and
+    the 64-row passes."""
+    from justapi.model.quant import AMX_MAX_ROWS, INT4_MAX_ROWS, Int4Weight, Q4Unpacked, bf16_linear
+
+    if not cpp_kernels.int4_amx_available():
+        pytest.skip("this CPU (or this build) has no AMX")
+    g = torch.Generator().manual_seed(7)
+    n, k = 96, 160
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    scale = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).to(torch.bfloat16).float()
+    zero = (torch.randn(n, k // 32, generator=g) * 0.05).to(torch.bfloat16).float()
+    w = Q4Unpacked(q, scale, zero)
+    dense = w.dequantize().to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    got = cpp_kernels.int4_amx_matmul(x, cpp_kernels.int4_amx_pack(q, scale, zero), n)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    exact = x.double() @ dense.double().T
+    assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-4).all()  # one bf16 rounding of the sum
+    assert torch.equal(got, bf16_linear(x, dense))  # the same sums in the same order as oneDNN's AMX kernel
+    weight = Int4Weight(w, cpp_kernels)
+    assert weight.amx is not None
+    if INT4_MAX_ROWS <= rows <= AMX_MAX_ROWS:
+        assert torch.equal(weight.matmul(x), got)
+    with pytest.raises(RuntimeError, match="does not match"):
+        cpp_kernels.int4_amx_matmul(x[:, :128].contiguous(), weight.amx, n)
+
+
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
     lock = tmp_path / "lock"
     lock.write_text("")

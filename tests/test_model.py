@@ -291,6 +291,23 @@ def test_smollm2_greedy_output_is_the_same_with_and_without_onednn_prepacked_wei
     assert [r.token_ids for r in packed.generate(chats, params)] == [r.token_ids for r in plain.generate(chats, params)]
 
 
+@pytest.mark.real_model
+def test_smollm2_greedy_output_is_the_same_with_and_without_the_int4_amx_kernel(real_model_path, monkeypatch):
+    """Batched decode (6-64 rows) multiplies the 4-bit weights on AMX tiles (kernels/int4_matmul.cpp) instead of
+    the bf16 copy: the same weight values and sums, so greedy text must not change."""
+    from justapi import LLM
+    from justapi.model import quant
+
+    llm = LLM(real_model_path, pool_blocks=128, dtype="auto", show_progress=False)
+    if llm.engine.model.layers[0].down.amx is None:
+        pytest.skip("the C++ kernels have no AMX here")
+    chats = [f"Question {i}: name {i + 2} rivers of Europe, and say where they flow." for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    amx = [r.token_ids for r in llm.generate(chats, params)]
+    monkeypatch.setattr(quant, "AMX_MAX_ROWS", 0)
+    assert [r.token_ids for r in llm.generate(chats, params)] == amx
+
+
 def test_prepacked_bf16_linear_matches_the_plain_product():
     from justapi.model.quant import bf16_linear, prepack_bf16
 

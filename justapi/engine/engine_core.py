@@ -106,7 +106,9 @@ class EngineCore:
             self.tokenizer = Tokenizer(config.model, reader)
             self.chat_template = ChatTemplate(self.tokenizer.chat_template)
         dtype_name = "float32" if config.batch_invariant else config.dtype
-        self.draft_model = self._load_draft(reader, dtype_name) if config.draft_model is not None else None
+        kernels = decode_kernels() if config.cpu_kernels and not config.gpu else None
+        self.draft_model = (self._load_draft(reader, dtype_name, kernels) if config.draft_model is not None
+                            else None)
         dtype, keep_q4 = resolve_dtype(dtype_name, reader, config.gpu)
         select = None
         if plan is not None:
@@ -116,11 +118,7 @@ class EngineCore:
         tensors = load_tensors(reader, config.model, dtype, config.show_progress and tp_rank == 0, keep_q4, select)
         del reader
         self.model = LlamaModel(self.model_config, tensors, config.device, config.batch_invariant, plan, comm,
-                                kv_dtype=resolve_kv_dtype(config.kv_cache_dtype, dtype))
-        if config.cpu_kernels and not config.gpu:
-            self.model.kernels = decode_kernels()
-            if self.draft_model is not None:
-                self.draft_model.kernels = self.model.kernels
+                                kv_dtype=resolve_kv_dtype(config.kv_cache_dtype, dtype), kernels=kernels)
         self.max_model_len = self._max_model_len()
         num_blocks = self._num_blocks()
         if plan is not None:  # every rank's pool has rank 0's size (rank 0 holds the most KV heads)
@@ -157,7 +155,7 @@ class EngineCore:
             num_blocks * self._kv_bytes_per_block() / 2**30, self.max_model_len,
         )
 
-    def _load_draft(self, target_reader, dtype_name: str) -> LlamaModel:
+    def _load_draft(self, target_reader, dtype_name: str, kernels) -> LlamaModel:
         """The --draft-model: same vocabulary as the target (checked first), weights in the target's dtype policy."""
         path = self.config.draft_model
         try:
@@ -178,7 +176,7 @@ class EngineCore:
         tensors = load_tensors(reader, path, dtype, self.config.show_progress, keep_q4)
         log.info("draft model %s: %d layers, hidden %d", path, draft_config.num_layers, draft_config.hidden_size)
         return LlamaModel(draft_config, tensors, self.config.device, self.config.batch_invariant,
-                          kv_dtype=resolve_kv_dtype(self.config.kv_cache_dtype, dtype))
+                          kv_dtype=resolve_kv_dtype(self.config.kv_cache_dtype, dtype), kernels=kernels)
 
     def _kv_bytes_per_block(self) -> int:
         """KV bytes of one block: the target's, plus the draft's own cache at the same block ids."""

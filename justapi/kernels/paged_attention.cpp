@@ -315,8 +315,16 @@ torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
                             int64_t num_kv_heads, int64_t dim, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor slots);
 
+// int4_matmul.cpp
+bool int4_amx_available();
+torch::Tensor int4_amx_pack(torch::Tensor q, torch::Tensor scale, torch::Tensor zero);
+torch::Tensor int4_amx_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over the paged KV cache (fp32 or bf16 cache, CPU)");
   m.def("add_rms_norm", &add_rms_norm, "x += residual; rms_norm(x) * weight (fp32 accumulation), in place on x");
   m.def("rope_write_kv", &rope_write_kv, "rotary embedding of fused QKV rows, K/V stored at their slots; returns Q");
+  m.def("int4_amx_available", &int4_amx_available, "whether int4_amx_matmul can run here (built with AMX, allowed)");
+  m.def("int4_amx_pack", &int4_amx_pack, "4-bit weight (q, scale, zero) -> the layout int4_amx_matmul reads");
+  m.def("int4_amx_matmul", &int4_amx_matmul, "x @ w.T, bf16 rows x a packed 4-bit weight, on AMX tiles");
 }

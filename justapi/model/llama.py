@@ -36,11 +36,12 @@ class LlamaModel:
     """Weights and the forward pass of a decoder-only Llama-family model."""
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], device: str, batch_invariant: bool,
-                 tp=None, comm=None, kv_dtype: torch.dtype = torch.float32):
+                 tp=None, comm=None, kv_dtype: torch.dtype = torch.float32, kernels=None):
         """``tp``: a distributed.tp.TpPlan; ``tensors`` are then this rank's slices (loaded with
         ``shard_selection``) and ``comm`` (a TpComm) combines the ranks' partial results. ``config`` stays the
         whole model's. ``kv_dtype``: the element type of the KV cache this model's runner allocates (fp32 or
-        bf16); attention computes in fp32 either way."""
+        bf16); decode attention computes in fp32 either way, prefill attention in the cache's dtype. ``kernels``:
+        the compiled CPU kernels (justapi.kernels), or None for the pure-torch path."""
         if tp is not None:
             config = dataclasses.replace(config, num_heads=len(tp.q_heads), num_kv_heads=len(tp.kv_heads))
         self.config = config
@@ -63,7 +64,7 @@ class LlamaModel:
             """The weights ``names`` stacked along the output dimension: 4-bit if all are, else dense."""
             parts = [take(n) for n in names]
             if all(isinstance(p, Q4Unpacked) for p in parts):
-                return Int4Weight(cat_q4(parts))
+                return Int4Weight(cat_q4(parts), kernels)
             dtype = next((p.dtype for p in parts if isinstance(p, torch.Tensor)), dense_dtype)
             dense = [p.dequantize().to(device, dtype) if isinstance(p, Q4Unpacked) else p for p in parts]
             return dense[0] if len(dense) == 1 else torch.cat(dense).contiguous()
@@ -100,8 +101,7 @@ class LlamaModel:
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim ** -0.5
-        # compiled CPU kernels (justapi.kernels) or None for the pure-torch path; set by the engine
-        self.kernels = None
+        self.kernels = kernels
 
     @property
     def dtype(self) -> torch.dtype:

@@ -100,20 +100,33 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, w)
 
 
+# Batches of INT4_MAX_ROWS to AMX_MAX_ROWS rows (batched decode) multiply the 4-bit weight on AMX tiles where the
+# engine's C++ kernels run (justapi/kernels/int4_matmul.cpp: the weight is read as 4 bits and expanded once for all
+# rows, where the bf16 copy reads 4x the bytes); larger batches (prefill chunks) the prepacked bf16 copy.
+AMX_MAX_ROWS = 64
+
+
 class Int4Weight:
     """A packed [out, in] 4-bit weight and its bf16 dequantization; ``matmul(x)`` is ``x @ w.T``.
 
     Up to INT4_MAX_ROWS rows (single-stream and small-batch decode, where reading the weight is the cost) run
-    through torch's int4 kernel; larger batches (prefill, batched decode, where compute is the cost) through a bf16
-    matmul of the same weight, which on CPUs with AMX is several times faster. Both give the same weight values.
+    through torch's int4 kernel; batched decode up to AMX_MAX_ROWS rows through the engine's AMX kernel where
+    ``kernels`` has it; larger batches (prefill, where compute is the cost) through a bf16 matmul of the same
+    weight, which on CPUs with AMX is several times faster. All three use the same weight values.
     """
 
-    def __init__(self, w: Q4Unpacked) -> None:
+    def __init__(self, w: Q4Unpacked, kernels=None) -> None:
         self.out_features, self.in_features = w.shape
         self.packed = torch._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32).contiguous(), 1)
         # [in / 32, out, 2]: the layout the kernel reads
         self.scales_zeros = torch.stack([w.scale.t(), w.zero.t()], dim=-1).to(torch.bfloat16).contiguous()
         self.dense = prepack_bf16(w.dequantize().to(torch.bfloat16))  # for batches of INT4_MAX_ROWS rows or more
+        self.kernels = self.amx = None
+        if (kernels is not None and kernels.int4_amx_available() and self.out_features % 16 == 0
+                and self.in_features % GROUP_SIZE == 0):
+            self.kernels = kernels
+            self.amx = kernels.int4_amx_pack(w.q.contiguous(), w.scale.to(torch.bfloat16).float(),
+                                             w.zero.to(torch.bfloat16).float())
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -122,9 +135,12 @@ class Int4Weight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [rows, in] (any float dtype) → [rows, out] bfloat16."""
         x = x.to(torch.bfloat16)
-        if x.shape[0] >= INT4_MAX_ROWS:
-            return bf16_linear(x, self.dense)
-        return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_zeros)
+        rows = x.shape[0]
+        if rows < INT4_MAX_ROWS:
+            return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_zeros)
+        if self.amx is not None and rows <= AMX_MAX_ROWS:
+            return self.kernels.int4_amx_matmul(x, self.amx, self.out_features)
+        return bf16_linear(x, self.dense)
 
 
 class Int8RowWeight:

@@ -1,0 +1,221 @@
+// x @ w.T for a 4-bit weight (GGUF Q4_0/Q4_1: groups of 32 along the input dimension, a scale and a zero each)
+// and a batch of 6-64 bf16 rows, on the CPU's AMX tiles: each group of weights is read once, as 4 bits, expanded to
+// bf16 in L1 and multiplied with every row of the batch, where torch's int4 kernel expands it again for every row
+// and the bf16 path reads a 16-bit copy of the weight (4x the bytes) from memory.
+//
+// Weight values are those of Q4Unpacked.dequantize(): w = (q - 8) * scale + zero in fp32 (scale and zero are
+// bf16-exact), rounded to bf16 — the same values as the bf16 copy that oneDNN multiplies. Products accumulate in
+// fp32 in the tiles, over the input dimension in order, and the result is rounded to bf16 once.
+//
+// Packed layout, one 320-byte unit per (block of 16 outputs, group of 32 inputs), units of a block contiguous:
+//
+//   bytes   0..255  16 rows r (pairs of inputs 2r, 2r+1) x 16 bytes: byte b holds, low nibble, q of output b/2 at
+//                   input 2r + b%2 and, high nibble, q of output 8 + b/2 at the same input
+//   bytes 256..287  16 scales (bf16), outputs 0..15
+//   bytes 288..319  16 zeros (bf16)
+//
+// Expanded, row r is the AMX B-tile row [out0: in 2r, 2r+1 | out1: ... | out15: ...] (bf16 pairs, "VNNI" order).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define JUSTAPI_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace {
+
+constexpr int64_t kUnitBytes = 320;
+constexpr int64_t kMaxRows = 64;  // rows per pass over the weight: four 16-row accumulator tiles
+
+inline uint16_t bf16_bits(float f) {  // f is bf16-exact (scales, zeros)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+#ifdef JUSTAPI_AMX
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux hands out the AMX tile state only to processes that ask for it (once per process)
+bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+// unit -> 16 B-tile rows of 32 bf16
+inline void expand_unit(const uint8_t* unit, uint16_t* b) {
+  const __m512i scale_zero = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + 256)));
+  const __m512 scales = _mm512_castsi512_ps(_mm512_slli_epi32(scale_zero, 16));
+  const __m512i zeros_raw = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + 288)));
+  const __m512 zeros = _mm512_castsi512_ps(_mm512_slli_epi32(zeros_raw, 16));
+  const __m512i lo_idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i hi_idx = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+  const __m512 s_lo = _mm512_permutexvar_ps(lo_idx, scales), s_hi = _mm512_permutexvar_ps(hi_idx, scales);
+  const __m512 z_lo = _mm512_permutexvar_ps(lo_idx, zeros), z_hi = _mm512_permutexvar_ps(hi_idx, zeros);
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  // q - 8 for q = 0..15 (exact), looked up by q: one shuffle instead of a conversion and a subtraction
+  const __m512 centred = _mm512_set_ps(7, 6, 5, 4, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8);
+  for (int r = 0; r < 16; ++r) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + 16 * r));
+    const __m512 q_lo = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, nibble)), centred);
+    const __m512 q_hi =
+        _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble)), centred);
+    // (q - 8) * scale + zero, each step rounded as torch rounds it (no fused multiply-add)
+    const __m512 w_lo = _mm512_add_ps(_mm512_mul_ps(q_lo, s_lo), z_lo);
+    const __m512 w_hi = _mm512_add_ps(_mm512_mul_ps(q_hi, s_hi), z_hi);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(b + 32 * r), (__m256i)_mm512_cvtneps_pbh(w_lo));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(b + 32 * r + 16), (__m256i)_mm512_cvtneps_pbh(w_hi));
+  }
+}
+
+// accumulator tile t (tmm0..3) -> rows of out (bf16, round to nearest even)
+inline void store_rows(const float* c, int64_t rows, uint16_t* out, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ld),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c + 16 * r)));
+}
+
+void matmul_amx(const uint16_t* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n, uint16_t* out) {
+  const int64_t groups = k / 32, blocks = n / 16;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    alignas(64) uint16_t b_tiles[2][16 * 32];  // alternated, so that expanding the next group need not wait
+                                                // for the tile load of the last one
+    alignas(64) float c_tile[16 * 16];
+    for (int64_t m0 = 0; m0 < m; m0 += kMaxRows) {
+      const int64_t rows = std::min(kMaxRows, m - m0);
+      const int64_t full = rows / 16, rem = rows % 16, tiles = full + (rem > 0);
+      // tmm0..3: accumulators [16 rows x 16 outputs] fp32; tmm4: 16 rows of x, tmm5: the last rem rows of x
+      // (32 inputs, bf16); tmm6: the expanded weights [16 input pairs x 16 outputs x 2]
+      TileConfig cfg;
+      for (int64_t t = 0; t < tiles; ++t) {
+        cfg.rows[t] = static_cast<uint8_t>(t < full ? 16 : rem);
+        cfg.colsb[t] = 64;
+      }
+      if (full > 0) cfg.rows[4] = 16, cfg.colsb[4] = 64;
+      if (rem > 0) cfg.rows[5] = static_cast<uint8_t>(rem), cfg.colsb[5] = 64;
+      cfg.rows[6] = 16, cfg.colsb[6] = 64;
+      _tile_loadconfig(&cfg);
+      const uint16_t* xm = x + m0 * k;
+      const int64_t x_stride = k * 2;
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        _tile_zero(0);
+        if (tiles > 1) _tile_zero(1);
+        if (tiles > 2) _tile_zero(2);
+        if (tiles > 3) _tile_zero(3);
+        const uint8_t* unit = packed + blk * groups * kUnitBytes;
+        for (int64_t g = 0; g < groups; ++g, unit += kUnitBytes) {
+          uint16_t* b_tile = b_tiles[g & 1];
+          expand_unit(unit, b_tile);
+          _tile_loadd(6, b_tile, 64);
+          const uint16_t* xg = xm + g * 32;
+// tile t of x: rows 16t.. of this pass; the last one is partial when rem > 0
+#define JUSTAPI_ROW_TILE(t)                                   \
+  if (tiles > t) {                                            \
+    if (t < full) {                                           \
+      _tile_loadd(4, xg + 16 * t * k, x_stride);              \
+      _tile_dpbf16ps(t, 4, 6);                                \
+    } else {                                                  \
+      _tile_loadd(5, xg + 16 * t * k, x_stride);              \
+      _tile_dpbf16ps(t, 5, 6);                                \
+    }                                                         \
+  }
+          JUSTAPI_ROW_TILE(0)
+          JUSTAPI_ROW_TILE(1)
+          JUSTAPI_ROW_TILE(2)
+          JUSTAPI_ROW_TILE(3)
+#undef JUSTAPI_ROW_TILE
+        }
+        uint16_t* o = out + m0 * n + blk * 16;
+        for (int64_t t = 0; t < tiles; ++t) {
+          switch (t) {
+            case 0: _tile_stored(0, c_tile, 64); break;
+            case 1: _tile_stored(1, c_tile, 64); break;
+            case 2: _tile_stored(2, c_tile, 64); break;
+            default: _tile_stored(3, c_tile, 64); break;
+          }
+          store_rows(c_tile, t < full ? 16 : rem, o + 16 * t * n, n);
+        }
+      }
+      _tile_release();
+    }
+  });
+}
+#endif
+
+}  // namespace
+
+bool int4_amx_available() {
+#ifdef JUSTAPI_AMX
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+// q [n, k] uint8 in 0..15, scale/zero [n, k / 32] fp32 (bf16-exact) -> the packed layout above, uint8
+torch::Tensor int4_amx_pack(torch::Tensor q, torch::Tensor scale, torch::Tensor zero) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kUInt8, "int4_amx_pack: q [out, in] uint8 expected");
+  const int64_t n = q.size(0), k = q.size(1);
+  TORCH_CHECK(n % 16 == 0 && k % 32 == 0, "int4_amx_pack: out must be a multiple of 16 and in of 32");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && zero.scalar_type() == torch::kFloat32 &&
+                  scale.size(0) == n && scale.size(1) == k / 32 && zero.sizes() == scale.sizes(),
+              "int4_amx_pack: scale and zero [out, in / 32] fp32 expected");
+  q = q.contiguous();
+  scale = scale.contiguous();
+  zero = zero.contiguous();
+  const int64_t groups = k / 32, blocks = n / 16;
+  auto packed = torch::empty({blocks * groups * kUnitBytes}, torch::kUInt8);
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const float* zp = zero.data_ptr<float>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  for (int64_t blk = 0; blk < blocks; ++blk)
+    for (int64_t g = 0; g < groups; ++g) {
+      uint8_t* unit = dst + (blk * groups + g) * kUnitBytes;
+      for (int r = 0; r < 16; ++r)
+        for (int b = 0; b < 16; ++b) {
+          const int64_t in = g * 32 + 2 * r + b % 2;
+          const uint8_t lo = qp[(blk * 16 + b / 2) * k + in] & 0x0F;
+          const uint8_t hi = qp[(blk * 16 + 8 + b / 2) * k + in] & 0x0F;
+          unit[16 * r + b] = static_cast<uint8_t>(lo | (hi << 4));
+        }
+      uint16_t sz[32];
+      for (int o = 0; o < 16; ++o) {
+        sz[o] = bf16_bits(sp[(blk * 16 + o) * groups + g]);
+        sz[16 + o] = bf16_bits(zp[(blk * 16 + o) * groups + g]);
+      }
+      std::memcpy(unit + 256, sz, sizeof(sz));
+    }
+  return packed;
+}
+
+// x [rows, in] bf16, packed from int4_amx_pack, out_features -> [rows, out] bf16
+torch::Tensor int4_amx_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "int4_amx_matmul: x [rows, in] bf16 expected");
+  x = x.contiguous();
+  const int64_t m = x.size(0), k = x.size(1), n = out_features;
+  TORCH_CHECK(n % 16 == 0 && k % 32 == 0 && packed.numel() == n / 16 * k / 32 * kUnitBytes,
+              "int4_amx_matmul: packed weight does not match the input width");
+  auto out = torch::empty({m, n}, x.options());
+#ifdef JUSTAPI_AMX
+  TORCH_CHECK(amx_permitted(), "int4_amx_matmul: AMX is not available");
+  if (m > 0)
+    matmul_amx(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), m, k, packed.data_ptr<uint8_t>(), n,
+               reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+#else
+  TORCH_CHECK(false, "int4_amx_matmul: built without AMX");
+#endif
+  return out;
+}
