@@ -31,7 +31,8 @@ def linear(
     quantized = not isinstance(weight, torch.Tensor)  # Int4Weight, Int8RowWeight: x @ w.T by weight.matmul
     if not batch_invariant:
         if quantized:
-            out = weight.matmul(x).to(x.dtype)
+            out = weight.matmul(x)
+            out = out if out.dtype == x.dtype else out.to(x.dtype)
             return out + bias if bias is not None else out
         return F.linear(x, weight, bias)
     tile = BATCH_INVARIANT_TILE

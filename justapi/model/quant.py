@@ -134,7 +134,7 @@ class Int4Weight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [rows, in] (any float dtype) → [rows, out] bfloat16."""
-        x = x.to(torch.bfloat16)
+        x = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)  # no call per projection when it is
         rows = x.shape[0]
         if rows < INT4_MAX_ROWS:
             return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_zeros)
@@ -167,7 +167,7 @@ class Int8RowWeight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [rows, in] (any float dtype) → [rows, out] bfloat16."""
-        x = x.to(torch.bfloat16)
+        x = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)  # no call per projection when it is
         if x.shape[0] >= INT4_MAX_ROWS:
             return bf16_linear(x, self.dense)
         return torch._weight_int8pack_mm(x, self.q, self.scale)
