@@ -1,0 +1,59 @@
+"""The 4-bit AMX matmul alone (justapi/kernels/int4_matmul.cpp) against the prepacked bf16 copy it replaces, on
+SmolLM2's four projection shapes for 30 layers of distinct random Q4 weights (so each call reads its weight from
+memory, as in a real step), at batch sizes around batched decode.
+
+usage: python benchmarks/int4_amx_bench.py [--reps 5]
+
+Prints, per batch size, the best time of the 120 products (30 layers x QKV, O, gate/up, down) each way and their
+ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from justapi.kernels import decode_kernels
+from justapi.model import quant
+from justapi.model.quant import Int4Weight, Q4Unpacked
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # [out, in]: fused QKV, O, fused gate/up, down
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    kernels = decode_kernels()
+    if kernels is None or not kernels.int4_amx_available():
+        raise SystemExit("the C++ kernels have no AMX on this machine")
+    g = torch.Generator().manual_seed(0)
+
+    def weight(n: int, k: int) -> Int4Weight:
+        q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+        scale = (torch.rand(n, k // 32, generator=g) * 0.01).to(torch.bfloat16).float()
+        zero = (torch.randn(n, k // 32, generator=g) * 0.01).to(torch.bfloat16).float()
+        return Int4Weight(Q4Unpacked(q, scale, zero), kernels)
+
+    layers = [[weight(n, k) for n, k in SHAPES] for _ in range(30)]
+    amx_rows = quant.AMX_MAX_ROWS
+    print("rows  bf16 copy (oneDNN)  4-bit AMX  ratio")
+    for rows in (8, 16, 32, 48, 64, 96, 128):
+        xs = [torch.randn(rows, k, generator=g).to(torch.bfloat16) for _, k in SHAPES]
+        best = {"bf16": 1e9, "amx": 1e9}
+        for _ in range(args.reps):
+            for name, limit in (("bf16", 0), ("amx", 1 << 30)):
+                quant.AMX_MAX_ROWS = limit
+                t = time.perf_counter()
+                for layer in layers:
+                    for x, w in zip(xs, layer):
+                        w.matmul(x)
+                best[name] = min(best[name], time.perf_counter() - t)
+        print(f"{rows:4d}  {best['bf16'] * 1e3:15.1f} ms  {best['amx'] * 1e3:6.1f} ms  {best['amx'] / best['bf16']:.2f}")
+    quant.AMX_MAX_ROWS = amx_rows
+
+
+if __name__ == "__main__":
+    main()
