@@ -67,7 +67,8 @@ def cat_q4(parts: list[Q4Unpacked]) -> Q4Unpacked:
 
 # torch's int4 CPU kernel dequantizes the weight again for every row of x, so its cost grows linearly with the
 # rows (measured on SmolLM2's shapes: 2.5x faster than a bf16 matmul at 1 row, even at 4-8 rows, 3.5x slower at 32,
-# 6x slower at 512). Batches of at least this many rows use a bf16 copy of the same dequantized weight instead.
+# 6x slower at 512). Batches of at least this many rows take another path (AMX_MAX_ROWS below) with the same
+# dequantized weight values.
 INT4_MAX_ROWS = 6
 
 # A plain bf16 ``F.linear`` on CPU goes through oneDNN, which reorders the weight into its blocked (AMX/AVX-512)
@@ -167,7 +168,7 @@ class Int8RowWeight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [rows, in] (any float dtype) → [rows, out] bfloat16."""
-        x = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)  # no call per projection when it is
+        x = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
         if x.shape[0] >= INT4_MAX_ROWS:
             return bf16_linear(x, self.dense)
         return torch._weight_int8pack_mm(x, self.q, self.scale)
