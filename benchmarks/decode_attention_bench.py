@@ -36,7 +36,7 @@ def build_at(rev: str):
         if isinstance(node, ast.keyword) and node.arg in ("extra_cflags", "extra_ldflags"):
             flags[node.arg] = ast.literal_eval(node.value)
     tmp = tempfile.mkdtemp(prefix="justapi-kernel-base-")
-    names = [n for n in ("paged_attention.cpp", "layer_ops.cpp") if f"{n}" in init]
+    names = [n for n in ("paged_attention.cpp", "layer_ops.cpp", "int4_matmul.cpp") if f"{n}" in init]
     sources = []
     for name in names:
         with open(os.path.join(tmp, name), "w") as f:

@@ -64,19 +64,18 @@ inline void expand_unit(const uint8_t* unit, uint16_t* b) {
   const __m512i hi_idx = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
   const __m512 s_lo = _mm512_permutexvar_ps(lo_idx, scales), s_hi = _mm512_permutexvar_ps(hi_idx, scales);
   const __m512 z_lo = _mm512_permutexvar_ps(lo_idx, zeros), z_hi = _mm512_permutexvar_ps(hi_idx, zeros);
-  const __m128i nibble = _mm_set1_epi8(0x0F);
-  // q - 8 for q = 0..15 (exact), looked up by q: one shuffle instead of a conversion and a subtraction
+  // q - 8 for q = 0..15 (exact), looked up by q: permutexvar reads only the low 4 bits of each index, so a lane
+  // holding a whole byte looks up its low nibble, and the byte shifted right by 4 its high nibble
   const __m512 centred = _mm512_set_ps(7, 6, 5, 4, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8);
   for (int r = 0; r < 16; ++r) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + 16 * r));
-    const __m512 q_lo = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, nibble)), centred);
-    const __m512 q_hi =
-        _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble)), centred);
-    // (q - 8) * scale + zero, each step rounded as torch rounds it (no fused multiply-add)
-    const __m512 w_lo = _mm512_add_ps(_mm512_mul_ps(q_lo, s_lo), z_lo);
-    const __m512 w_hi = _mm512_add_ps(_mm512_mul_ps(q_hi, s_hi), z_hi);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(b + 32 * r), (__m256i)_mm512_cvtneps_pbh(w_lo));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(b + 32 * r + 16), (__m256i)_mm512_cvtneps_pbh(w_hi));
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + 16 * r)));
+    const __m512 q_lo = _mm512_permutexvar_ps(bytes, centred);
+    const __m512 q_hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), centred);
+    // (q - 8) * scale is exact in fp32 (a 4-bit integer times an 8-bit significand), so one fused multiply-add
+    // rounds exactly as torch's multiply then add do
+    const __m512 w_lo = _mm512_fmadd_ps(q_lo, s_lo, z_lo);
+    const __m512 w_hi = _mm512_fmadd_ps(q_hi, s_hi, z_hi);
+    _mm512_store_si512(b + 32 * r, (__m512i)_mm512_cvtne2ps_pbh(w_hi, w_lo));
   }
 }
 
