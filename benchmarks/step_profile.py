@@ -1,0 +1,70 @@
+"""Where one W1-shaped engine step goes, in process: a decode step of 28 sequences (contexts 250-450 tokens) and a
+mixed step (the same 28 decodes plus a fresh 345-token prompt, W1's mean prefill per chunk step), timed and then
+profiled (cProfile; the C++ kernels and oneDNN show as the built-in calls that run them).
+
+usage: python benchmarks/step_profile.py [--steps 10]
+
+The server's defaults (--scheduled, --dtype auto). Each mixed step adds the prompt, runs one step and aborts the
+request, so every measured step has the same shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import random
+import time
+
+from justapi import LLM, SamplingParams
+from justapi.model.gguf_loader import default_model_path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=10)
+    args = ap.parse_args()
+    engine = LLM(default_model_path(), scheduled=True, max_seqs=32, show_progress=False).engine
+    rng = random.Random(0)
+    vocab = engine.model_config.vocab_size
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(100, vocab) for _ in range(n)]
+
+    decoding = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
+    for i in range(28):
+        engine.add_request(f"d{i}", prompt(rng.randint(250, 450)), decoding)
+    while not (len(engine.scheduler.running) == 28
+               and all(r.num_computed_tokens >= r.num_prompt_tokens for r in engine.scheduler.running)):
+        engine.step()
+    counter = iter(range(1 << 30))
+
+    def mixed() -> float:
+        rid = f"m{next(counter)}"
+        engine.add_request(rid, prompt(345), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        t = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t
+        engine.abort_request(rid)
+        return dt
+
+    def decode() -> float:
+        t = time.perf_counter()
+        engine.step()
+        return time.perf_counter() - t
+
+    for _ in range(3):  # warm-up
+        mixed(), decode()
+    for name, step in (("decode step (28 rows)", decode), ("mixed step (345-token prompt + 28 decodes)", mixed)):
+        times = sorted(step() for _ in range(args.steps))
+        print(f"{name}: median {times[len(times) // 2] * 1e3:.1f} ms over {args.steps} steps")
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(args.steps):
+            step()
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+
+
+if __name__ == "__main__":
+    main()
