@@ -2,10 +2,11 @@
 SmolLM2's four projection shapes for 30 layers of distinct random Q4 weights (so each call reads its weight from
 memory, as in a real step), at batch sizes around batched decode.
 
-usage: python benchmarks/int4_amx_bench.py [--reps 5]
+usage: python benchmarks/int4_amx_bench.py [--reps 5] [--base REV]
 
 Prints, per batch size, the best time of the 120 products (30 layers x QKV, O, gate/up, down) each way and their
-ratio.
+ratio. With ``--base REV``, the AMX kernel as built at that git revision against the working tree's instead (the
+same packed weights; the products are checked equal first), at 1-64 rows.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # [out, in]: fused 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--base", default=None, help="a git revision whose AMX kernel is timed against the working tree's")
     args = ap.parse_args()
     kernels = decode_kernels()
     if kernels is None or not kernels.int4_amx_available():
@@ -38,6 +40,9 @@ def main() -> None:
         return Int4Weight(Q4Unpacked(q, scale, zero), kernels)
 
     layers = [[weight(n, k) for n, k in SHAPES] for _ in range(30)]
+    if args.base:
+        compare_revisions(args.base, kernels, layers, args.reps, g)
+        return
     amx_rows = quant.AMX_MAX_ROWS
     print("rows  bf16 copy (oneDNN)  4-bit AMX  ratio")
     for rows in (8, 16, 32, 48, 64, 96, 128):
@@ -53,6 +58,28 @@ def main() -> None:
                 best[name] = min(best[name], time.perf_counter() - t)
         print(f"{rows:4d}  {best['bf16'] * 1e3:15.1f} ms  {best['amx'] * 1e3:6.1f} ms  {best['amx'] / best['bf16']:.2f}")
     quant.AMX_MAX_ROWS = amx_rows
+
+
+def compare_revisions(rev: str, kernels, layers, reps: int, g: torch.Generator) -> None:
+    from decode_attention_bench import build_at  # benchmarks/ is on the path when this runs as a script
+
+    mods = {rev: build_at(rev), "working tree": kernels}
+    print(f"rows  {rev:>14}  working tree  ratio")
+    for rows in (1, 2, 4, 8, 16, 32, 64):
+        xs = [torch.randn(rows, k, generator=g).to(torch.bfloat16) for _, k in SHAPES]
+        for x, w in zip(xs, layers[0]):
+            a, b = (m.int4_amx_matmul(x, w.amx, w.out_features) for m in mods.values())
+            assert torch.equal(a, b), "the two kernels disagree"
+        best = dict.fromkeys(mods, 1e9)
+        for _ in range(reps):
+            for name, mod in mods.items():
+                t = time.perf_counter()
+                for layer in layers:
+                    for x, w in zip(xs, layer):
+                        mod.int4_amx_matmul(x, w.amx, w.out_features)
+                best[name] = min(best[name], time.perf_counter() - t)
+        old, new = best[rev], best["working tree"]
+        print(f"{rows:4d}  {old * 1e3:11.2f} ms  {new * 1e3:9.2f} ms  {new / old:.2f}")
 
 
 if __name__ == "__main__":
