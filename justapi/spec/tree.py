@@ -56,9 +56,6 @@ class DraftTree:
     def is_chain(self) -> bool:
         return all(p == i - 1 for i, p in enumerate(self.parents))
 
-    def children(self, node: int) -> list[int]:
-        return [i for i, p in enumerate(self.parents) if p == node]
-
     def attention_mask(self, device="cpu") -> torch.Tensor:
         """[1 + n, 1 + n] bool over root + nodes: each row sees the root, its ancestors and itself."""
         n = len(self.tokens)
