@@ -6,7 +6,9 @@ usage: python benchmarks/int4_amx_bench.py [--reps 5] [--base REV]
 
 Prints, per batch size, the best time of the 120 products (30 layers x QKV, O, gate/up, down) each way and their
 ratio. With ``--base REV``, the AMX kernel as built at that git revision against the working tree's instead (the
-same packed weights; the products are checked equal first), at 1-64 rows.
+same packed weights; the products are checked equal first), at 1-64 rows (the engine sends batches under
+quant.INT4_MAX_ROWS rows to torch's int4 kernel instead; they are timed to show where the two cross), the two
+kernels' order alternating from one repetition to the next.
 """
 
 from __future__ import annotations
@@ -71,8 +73,8 @@ def compare_revisions(rev: str, kernels, layers, reps: int, g: torch.Generator) 
             a, b = (m.int4_amx_matmul(x, w.amx, w.out_features) for m in mods.values())
             assert torch.equal(a, b), "the two kernels disagree"
         best = dict.fromkeys(mods, 1e9)
-        for _ in range(reps):
-            for name, mod in mods.items():
+        for rep in range(reps):
+            for name, mod in list(mods.items())[:: 1 if rep % 2 else -1]:
                 t = time.perf_counter()
                 for layer in layers:
                     for x, w in zip(xs, layer):
