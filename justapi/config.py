@@ -99,6 +99,7 @@ class EngineConfig:
     batch_invariant: bool = False  # True: a sequence's results never depend on what else is in the batch
     num_threads: int | None = None  # torch intra-op threads; None: all cores
     cpu_kernels: bool = True  # the C++ kernels (justapi.kernels: decode attention, layer ops, AMX matmul); False: torch
+    huge_pages: bool = True  # CPU weights and KV cache on transparent huge pages where Linux offers them
     spec_method: str | None = None  # "ngram": speculative decoding by prompt lookup
     draft_model: str | None = None  # a GGUF with the target's vocabulary: speculative decoding with a draft model
     gamma: int | None = None  # draft tokens per step, the tree's depth (default DEFAULT_GAMMA when speculating)

@@ -308,6 +308,54 @@ def test_smollm2_greedy_output_is_the_same_with_and_without_the_int4_amx_kernel(
     assert [r.token_ids for r in llm.generate(chats, params)] == amx
 
 
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of this process's mapping that holds ``address``."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_huge_page_arenas_hold_the_same_values_and_are_advised():
+    from justapi.model import hugepages
+
+    tensors = [torch.randn(300, 1000), torch.randint(0, 255, (1 << 20,), dtype=torch.uint8), torch.randn(7).bfloat16()]
+    placed = hugepages.gather(tensors)
+    zeros = hugepages.zeros([(3, 8000, 64), (5,)], torch.bfloat16)  # 3 MB: an arena
+    assert [z.shape for z in zeros] == [(3, 8000, 64), (5,)] and all(not z.any() for z in zeros)
+    for a, b in zip(tensors, placed):
+        assert torch.equal(a, b) and b.is_contiguous() and b.data_ptr() % 64 == 0
+    if not hugepages.available():
+        pytest.skip("transparent huge pages are off here: the tensors stay where they are")
+    assert placed[0].data_ptr() != tensors[0].data_ptr()
+    assert placed[0].data_ptr() % hugepages.HUGE_PAGE == 0 and zeros[0].data_ptr() % hugepages.HUGE_PAGE == 0
+    assert "hg" in _vm_flags(placed[0].data_ptr()) and "hg" in _vm_flags(zeros[0].data_ptr())
+
+
+@pytest.mark.real_model
+def test_smollm2_weights_and_kv_cache_on_huge_pages_keep_greedy_output(real_model_path):
+    """--no-huge-pages against the default: where the tensors lie must change nothing."""
+    from justapi import LLM
+    from justapi.model import hugepages
+
+    chats = [f"Question {i}: name {i + 2} mountains of Asia, and say how high they are." for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    huge = LLM(real_model_path, pool_blocks=128, dtype="auto", show_progress=False)
+    if hugepages.available():
+        model, k_cache = huge.engine.model, huge.engine.runner.kv_caches[0][0]
+        assert model.huge_pages and "hg" in _vm_flags(k_cache.data_ptr())
+        assert "hg" in _vm_flags(model.layers[0].down.packed.data_ptr()) and "hg" in _vm_flags(model.embed.data_ptr())
+    plain = LLM(real_model_path, pool_blocks=128, dtype="auto", huge_pages=False, show_progress=False)
+    assert not plain.engine.model.huge_pages and "hg" not in _vm_flags(plain.engine.runner.kv_caches[0][0].data_ptr())
+    assert [r.token_ids for r in huge.generate(chats, params)] == [r.token_ids for r in plain.generate(chats, params)]
+
+
 def test_prepacked_bf16_linear_matches_the_plain_product():
     from justapi.model.quant import bf16_linear, prepack_bf16
 

@@ -118,7 +118,8 @@ class EngineCore:
         tensors = load_tensors(reader, config.model, dtype, config.show_progress and tp_rank == 0, keep_q4, select)
         del reader
         self.model = LlamaModel(self.model_config, tensors, config.device, config.batch_invariant, plan, comm,
-                                kv_dtype=resolve_kv_dtype(config.kv_cache_dtype, dtype), kernels=kernels)
+                                kv_dtype=resolve_kv_dtype(config.kv_cache_dtype, dtype), kernels=kernels,
+                                huge_pages=config.huge_pages)
         self.max_model_len = self._max_model_len()
         num_blocks = self._num_blocks()
         if plan is not None:  # every rank's pool has rank 0's size (rank 0 holds the most KV heads)
@@ -176,7 +177,8 @@ class EngineCore:
         tensors = load_tensors(reader, path, dtype, self.config.show_progress, keep_q4)
         log.info("draft model %s: %d layers, hidden %d", path, draft_config.num_layers, draft_config.hidden_size)
         return LlamaModel(draft_config, tensors, self.config.device, self.config.batch_invariant,
-                          kv_dtype=resolve_kv_dtype(self.config.kv_cache_dtype, dtype), kernels=kernels)
+                          kv_dtype=resolve_kv_dtype(self.config.kv_cache_dtype, dtype), kernels=kernels,
+                          huge_pages=self.config.huge_pages)
 
     def _kv_bytes_per_block(self) -> int:
         """KV bytes of one block: the target's, plus the draft's own cache at the same block ids."""

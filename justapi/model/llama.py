@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from .attention import AttentionMetadata, paged_attention, write_kv
 from .gguf_loader import ModelLoadError
+from . import hugepages
 from .layers import RotaryEmbedding, linear, rms_norm
 from .quant import Int4Weight, Int8RowWeight, Q4Unpacked, cat_q4
 
@@ -36,12 +37,13 @@ class LlamaModel:
     """Weights and the forward pass of a decoder-only Llama-family model."""
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], device: str, batch_invariant: bool,
-                 tp=None, comm=None, kv_dtype: torch.dtype = torch.float32, kernels=None):
+                 tp=None, comm=None, kv_dtype: torch.dtype = torch.float32, kernels=None, huge_pages: bool = False):
         """``tp``: a distributed.tp.TpPlan; ``tensors`` are then this rank's slices (loaded with
         ``shard_selection``) and ``comm`` (a TpComm) combines the ranks' partial results. ``config`` stays the
         whole model's. ``kv_dtype``: the element type of the KV cache this model's runner allocates (fp32 or
         bf16); decode attention computes in fp32 either way, prefill attention in the cache's dtype. ``kernels``:
-        the compiled CPU kernels (justapi.kernels), or None for the pure-torch path."""
+        the compiled CPU kernels (justapi.kernels), or None for the pure-torch path. ``huge_pages``: on CPU, the
+        weights and this model's KV cache on transparent huge pages where available (model.hugepages)."""
         if tp is not None:
             config = dataclasses.replace(config, num_heads=len(tp.q_heads), num_kv_heads=len(tp.kv_heads))
         self.config = config
@@ -102,6 +104,22 @@ class LlamaModel:
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim ** -0.5
         self.kernels = kernels
+        self.huge_pages = huge_pages and device == "cpu"
+        if self.huge_pages:
+            self._weights_to_huge_pages()
+
+    def _weights_to_huge_pages(self) -> None:
+        """Every plain weight tensor (the linears' packed and dense forms, norms, embedding) copied into one
+        huge-page arena. oneDNN's prepacked bf16 copies are opaque tensors and stay where oneDNN put them."""
+        owners = [self] + self.layers
+        for owner in list(owners):
+            owners += [w for w in vars(owner).values() if isinstance(w, (Int4Weight, Int8RowWeight))]
+        slots = [(o, name) for o in owners for name, t in vars(o).items()
+                 if isinstance(t, torch.Tensor) and not t.is_mkldnn and t.device.type == "cpu"]
+        unique = list({id(getattr(o, n)): getattr(o, n) for o, n in slots}.values())  # a tied head is the embedding
+        placed = dict(zip(map(id, unique), hugepages.gather(unique)))
+        for o, name in slots:
+            setattr(o, name, placed[id(getattr(o, name))])
 
     @property
     def dtype(self) -> torch.dtype:

@@ -14,6 +14,7 @@ import torch
 from ..core.outputs import RunnerOutput, SchedulerOutput
 from ..spec.tree import DraftTree, spec_decode_tree
 from ..sampling_params import SamplingParams
+from . import hugepages
 from .attention import AttentionMetadata, SeqSpan
 from .llama import LlamaModel
 from .sampler import SampleRow, sample
@@ -35,10 +36,14 @@ def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
 
 
 def new_kv_caches(model: LlamaModel, num_blocks: int, block_size: int, device: str):
-    """Per layer (K, V), each [num_kv_heads, num_blocks, block_size, head_dim]."""
+    """Per layer (K, V), each [num_kv_heads, num_blocks, block_size, head_dim]; on huge pages where the model's
+    weights are (decode attention reads scattered blocks: fewer TLB misses)."""
     cfg = model.config
     shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
     # zero-filled: padded decode rows read unused slots, and 0 * garbage could be NaN
+    if model.huge_pages and device == "cpu":
+        flat = hugepages.zeros([shape] * (2 * cfg.num_layers), model.kv_dtype)
+        return list(zip(flat[0::2], flat[1::2]))
     return [
         (torch.zeros(shape, dtype=model.kv_dtype, device=device), torch.zeros(shape, dtype=model.kv_dtype, device=device))
         for _ in range(cfg.num_layers)
