@@ -4,8 +4,9 @@ interleaved in one process, best of --reps.
 
 usage: python benchmarks/prefill_attention_ab.py [--base HEAD~1] [--reps 4]
 
-Two steps are captured from real prompts: a 512-token chunk with no cached prefix, and the 188-token tail of a
-700-token prompt over its 512 cached tokens.
+Three steps are captured from real prompts: a 512-token chunk and a 345-token prompt (W1's mean chunk) with no
+cached prefix, and the 188-token tail of a 700-token prompt over its 512 cached tokens. The two forward passes'
+logits are compared too (largest difference).
 """
 
 from __future__ import annotations
@@ -47,12 +48,14 @@ def main() -> None:
     L.LlamaModel.forward = spy
     llm.generate([[5000 + i * 7 for i in range(512)]], SamplingParams(max_tokens=1, temperature=0))
     llm.generate([[6000 + i * 7 for i in range(700)]], SamplingParams(max_tokens=1, temperature=0))
+    llm.generate([[7000 + i * 7 for i in range(345)]], SamplingParams(max_tokens=1, temperature=0))
     L.LlamaModel.forward = forward
     new_fn = A._sequence_attention_fused
     print(f"forward pass of a prefill step, attention at {args.base} vs working tree, best of {args.reps}")
-    for rows in (512, 188):
+    for rows in (512, 345, 188):
         a, k = captured[rows]
         best = {"base": 1e9, "new": 1e9}
+        logits = {}
         for _ in range(args.reps):
             for name, fn in (("base", old._sequence_attention_fused), ("new", new_fn)):
                 A._sequence_attention_fused = fn
@@ -60,12 +63,13 @@ def main() -> None:
                     if hasattr(span, "bias"):
                         span.bias = None
                 t = time.perf_counter()
-                forward(model, *a, **k)
+                logits[name] = forward(model, *a, **k)
                 best[name] = min(best[name], time.perf_counter() - t)
         A._sequence_attention_fused = new_fn
         ctx = [s.context_len for s in a[2].seqs]
+        diff = (logits["new"].float() - logits["base"].float()).abs().max().item()
         print(f"{rows} new tokens (context {ctx}): base {best['base'] * 1e3:.1f} ms, new {best['new'] * 1e3:.1f} ms, "
-              f"new/base {best['new'] / best['base']:.3f}")
+              f"new/base {best['new'] / best['base']:.3f}; logits differ by {diff:.3g} at most")
 
 
 if __name__ == "__main__":

@@ -134,17 +134,30 @@ def _sequence_attention(q, k_cache, v_cache, span: SeqSpan, scale: float) -> tor
     return o.permute(2, 0, 1, 3).reshape(num_q, num_heads, head_dim)
 
 
+# The fused kernel's keys are padded to a multiple of this many (zeros, masked out): torch's CPU flash kernel takes
+# a slow path for a ragged key count (a 345-token chunk: 3.9 ms a layer, padded to 352: 1.2 ms; over W1's prompt
+# lengths 1.4x in all; docs/benchmarks.md).
+KEY_PAD = 32
+
+
 def _sequence_attention_fused(q, k_cache, v_cache, span: SeqSpan, scale: float) -> torch.Tensor:
     """``_sequence_attention`` through torch's fused kernel (grouped query heads, additive mask): measured 3.3x
     faster on a 512-token chunk, within 1e-6 of it, with an fp32 cache. With a bf16 cache it runs in bf16 (the
     kernel accumulates in fp32; K/V are stored bf16 already, and the result is rounded to bf16 for the output
-    projection anyway): 2.5x faster again, the queries and the softmax weights rounded to bf16."""
+    projection anyway): 2.5x faster again, the queries and the softmax weights rounded to bf16.
+
+    ::
+
+        keys:  k0 .. k344 | 0 .. 0        (KEY_PAD: 352 keys; the zeros' scores get -inf, their weights 0)
+    """
     ctx, dt = span.context_len, k_cache.dtype
+    padded = -(-ctx // KEY_PAD) * KEY_PAD
     if span.bias is None or span.bias.dtype != dt:  # once per step, not once per layer
-        span.bias = torch.zeros(span.num_query_tokens, ctx, dtype=dt, device=q.device).masked_fill_(
-            ~_visibility(span, q.device), float("-inf"))
-    k = _gather(k_cache, span.block_table, ctx).unsqueeze(0)  # [1, kvh, ctx, d]
-    v = _gather(v_cache, span.block_table, ctx).unsqueeze(0)
+        span.bias = torch.full((span.num_query_tokens, padded), float("-inf"), dtype=dt, device=q.device)
+        span.bias[:, :ctx].masked_fill_(_visibility(span, q.device), 0.0)
+    pad = (0, 0, 0, padded - ctx)  # zeros rather than the cache's slots past the context
+    k = F.pad(_gather(k_cache, span.block_table, ctx), pad).unsqueeze(0)  # [1, kvh, padded, d]
+    v = F.pad(_gather(v_cache, span.block_table, ctx), pad).unsqueeze(0)
     o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0).to(dt), k, v, attn_mask=span.bias,
                                        scale=scale, enable_gqa=True)  # [1, heads, num_q, d]
     return o[0].transpose(0, 1).to(q.dtype)
