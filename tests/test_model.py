@@ -309,20 +309,22 @@ def test_smollm2_greedy_output_is_the_same_with_and_without_the_int4_amx_kernel(
 
 
 @pytest.mark.real_model
-def test_smollm2_greedy_output_is_the_same_with_and_without_padded_keys(real_model_path, monkeypatch):
+def test_smollm2_greedy_output_is_the_same_with_and_without_padded_keys_in_fp32(real_model_path, monkeypatch):
     """Prefill chunks pad their keys to a multiple of attention.KEY_PAD for torch's fused kernel (zeros, masked
-    out). The softmax then runs over other key tiles, so bf16 sums may round differently in the last bit; greedy
-    text must not change. Prompts of ragged lengths, some sharing a cached prefix."""
+    out); the softmax then runs over other key tiles. In fp32 that moves results by rounding only, and greedy text
+    must not change (prompts of ragged lengths, some sharing a cached prefix). The test fails when the padding is
+    left unmasked. In bf16 (--dtype auto) a last-bit change flips near-ties, so text is not expected to match token
+    for token there (measured in docs/benchmarks.md); the tolerance tests against fp32 above run with the padding."""
     from justapi import LLM
     from justapi.model import attention
 
     base = "Here is a list of facts about the planets of the solar system, one per line. "
     prompts = [base * (1 + i % 3) + f"Fact {i}: the planet with {i + 1} moons is" for i in range(8)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    llm = LLM(real_model_path, pool_blocks=256, dtype="auto", show_progress=False)
+    llm = LLM(real_model_path, pool_blocks=256, dtype="float32", show_progress=False)
     padded = [r.token_ids for r in llm.generate(prompts, params)]
     monkeypatch.setattr(attention, "KEY_PAD", 1)
-    llm = LLM(real_model_path, pool_blocks=256, dtype="auto", show_progress=False)  # a fresh prefix cache
+    llm = LLM(real_model_path, pool_blocks=256, dtype="float32", show_progress=False)  # a fresh prefix cache
     assert [r.token_ids for r in llm.generate(prompts, params)] == padded
 
 
