@@ -47,7 +47,7 @@ def main() -> None:
         return
     amx_rows = quant.AMX_MAX_ROWS
     print("rows  bf16 copy (oneDNN)  4-bit AMX  ratio")
-    for rows in (8, 16, 32, 48, 64, 96, 128):
+    for rows in (8, 16, 32, 48, 64, 96, 128, 256, 345, 512):
         xs = [torch.randn(rows, k, generator=g).to(torch.bfloat16) for _, k in SHAPES]
         best = {"bf16": 1e9, "amx": 1e9}
         for _ in range(args.reps):

@@ -292,19 +292,28 @@ def test_smollm2_greedy_output_is_the_same_with_and_without_onednn_prepacked_wei
 
 
 @pytest.mark.real_model
-def test_smollm2_greedy_output_is_the_same_with_and_without_the_int4_amx_kernel(real_model_path, monkeypatch):
-    """Batched decode (6-64 rows) multiplies the 4-bit weights on AMX tiles (kernels/int4_matmul.cpp) instead of
-    the bf16 copy: the same weight values and sums, so greedy text must not change."""
+def test_smollm2_greedy_output_is_the_same_with_and_without_the_int4_amx_kernel_at_decode_batches(
+        real_model_path, monkeypatch):
+    """A decode batch of 8 multiplies the 4-bit weights on AMX tiles (kernels/int4_matmul.cpp) instead of the bf16
+    copy: at 8 rows the same values and the same sums (tests/test_kernels.py), so greedy text must not change.
+    Prefill chunks take the AMX kernel in both runs: there its sums may differ from oneDNN's in the last bit, and
+    bf16 text is then not expected to match token for token (measured in docs/benchmarks.md); the tolerance tests
+    against fp32 above run through it."""
     from justapi import LLM
     from justapi.model import quant
 
-    llm = LLM(real_model_path, pool_blocks=128, dtype="auto", show_progress=False)
+    # no prefix cache: the second run's prefills must have the first's shapes (a cached prefix leaves tails of
+    # under 6 rows, which torch's int4 kernel takes: other arithmetic)
+    llm = LLM(real_model_path, pool_blocks=128, dtype="auto", prefix_cache=False, show_progress=False)
     if llm.engine.model.layers[0].down.amx is None:
         pytest.skip("the C++ kernels have no AMX here")
     chats = [f"Question {i}: name {i + 2} rivers of Europe, and say where they flow." for i in range(8)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     amx = [r.token_ids for r in llm.generate(chats, params)]
-    monkeypatch.setattr(quant, "AMX_MAX_ROWS", 0)
+    matmul = quant.Int4Weight.matmul
+    small_on_onednn = lambda self, x: (quant.bf16_linear(x.to(torch.bfloat16), self.dense)  # noqa: E731
+                                       if quant.INT4_MAX_ROWS <= x.shape[0] <= 8 else matmul(self, x))
+    monkeypatch.setattr(quant.Int4Weight, "matmul", small_on_onednn)
     assert [r.token_ids for r in llm.generate(chats, params)] == amx
 
 

@@ -1,7 +1,9 @@
 // x @ w.T for a 4-bit weight (GGUF Q4_0/Q4_1: groups of 32 along the input dimension, a scale and a zero each)
-// and a batch of 6-64 bf16 rows, on the CPU's AMX tiles: each group of weights is read once, as 4 bits, expanded to
-// bf16 in L1 and multiplied with every row of the batch, where torch's int4 kernel expands it again for every row
-// and the bf16 path reads a 16-bit copy of the weight (4x the bytes) from memory.
+// and a batch of 6 or more bf16 rows (batched decode, prefill chunks), on the CPU's AMX tiles: each group of weights
+// is read once, as 4 bits, expanded to bf16 in L1 and multiplied with every row of the batch, where torch's int4
+// kernel expands it again for every row and the bf16 path reads a 16-bit copy of the weight (4x the bytes) from
+// memory. Rows go in passes of 64 (four accumulator tiles); with more than one pass, a block's expanded groups are
+// kept in a buffer that every pass reads.
 //
 // Weight values are those of Q4Unpacked.dequantize(): w = (q - 8) * scale + zero in fp32 (scale and zero are
 // bf16-exact), rounded to bf16 — the same values as the bf16 copy that oneDNN multiplies. Products accumulate in
@@ -18,8 +20,10 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define JUSTAPI_AMX 1
@@ -86,39 +90,36 @@ inline void store_rows(const float* c, int64_t rows, uint16_t* out, int64_t ld) 
                         (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c + 16 * r)));
 }
 
-void matmul_amx(const uint16_t* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n, uint16_t* out) {
-  const int64_t groups = k / 32, blocks = n / 16;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    alignas(64) uint16_t b_tiles[2][16 * 32];  // alternated, so that expanding the next group need not wait
-                                                // for the tile load of the last one
-    alignas(64) float c_tile[16 * 16];
-    for (int64_t m0 = 0; m0 < m; m0 += kMaxRows) {
-      const int64_t rows = std::min(kMaxRows, m - m0);
-      const int64_t full = rows / 16, rem = rows % 16, tiles = full + (rem > 0);
-      // tmm0..3: accumulators [16 rows x 16 outputs] fp32; tmm4: 16 rows of x, tmm5: the last rem rows of x
-      // (32 inputs, bf16); tmm6: the expanded weights [16 input pairs x 16 outputs x 2]
-      TileConfig cfg;
-      for (int64_t t = 0; t < tiles; ++t) {
-        cfg.rows[t] = static_cast<uint8_t>(t < full ? 16 : rem);
-        cfg.colsb[t] = 64;
-      }
-      if (full > 0) cfg.rows[4] = 16, cfg.colsb[4] = 64;
-      if (rem > 0) cfg.rows[5] = static_cast<uint8_t>(rem), cfg.colsb[5] = 64;
-      cfg.rows[6] = 16, cfg.colsb[6] = 64;
-      _tile_loadconfig(&cfg);
-      const uint16_t* xm = x + m0 * k;
-      const int64_t x_stride = k * 2;
-      for (int64_t blk = b0; blk < b1; ++blk) {
-        _tile_zero(0);
-        if (tiles > 1) _tile_zero(1);
-        if (tiles > 2) _tile_zero(2);
-        if (tiles > 3) _tile_zero(3);
-        const uint8_t* unit = packed + blk * groups * kUnitBytes;
-        for (int64_t g = 0; g < groups; ++g, unit += kUnitBytes) {
-          uint16_t* b_tile = b_tiles[g & 1];
-          expand_unit(unit, b_tile);
-          _tile_loadd(6, b_tile, 64);
-          const uint16_t* xg = xm + g * 32;
+// the tiles of one pass of `rows` rows: tmm0..3 accumulators [16 rows x 16 outputs] fp32 (the last one partial when
+// rows % 16 > 0); tmm4: 16 rows of x, tmm5: the last rows % 16 rows of x (32 inputs, bf16); tmm6: the expanded
+// weights [16 input pairs x 16 outputs x 2]
+inline void configure_tiles(int64_t rows) {
+  const int64_t full = rows / 16, rem = rows % 16, tiles = full + (rem > 0);
+  TileConfig cfg;
+  for (int64_t t = 0; t < tiles; ++t) {
+    cfg.rows[t] = static_cast<uint8_t>(t < full ? 16 : rem);
+    cfg.colsb[t] = 64;
+  }
+  if (full > 0) cfg.rows[4] = 16, cfg.colsb[4] = 64;
+  if (rem > 0) cfg.rows[5] = static_cast<uint8_t>(rem), cfg.colsb[5] = 64;
+  cfg.rows[6] = 16, cfg.colsb[6] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+// one pass of up to kMaxRows rows of x (from xm) over one block of 16 outputs, into o (row stride n); b_tile(g)
+// gives group g's weights expanded (a B tile of 16 x 64 bytes). Tiles configured by configure_tiles(rows).
+template <typename BTile>
+inline void pass_block(const uint16_t* xm, int64_t rows, int64_t k, int64_t groups, BTile b_tile, uint16_t* o,
+                       int64_t n, float* c_tile) {
+  const int64_t full = rows / 16, rem = rows % 16, tiles = full + (rem > 0);
+  const int64_t x_stride = k * 2;
+  _tile_zero(0);
+  if (tiles > 1) _tile_zero(1);
+  if (tiles > 2) _tile_zero(2);
+  if (tiles > 3) _tile_zero(3);
+  for (int64_t g = 0; g < groups; ++g) {
+    _tile_loadd(6, b_tile(g), 64);
+    const uint16_t* xg = xm + g * 32;
 // tile t of x: rows 16t.. of this pass; the last one is partial when rem > 0
 #define JUSTAPI_ROW_TILE(t)                                   \
   if (tiles > t) {                                            \
@@ -130,25 +131,55 @@ void matmul_amx(const uint16_t* x, int64_t m, int64_t k, const uint8_t* packed, 
       _tile_dpbf16ps(t, 5, 6);                                \
     }                                                         \
   }
-          JUSTAPI_ROW_TILE(0)
-          JUSTAPI_ROW_TILE(1)
-          JUSTAPI_ROW_TILE(2)
-          JUSTAPI_ROW_TILE(3)
+    JUSTAPI_ROW_TILE(0)
+    JUSTAPI_ROW_TILE(1)
+    JUSTAPI_ROW_TILE(2)
+    JUSTAPI_ROW_TILE(3)
 #undef JUSTAPI_ROW_TILE
-        }
-        uint16_t* o = out + m0 * n + blk * 16;
-        for (int64_t t = 0; t < tiles; ++t) {
-          switch (t) {
-            case 0: _tile_stored(0, c_tile, 64); break;
-            case 1: _tile_stored(1, c_tile, 64); break;
-            case 2: _tile_stored(2, c_tile, 64); break;
-            default: _tile_stored(3, c_tile, 64); break;
-          }
-          store_rows(c_tile, t < full ? 16 : rem, o + 16 * t * n, n);
+  }
+  for (int64_t t = 0; t < tiles; ++t) {
+    switch (t) {
+      case 0: _tile_stored(0, c_tile, 64); break;
+      case 1: _tile_stored(1, c_tile, 64); break;
+      case 2: _tile_stored(2, c_tile, 64); break;
+      default: _tile_stored(3, c_tile, 64); break;
+    }
+    store_rows(c_tile, t < full ? 16 : rem, o + 16 * t * n, n);
+  }
+}
+
+void matmul_amx(const uint16_t* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n, uint16_t* out) {
+  const int64_t groups = k / 32, blocks = n / 16;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    alignas(64) float c_tile[16 * 16];
+    if (m <= kMaxRows) {  // one pass (batched decode): each group expanded just before its tile load
+      alignas(64) uint16_t b_tiles[2][16 * 32];  // alternated, so that expanding the next group need not wait
+                                                  // for the tile load of the last one
+      configure_tiles(m);
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const uint8_t* units = packed + blk * groups * kUnitBytes;
+        pass_block(x, m, k, groups, [&](int64_t g) {
+          uint16_t* b = b_tiles[g & 1];
+          expand_unit(units + g * kUnitBytes, b);
+          return b;
+        }, out + blk * 16, n, c_tile);
+      }
+    } else {  // several passes (prefill chunks): a block's groups expanded once, read by every pass
+      std::vector<uint16_t> buffer(groups * 16 * 32 + 32);  // k * 32 bytes: 18-48 KiB at SmolLM2's widths
+      uint16_t* expanded = buffer.data() + (-reinterpret_cast<uintptr_t>(buffer.data()) / 2 % 32);  // 64-byte aligned
+      int64_t configured = 0;
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const uint8_t* units = packed + blk * groups * kUnitBytes;
+        for (int64_t g = 0; g < groups; ++g) expand_unit(units + g * kUnitBytes, expanded + g * 16 * 32);
+        for (int64_t m0 = 0; m0 < m; m0 += kMaxRows) {
+          const int64_t rows = std::min(kMaxRows, m - m0);
+          if (rows != configured) configure_tiles(rows), configured = rows;
+          pass_block(x + m0 * k, rows, k, groups, [&](int64_t g) { return expanded + g * 16 * 32; },
+                     out + m0 * n + blk * 16, n, c_tile);
         }
       }
-      _tile_release();
     }
+    _tile_release();
   });
 }
 #endif

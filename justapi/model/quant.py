@@ -101,19 +101,23 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, w)
 
 
-# Batches of INT4_MAX_ROWS to AMX_MAX_ROWS rows (batched decode) multiply the 4-bit weight on AMX tiles where the
-# engine's C++ kernels run (justapi/kernels/int4_matmul.cpp: the weight is read as 4 bits and expanded once for all
-# rows, where the bf16 copy reads 4x the bytes); larger batches (prefill chunks) the prepacked bf16 copy.
-AMX_MAX_ROWS = 64
+# Batches of INT4_MAX_ROWS to AMX_MAX_ROWS rows multiply the 4-bit weight on AMX tiles where the engine's C++
+# kernels run (justapi/kernels/int4_matmul.cpp: the weight is read as 4 bits and expanded to bf16 once for all rows,
+# where the bf16 copy reads 4x the bytes). Products are summed in fp32 and rounded once, as in oneDNN's bf16 product:
+# bit-identical to it at 8 rows on SmolLM2's shapes, while from ~64 rows oneDNN splits its sums differently and a
+# few elements per product differ in the last bit (tests/test_kernels.py). Faster at every size measured: 0.4x
+# oneDNN's time at decode batches of 8-32 rows, 0.67-0.83x for prefill chunks of 96-512 rows
+# (benchmarks/int4_amx_bench.py). Tests set it to 0 to compare with the bf16 copy.
+AMX_MAX_ROWS = 1 << 62
 
 
 class Int4Weight:
     """A packed [out, in] 4-bit weight and its bf16 dequantization; ``matmul(x)`` is ``x @ w.T``.
 
     Up to INT4_MAX_ROWS rows (single-stream and small-batch decode, where reading the weight is the cost) run
-    through torch's int4 kernel; batched decode up to AMX_MAX_ROWS rows through the engine's AMX kernel where
-    ``kernels`` has it; larger batches (prefill, where compute is the cost) through a bf16 matmul of the same
-    weight, which on CPUs with AMX is several times faster. All three use the same weight values.
+    through torch's int4 kernel; larger batches (batched decode, prefill chunks) through the engine's AMX kernel
+    where ``kernels`` has it, and otherwise through a bf16 matmul of the same weight (oneDNN, prepacked). All three
+    use the same weight values.
     """
 
     def __init__(self, w: Q4Unpacked, kernels=None) -> None:
@@ -121,7 +125,7 @@ class Int4Weight:
         self.packed = torch._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32).contiguous(), 1)
         # [in / 32, out, 2]: the layout the kernel reads
         self.scales_zeros = torch.stack([w.scale.t(), w.zero.t()], dim=-1).to(torch.bfloat16).contiguous()
-        self.dense = prepack_bf16(w.dequantize().to(torch.bfloat16))  # for batches of INT4_MAX_ROWS rows or more
+        self.dense = prepack_bf16(w.dequantize().to(torch.bfloat16))  # INT4_MAX_ROWS rows or more, without AMX
         self.kernels = self.amx = None
         if (kernels is not None and kernels.int4_amx_available() and self.out_features % 16 == 0
                 and self.in_features % GROUP_SIZE == 0):
