@@ -93,7 +93,7 @@ def test_int4_amx_matmul_equals_the_bf16_product_of_the_same_weights(cpp_kernels
 
 
 def test_int4_amx_matmul_on_smollm2_widths_rounds_once_and_matches_onednn_at_decode_sizes(cpp_kernels):
-    """On SmolLM2's widths (576 and 1536 inputs) oneDNN splits its fp32 sums from ~64 rows on, so there the two
+    """On SmolLM2's widths (576 and 1536 inputs) oneDNN splits its fp32 sums from 48 rows on, so there the two
     products may differ in the last bit of a few elements; both stay within one bf16 rounding of the exact product.
     At 8 rows (batched decode) they are bit-identical."""
     from justapi.model.quant import Q4Unpacked, bf16_linear, prepack_bf16

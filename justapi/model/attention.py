@@ -135,8 +135,8 @@ def _sequence_attention(q, k_cache, v_cache, span: SeqSpan, scale: float) -> tor
 
 
 # The fused kernel's keys are padded to a multiple of this many (zeros, masked out): torch's CPU flash kernel takes
-# a slow path for a ragged key count (a 345-token chunk: 3.9 ms a layer, padded to 352: 1.2 ms; over W1's prompt
-# lengths 1.4x in all; docs/benchmarks.md).
+# a slow path for a ragged key count (a 325-token chunk: 3.51 ms a layer, padded to 352: 0.96 ms; summed over W1's
+# prompt lengths 0.55x the time; benchmarks/sdpa_key_pad.py, docs/benchmarks.md).
 KEY_PAD = 32
 
 

@@ -1,9 +1,9 @@
 """Long-lived CPU tensors (the KV cache, packed weights) on transparent huge pages where Linux offers them.
 
 Decode attention reads each sequence's K/V blocks (2 KiB per head at SmolLM2's sizes) scattered through a pool of
-hundreds of MB: on 4 KiB pages nearly every block read costs a TLB miss and a page walk. On 2 MiB pages the same
-reads ran 10-15% faster, and the 4-bit AMX matmul 5-8% (docs/benchmarks.md). Nothing else changes: the values and
-the layouts are the same, only the pages under them.
+hundreds of MB: on 4 KiB pages nearly every block read costs a TLB miss and a page walk. On 2 MiB pages the
+decode-attention kernel took 0.93x the time, a whole decode step 2-4% less (docs/benchmarks.md). Nothing else
+changes: the values and the layouts are the same, only the pages under them.
 
 How: one over-allocated uint8 tensor per group of tensors (torch owns the memory), its 2 MiB-aligned interior
 advised ``MADV_HUGEPAGE`` before anything touches it, the tensors carved out of it as views. Where the kernel has
@@ -55,19 +55,20 @@ def _arena(nbytes: int) -> torch.Tensor | None:
     return raw[start : start + nbytes]
 
 
-def _offsets(sizes: list[int]) -> tuple[list[int], int]:
+def _layout(sizes: list[int]) -> tuple[torch.Tensor | None, list[int]]:
+    """An arena for tensors of ``sizes`` bytes (None where huge pages are unavailable or it would not fill one) and
+    each tensor's offset in it."""
     offsets, total = [], 0
     for n in sizes:
         offsets.append(total)
         total += -(-n // _ALIGN) * _ALIGN
-    return offsets, total
+    return (_arena(total) if available() and total >= HUGE_PAGE else None), offsets
 
 
 def zeros(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
     """Zero-filled CPU tensors of ``shapes``, all in one huge-page arena where available."""
     sizes = [torch.Size(s).numel() * dtype.itemsize for s in shapes]
-    offsets, total = _offsets(sizes)
-    arena = _arena(total) if available() and total >= HUGE_PAGE else None
+    arena, offsets = _layout(sizes)
     if arena is None:
         return [torch.zeros(s, dtype=dtype) for s in shapes]
     arena.zero_()  # the first touch: the pages are faulted in huge
@@ -78,8 +79,7 @@ def gather(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Contiguous copies of CPU ``tensors`` (same dtypes, shapes and values) in one huge-page arena; the tensors
     themselves where huge pages are unavailable."""
     sizes = [t.numel() * t.element_size() for t in tensors]
-    offsets, total = _offsets(sizes)
-    arena = _arena(total) if available() and total >= HUGE_PAGE else None
+    arena, offsets = _layout(sizes)
     if arena is None:
         return list(tensors)
     out = []

@@ -104,8 +104,8 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # Batches of INT4_MAX_ROWS to AMX_MAX_ROWS rows multiply the 4-bit weight on AMX tiles where the engine's C++
 # kernels run (justapi/kernels/int4_matmul.cpp: the weight is read as 4 bits and expanded to bf16 once for all rows,
 # where the bf16 copy reads 4x the bytes). Products are summed in fp32 and rounded once, as in oneDNN's bf16 product:
-# bit-identical to it at 8 rows on SmolLM2's shapes, while from ~64 rows oneDNN splits its sums differently and a
-# few elements per product differ in the last bit (tests/test_kernels.py). Faster at every size measured: 0.4x
+# bit-identical to it up to 32 rows on SmolLM2's shapes, while from 48 rows oneDNN splits its sums differently and
+# a few elements per product differ in the last bit (tests/test_kernels.py checks 8 and 345 rows). Faster at every size measured: 0.4x
 # oneDNN's time at decode batches of 8-32 rows, 0.67-0.83x for prefill chunks of 96-512 rows
 # (benchmarks/int4_amx_bench.py). Tests set it to 0 to compare with the bf16 copy.
 AMX_MAX_ROWS = 1 << 62
