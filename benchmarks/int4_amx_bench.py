@@ -6,7 +6,7 @@ usage: python benchmarks/int4_amx_bench.py [--reps 5] [--base REV]
 
 Prints, per batch size, the best time of the 120 products (30 layers x QKV, O, gate/up, down) each way and their
 ratio. With ``--base REV``, the AMX kernel as built at that git revision against the working tree's instead (the
-same packed weights; the products are checked equal first), at 1-64 rows (the engine sends batches under
+same packed weights; the products are checked equal first), at 1-64 rows or ``--rows`` (the engine sends batches under
 quant.INT4_MAX_ROWS rows to torch's int4 kernel instead; they are timed to show where the two cross), the two
 kernels' order alternating from one repetition to the next.
 """
@@ -29,6 +29,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--base", default=None, help="a git revision whose AMX kernel is timed against the working tree's")
+    ap.add_argument("--rows", default="1,2,4,8,16,32,64", help="batch sizes for --base, comma-separated")
     args = ap.parse_args()
     kernels = decode_kernels()
     if kernels is None or not kernels.int4_amx_available():
@@ -43,7 +44,7 @@ def main() -> None:
 
     layers = [[weight(n, k) for n, k in SHAPES] for _ in range(30)]
     if args.base:
-        compare_revisions(args.base, kernels, layers, args.reps, g)
+        compare_revisions(args.base, kernels, layers, args.reps, g, [int(r) for r in args.rows.split(",")])
         return
     amx_rows = quant.AMX_MAX_ROWS
     print("rows  bf16 copy (oneDNN)  4-bit AMX  ratio")
@@ -62,12 +63,12 @@ def main() -> None:
     quant.AMX_MAX_ROWS = amx_rows
 
 
-def compare_revisions(rev: str, kernels, layers, reps: int, g: torch.Generator) -> None:
+def compare_revisions(rev: str, kernels, layers, reps: int, g: torch.Generator, sizes: list[int]) -> None:
     from decode_attention_bench import build_at  # benchmarks/ is on the path when this runs as a script
 
     mods = {rev: build_at(rev), "working tree": kernels}
     print(f"rows  {rev:>14}  working tree  ratio")
-    for rows in (1, 2, 4, 8, 16, 32, 64):
+    for rows in sizes:
         xs = [torch.randn(rows, k, generator=g).to(torch.bfloat16) for _, k in SHAPES]
         for x, w in zip(xs, layers[0]):
             a, b = (m.int4_amx_matmul(x, w.amx, w.out_features) for m in mods.values())

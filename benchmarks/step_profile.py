@@ -2,10 +2,14 @@
 mixed step (the same 28 decodes plus a fresh 345-token prompt, W1's mean prefill per chunk step), timed and then
 profiled (cProfile; the C++ kernels and oneDNN show as the built-in calls that run them).
 
-usage: python benchmarks/step_profile.py [--steps 10]
+usage: python benchmarks/step_profile.py [--steps 10] [--base REV]
 
 The server's defaults (--scheduled, --dtype auto). Each mixed step adds the prompt with max_tokens=1, so the request
 is prefilled, samples its one token and finishes within that step: every measured step has the same shape.
+
+With ``--base REV``: no profile; the C++ kernels as built at that git revision (justapi/kernels/*.cpp) against the
+working tree's, swapped into the same engine (the model's layer ops and attention, every 4-bit weight's matmul)
+step by step, alternating; the median and the best of each kind of step are printed for both, with ratios.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from justapi.model.gguf_loader import default_model_path
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--base", default=None, help="a git revision whose kernels are timed against the working tree's")
     args = ap.parse_args()
     engine = LLM(default_model_path(), scheduled=True, max_seqs=32, show_progress=False).engine
     rng = random.Random(0)
@@ -52,6 +57,9 @@ def main() -> None:
 
     for _ in range(3):  # warm-up
         mixed(), decode()
+    if args.base:
+        compare_kernels(engine, args.base, args.steps, decode, mixed)
+        return
     for name, step in (("decode step (28 rows)", decode), ("mixed step (345-token prompt + 28 decodes)", mixed)):
         times = sorted(step() for _ in range(args.steps))
         print(f"{name}: median {times[len(times) // 2] * 1e3:.1f} ms over {args.steps} steps")
@@ -61,6 +69,34 @@ def main() -> None:
             step()
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+
+
+def compare_kernels(engine, rev: str, steps: int, decode, mixed) -> None:
+    from decode_attention_bench import build_at  # benchmarks/ is on the path when this runs as a script
+
+    from justapi.model.quant import Int4Weight
+
+    model = engine.model
+    builds = {rev: build_at(rev), "working tree": model.kernels}
+    weights = [w for layer in model.layers for w in vars(layer).values()
+               if isinstance(w, Int4Weight) and w.kernels is not None]
+
+    def use(mod) -> None:
+        model.kernels = mod
+        for w in weights:
+            w.kernels = mod
+
+    for name, step in (("decode step (28 rows)", decode), ("mixed step (345-token prompt + 28 decodes)", mixed)):
+        times = {k: [] for k in builds}
+        for i in range(steps):
+            for k in list(builds)[:: 1 if i % 2 else -1]:
+                use(builds[k])
+                times[k].append(step())
+        use(builds["working tree"])
+        (old, new), (old_min, new_min) = ([sorted(t)[len(t) // 2] for t in times.values()],
+                                          [min(t) for t in times.values()])
+        print(f"{name}, median of {steps} (best): {rev} {old * 1e3:.1f} ms ({old_min * 1e3:.1f}), working tree "
+              f"{new * 1e3:.1f} ms ({new_min * 1e3:.1f}), {new / old:.2f}x ({new_min / old_min:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -61,12 +61,13 @@ def test_add_rms_norm_matches_add_then_rms_norm(cpp_kernels, dtype):
     assert torch.equal(alone, got_h)
 
 
-@pytest.mark.parametrize("rows", [6, 16, 17, 40, 64, 65, 130, 345])
+@pytest.mark.parametrize("rows", [6, 16, 17, 40, 64, 65, 80, 97, 130, 345])
 def test_int4_amx_matmul_equals_the_bf16_product_of_the_same_weights(cpp_kernels, rows):
     """4-bit weights expanded to bf16 on the fly and multiplied on AMX tiles (int4_matmul.cpp): the weight values
     of Q4Unpacked.dequantize(), products summed in fp32, the result rounded once; against the bf16 product of the
-    dequantized copy (oneDNN, the path batches take without the kernel). Row counts cross the 16-row tiles and
-    the 64-row passes."""
+    dequantized copy (oneDNN, the path batches take without the kernel). Row counts cross the 16-row tiles, the
+    64-row passes of one block and the 32-row passes over pairs of blocks (6 blocks on 2 threads: a pair and a
+    lone block each)."""
     from justapi.model.quant import AMX_MAX_ROWS, INT4_MAX_ROWS, Int4Weight, Q4Unpacked, bf16_linear
 
     if not cpp_kernels.int4_amx_available():
