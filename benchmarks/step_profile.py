@@ -2,7 +2,7 @@
 mixed step (the same 28 decodes plus a fresh 345-token prompt, W1's mean prefill per chunk step), timed and then
 profiled (cProfile; the C++ kernels and oneDNN show as the built-in calls that run them).
 
-usage: python benchmarks/step_profile.py [--steps 10] [--base REV]
+usage: python benchmarks/step_profile.py [--steps 10] [--base REV | --off MODULE.NAME=VALUE]
 
 The server's defaults (--scheduled, --dtype auto). Each mixed step adds the prompt with max_tokens=1, so the request
 is prefilled, samples its one token and finishes within that step: every measured step has the same shape.
@@ -10,6 +10,8 @@ is prefilled, samples its one token and finishes within that step: every measure
 With ``--base REV``: no profile; the C++ kernels as built at that git revision (justapi/kernels/*.cpp) against the
 working tree's, swapped into the same engine (the model's layer ops and attention, every 4-bit weight's matmul)
 step by step, alternating; the median and the best of each kind of step are printed for both, with ratios.
+With ``--off quant.Q8_AMX_MAX_ROWS=0``: the same, the two sides being a module attribute of justapi.model set to
+VALUE (a Python literal) and left as it is.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--base", default=None, help="a git revision whose kernels are timed against the working tree's")
+    ap.add_argument("--off", default=None, help="MODULE.NAME=VALUE: justapi.model.MODULE.NAME set to VALUE, against as is")
     args = ap.parse_args()
     engine = LLM(default_model_path(), scheduled=True, max_seqs=32, show_progress=False).engine
     rng = random.Random(0)
@@ -60,6 +63,9 @@ def main() -> None:
     if args.base:
         compare_kernels(engine, args.base, args.steps, decode, mixed)
         return
+    if args.off:
+        compare_setting(args.off, args.steps, decode, mixed)
+        return
     for name, step in (("decode step (28 rows)", decode), ("mixed step (345-token prompt + 28 decodes)", mixed)):
         times = sorted(step() for _ in range(args.steps))
         print(f"{name}: median {times[len(times) // 2] * 1e3:.1f} ms over {args.steps} steps")
@@ -69,6 +75,33 @@ def main() -> None:
             step()
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+
+
+def compare_setting(off: str, steps: int, decode, mixed) -> None:
+    import ast
+    import importlib
+
+    target, value = off.split("=", 1)
+    module_name, attr = target.rsplit(".", 1)
+    module = importlib.import_module(f"justapi.model.{module_name}")
+    sides = {off: ast.literal_eval(value), "as is": getattr(module, attr)}
+    compare(sides, lambda v: setattr(module, attr, v), steps, decode, mixed)
+
+
+def compare(sides: dict, use, steps: int, decode, mixed) -> None:
+    """Steps of each kind with ``use(side)`` for each of ``sides`` alternating; the last side is left in use."""
+    first, last = list(sides)
+    for name, step in (("decode step (28 rows)", decode), ("mixed step (345-token prompt + 28 decodes)", mixed)):
+        times = {k: [] for k in sides}
+        for i in range(steps):
+            for k in list(sides)[:: 1 if i % 2 else -1]:
+                use(sides[k])
+                times[k].append(step())
+        use(sides[last])
+        (old, new), (old_min, new_min) = ([sorted(t)[len(t) // 2] for t in times.values()],
+                                          [min(t) for t in times.values()])
+        print(f"{name}, median of {steps} (best): {first} {old * 1e3:.1f} ms ({old_min * 1e3:.1f}), {last} "
+              f"{new * 1e3:.1f} ms ({new_min * 1e3:.1f}), {new / old:.2f}x ({new_min / old_min:.2f}x)")
 
 
 def compare_kernels(engine, rev: str, steps: int, decode, mixed) -> None:
@@ -86,17 +119,7 @@ def compare_kernels(engine, rev: str, steps: int, decode, mixed) -> None:
         for w in weights:
             w.kernels = mod
 
-    for name, step in (("decode step (28 rows)", decode), ("mixed step (345-token prompt + 28 decodes)", mixed)):
-        times = {k: [] for k in builds}
-        for i in range(steps):
-            for k in list(builds)[:: 1 if i % 2 else -1]:
-                use(builds[k])
-                times[k].append(step())
-        use(builds["working tree"])
-        (old, new), (old_min, new_min) = ([sorted(t)[len(t) // 2] for t in times.values()],
-                                          [min(t) for t in times.values()])
-        print(f"{name}, median of {steps} (best): {rev} {old * 1e3:.1f} ms ({old_min * 1e3:.1f}), working tree "
-              f"{new * 1e3:.1f} ms ({new_min * 1e3:.1f}), {new / old:.2f}x ({new_min / old_min:.2f}x)")
+    compare(builds, use, steps, decode, mixed)
 
 
 if __name__ == "__main__":

@@ -117,6 +117,38 @@ def test_int4_amx_matmul_on_smollm2_widths_rounds_once_and_matches_onednn_at_dec
                 assert torch.equal(got, bf16_linear(x, prepack_bf16(dense)))
 
 
+@pytest.mark.parametrize("n, k", [(96, 160), (96, 576)])
+def test_q8_amx_matmul_expands_q8_0_exactly_and_rounds_once(cpp_kernels, n, k):
+    """Q8_0 weights (int8 times an fp16 scale per 32) expanded to bf16 on AMX tiles: the values of the dequantized
+    weight rounded to bf16, products summed in fp32, the result rounded once. At 576 inputs (SmolLM2's head)
+    bit-identical to oneDNN's product of the bf16 copy up to 32 rows; within one bf16 rounding of the exact
+    product at every size (passes of one block up to 64 rows, pairs of blocks above)."""
+    from justapi.model.quant import Int8RowWeight, Q8Unpacked, bf16_linear, prepack_bf16
+
+    if not cpp_kernels.int4_amx_available():
+        pytest.skip("this CPU (or this build) has no AMX")
+    g = torch.Generator().manual_seed(11)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    scale = (torch.rand(n, k // 32, generator=g) * 0.01 + 1e-4).to(torch.float16).float()
+    w = Q8Unpacked(q, scale)
+    dense = w.dequantize().to(torch.bfloat16)
+    packed = cpp_kernels.q8_amx_pack(q, scale)
+    for rows in (6, 8, 17, 32, 64, 65, 130):
+        x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+        got = cpp_kernels.q8_amx_matmul(x, packed, n)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        exact = x.double() @ dense.double().T
+        assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-4).all()
+        if rows <= 32:
+            assert torch.equal(got, bf16_linear(x, prepack_bf16(dense)))
+    head = Int8RowWeight(w.dequantize(), w, cpp_kernels)  # the LM head: the 8-bit kernel for 6-64 rows
+    assert head.amx is not None
+    x = torch.randn(8, k, generator=g).to(torch.bfloat16)
+    assert torch.equal(head.matmul(x), cpp_kernels.q8_amx_matmul(x, packed, n))
+    with pytest.raises(RuntimeError, match="does not match"):
+        cpp_kernels.q8_amx_matmul(x[:, :128].contiguous(), packed, n)
+
+
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
     lock = tmp_path / "lock"
     lock.write_text("")

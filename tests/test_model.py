@@ -170,6 +170,28 @@ def test_q4_weights_stay_4bit_and_match_the_dequantized_weights(tmp_path, qtype)
     assert (a.exp() * (a - b)).sum(-1).max().item() < 0.01
 
 
+def test_a_q8_0_token_embedding_also_loads_as_integers_and_scales_for_the_head(tmp_path):
+    """With --dtype auto a Q8_0 head (here the tied token embedding) comes dense and, under its name +
+    Q8_SUFFIX, as its Q8_0 integers and scales, which dequantize to exactly the dense weight."""
+    import gguf
+
+    from justapi.model.gguf_loader import Q8_SUFFIX
+    from justapi.model.quant import Q8Unpacked
+
+    path = write_tiny_model(str(tmp_path / "q.gguf"), "llama", hidden=256, intermediate=256, num_heads=4,
+                            num_kv_heads=2, qtype="Q4_0", embd_qtype="Q8_0")
+    reader = open_gguf(path)
+    kept = load_tensors(reader, path, torch.float32, False, keep_q4=True)
+    q8 = kept["token_embd.weight" + Q8_SUFFIX]
+    assert isinstance(q8, Q8Unpacked) and q8.q.dtype == torch.int8
+    raw = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    want = torch.from_numpy(gguf.quants.dequantize(raw.data, raw.tensor_type).astype("float32")).reshape(q8.q.shape)
+    assert torch.equal(q8.dequantize(), want) and torch.equal(kept["token_embd.weight"], want)
+    assert "token_embd.weight" + Q8_SUFFIX not in load_tensors(reader, path, torch.float32, False)  # exact path
+    LlamaModel(read_model_config(reader, path), kept, "cpu", False)
+    assert not any(name.endswith(Q8_SUFFIX) for name in kept)  # taken by the model
+
+
 @pytest.fixture(scope="module")
 def smollm_reference(real_model_path):
     return hf_model(real_model_path)
@@ -294,8 +316,9 @@ def test_smollm2_greedy_output_is_the_same_with_and_without_onednn_prepacked_wei
 @pytest.mark.real_model
 def test_smollm2_greedy_output_is_the_same_with_and_without_the_int4_amx_kernel_at_decode_batches(
         real_model_path, monkeypatch):
-    """A decode batch of 8 multiplies the 4-bit weights on AMX tiles (kernels/int4_matmul.cpp) instead of the bf16
-    copy: at 8 rows the same values and the same sums (tests/test_kernels.py), so greedy text must not change.
+    """A decode batch of 8 multiplies the 4-bit weights, and the Q8_0 LM head, on AMX tiles
+    (kernels/int4_matmul.cpp) instead of their bf16 copies: at 8 rows the same values and the same sums
+    (tests/test_kernels.py), so greedy text must not change.
     Prefill chunks take the AMX kernel in both runs: there its sums may differ from oneDNN's in the last bit, and
     bf16 text is then not expected to match token for token (measured in docs/benchmarks.md); the tolerance tests
     against fp32 above run through it."""
@@ -307,6 +330,7 @@ def test_smollm2_greedy_output_is_the_same_with_and_without_the_int4_amx_kernel_
     llm = LLM(real_model_path, pool_blocks=128, dtype="auto", prefix_cache=False, show_progress=False)
     if llm.engine.model.layers[0].down.amx is None:
         pytest.skip("the C++ kernels have no AMX here")
+    assert llm.engine.model.lm_head.amx is not None
     chats = [f"Question {i}: name {i + 2} rivers of Europe, and say where they flow." for i in range(8)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     amx = [r.token_ids for r in llm.generate(chats, params)]
@@ -314,6 +338,10 @@ def test_smollm2_greedy_output_is_the_same_with_and_without_the_int4_amx_kernel_
     small_on_onednn = lambda self, x: (quant.bf16_linear(x.to(torch.bfloat16), self.dense)  # noqa: E731
                                        if quant.INT4_MAX_ROWS <= x.shape[0] <= 8 else matmul(self, x))
     monkeypatch.setattr(quant.Int4Weight, "matmul", small_on_onednn)
+    head_matmul = quant.Int8RowWeight.matmul
+    head_on_onednn = lambda self, x: (quant.bf16_linear(x.to(torch.bfloat16), self.dense)  # noqa: E731
+                                      if quant.INT4_MAX_ROWS <= x.shape[0] <= 8 else head_matmul(self, x))
+    monkeypatch.setattr(quant.Int8RowWeight, "matmul", head_on_onednn)
     assert [r.token_ids for r in llm.generate(chats, params)] == amx
 
 

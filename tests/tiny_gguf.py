@@ -61,8 +61,10 @@ def write_tiny_model(
     seed: int = 0,
     weight_scale: float = 0.2,
     vocab_from: str | None = None,
+    embd_qtype: str = "F32",
 ) -> str:
-    """A random model whose linear weights are stored as ``qtype``; returns ``path``.
+    """A random model whose linear weights are stored as ``qtype`` and its token embedding as ``embd_qtype`` (F32
+    or a type gguf quantizes, e.g. Q8_0 as SmolLM2's); returns ``path``.
 
     ``vocab_from``: another GGUF file whose tokenizer (every ``tokenizer.*`` key) the model takes, e.g. a tiny
     random draft model for SmolLM2.
@@ -127,7 +129,12 @@ def write_tiny_model(
             qt = gguf.GGMLQuantizationType[qtype]
             w.add_tensor(name, gguf.quants.quantize(arr, qt), raw_dtype=qt)
 
-    w.add_tensor("token_embd.weight", rand(vocab_size, hidden, scale=1.0))
+    embd = rand(vocab_size, hidden, scale=1.0)
+    if embd_qtype == "F32":
+        w.add_tensor("token_embd.weight", embd)
+    else:
+        qt = gguf.GGMLQuantizationType[embd_qtype]
+        w.add_tensor("token_embd.weight", gguf.quants.quantize(embd, qt), raw_dtype=qt)
     for i in range(num_layers):
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", (1 + rand(hidden, scale=0.1)))

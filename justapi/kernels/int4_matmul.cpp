@@ -19,6 +19,9 @@
 //   bytes 288..319  16 zeros (bf16)
 //
 // Expanded, row r is the AMX B-tile row [out0: in 2r, 2r+1 | out1: ... | out15: ...] (bf16 pairs, "VNNI" order).
+//
+// The same passes multiply a Q8_0 weight (a 4-bit model's LM head, its 8-bit token embedding) from 8-bit units
+// (Q8Unit below): the driver, matmul_amx, takes the unit format as a template parameter.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -36,7 +39,8 @@
 
 namespace {
 
-constexpr int64_t kUnitBytes = 320;
+constexpr int64_t kUnitBytes = 320;     // a 4-bit unit (layout above)
+constexpr int64_t kQ8UnitBytes = 576;   // an 8-bit unit (Q8Unit below)
 constexpr int64_t kMaxRows = 64;  // rows per pass over the weight: four 16-row accumulator tiles
 constexpr int64_t kPairRows = 32;  // rows per pass over a pair of blocks: 2 x 2 accumulator tiles
 
@@ -61,8 +65,35 @@ bool amx_permitted() {
   return ok;
 }
 
+// A weight format for matmul_amx: the bytes of one unit (a block of 16 outputs by a group of 32 inputs) and their
+// expansion into a B tile (16 rows of 32 bf16, the layout above)
+struct Q4Unit {
+  static constexpr int64_t kBytes = kUnitBytes;
+  static void expand(const uint8_t* unit, uint16_t* b);
+};
+
+// Q8_0 (the LM head of a 4-bit SmolLM2, its 8-bit token embedding, tied): w = q * d, q int8, d one fp16 scale per
+// 32 weights, in fp32 — exact (an 8-bit integer times an 11-bit significand) — then rounded to bf16: the values
+// gguf's dequantize gives, rounded as torch's conversion to bf16 rounds them. Unit: 16 rows r x 32 bytes (byte b:
+// q of output b/2 at input 2r + b%2, as an int8), then 16 scales (fp32), outputs 0..15: 576 bytes.
+struct Q8Unit {
+  static constexpr int64_t kBytes = kQ8UnitBytes;
+  static void expand(const uint8_t* unit, uint16_t* b) {
+    const __m512 scales = _mm512_loadu_ps(reinterpret_cast<const float*>(unit + 512));
+    const __m512i lo_idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i hi_idx = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+    const __m512 s_lo = _mm512_permutexvar_ps(lo_idx, scales), s_hi = _mm512_permutexvar_ps(hi_idx, scales);
+    for (int r = 0; r < 16; ++r) {
+      const int8_t* row = reinterpret_cast<const int8_t*>(unit + 32 * r);
+      const __m512 q_lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
+      const __m512 q_hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16))));
+      _mm512_store_si512(b + 32 * r, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(q_hi, s_hi), _mm512_mul_ps(q_lo, s_lo)));
+    }
+  }
+};
+
 // unit -> 16 B-tile rows of 32 bf16
-inline void expand_unit(const uint8_t* unit, uint16_t* b) {
+inline void Q4Unit::expand(const uint8_t* unit, uint16_t* b) {
   const __m512i scale_zero = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + 256)));
   const __m512 scales = _mm512_castsi512_ps(_mm512_slli_epi32(scale_zero, 16));
   const __m512i zeros_raw = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + 288)));
@@ -201,6 +232,7 @@ inline void pass_block_pair(const uint16_t* xm, int64_t rows, int64_t k, int64_t
   }
 }
 
+template <typename Unit>
 void matmul_amx(const uint16_t* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n, uint16_t* out) {
   const int64_t groups = k / 32, blocks = n / 16;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
@@ -210,10 +242,10 @@ void matmul_amx(const uint16_t* x, int64_t m, int64_t k, const uint8_t* packed, 
                                                   // for the tile load of the last one
       configure_tiles(m);
       for (int64_t blk = b0; blk < b1; ++blk) {
-        const uint8_t* units = packed + blk * groups * kUnitBytes;
+        const uint8_t* units = packed + blk * groups * Unit::kBytes;
         pass_block(x, m, k, groups, [&](int64_t g) {
           uint16_t* b = b_tiles[g & 1];
-          expand_unit(units + g * kUnitBytes, b);
+          Unit::expand(units + g * Unit::kBytes, b);
           return b;
         }, out + blk * 16, n, c_tile);
       }
@@ -222,9 +254,9 @@ void matmul_amx(const uint16_t* x, int64_t m, int64_t k, const uint8_t* packed, 
       uint16_t* expanded = buffer.data() + (-reinterpret_cast<uintptr_t>(buffer.data()) / 2 % 32);  // 64-byte aligned
       int64_t configured = 0;
       for (int64_t blk = b0; blk < b1; ++blk) {
-        const uint8_t* units = packed + blk * groups * kUnitBytes;
+        const uint8_t* units = packed + blk * groups * Unit::kBytes;
         const bool pair = blk + 1 < b1;  // this block and the next: 2 x 2 accumulator tiles
-        for (int64_t g = 0; g < groups * (pair ? 2 : 1); ++g) expand_unit(units + g * kUnitBytes, expanded + g * 16 * 32);
+        for (int64_t g = 0; g < groups * (pair ? 2 : 1); ++g) Unit::expand(units + g * Unit::kBytes, expanded + g * 16 * 32);
         if (pair) {
           for (int64_t m0 = 0; m0 < m; m0 += kPairRows) {
             const int64_t rows = std::min(kPairRows, m - m0);
@@ -295,21 +327,70 @@ torch::Tensor int4_amx_pack(torch::Tensor q, torch::Tensor scale, torch::Tensor 
   return packed;
 }
 
-// x [rows, in] bf16, packed from int4_amx_pack, out_features -> [rows, out] bf16
-torch::Tensor int4_amx_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "int4_amx_matmul: x [rows, in] bf16 expected");
+// x [rows, in] bf16 times a weight packed in units of `unit_bytes` (the format `Unit`), out_features -> [rows, out] bf16
+template <typename Unit>
+torch::Tensor amx_matmul(const char* name, int64_t unit_bytes, torch::Tensor x, torch::Tensor packed,
+                         int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, name, ": x [rows, in] bf16 expected");
   x = x.contiguous();
   const int64_t m = x.size(0), k = x.size(1), n = out_features;
-  TORCH_CHECK(n % 16 == 0 && k % 32 == 0 && packed.numel() == n / 16 * k / 32 * kUnitBytes,
-              "int4_amx_matmul: packed weight does not match the input width");
+  TORCH_CHECK(n % 16 == 0 && k % 32 == 0 && packed.numel() == n / 16 * k / 32 * unit_bytes, name,
+              ": packed weight does not match the input width");
   auto out = torch::empty({m, n}, x.options());
 #ifdef JUSTAPI_AMX
-  TORCH_CHECK(amx_permitted(), "int4_amx_matmul: AMX is not available");
+  TORCH_CHECK(amx_permitted(), name, ": AMX is not available");
   if (m > 0)
-    matmul_amx(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), m, k, packed.data_ptr<uint8_t>(), n,
-               reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+    matmul_amx<Unit>(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), m, k,
+                     packed.data_ptr<uint8_t>(), n, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
 #else
-  TORCH_CHECK(false, "int4_amx_matmul: built without AMX");
+  TORCH_CHECK(false, name, ": built without AMX");
 #endif
   return out;
+}
+
+// x [rows, in] bf16, packed from int4_amx_pack, out_features -> [rows, out] bf16
+torch::Tensor int4_amx_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
+#ifdef JUSTAPI_AMX
+  return amx_matmul<Q4Unit>("int4_amx_matmul", kUnitBytes, x, packed, out_features);
+#else
+  return amx_matmul<void>("int4_amx_matmul", kUnitBytes, x, packed, out_features);
+#endif
+}
+
+// q [n, k] int8, scale [n, k / 32] fp32 (Q8_0's fp16 scales) -> the 8-bit units of Q8Unit, uint8
+torch::Tensor q8_amx_pack(torch::Tensor q, torch::Tensor scale) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kInt8, "q8_amx_pack: q [out, in] int8 expected");
+  const int64_t n = q.size(0), k = q.size(1);
+  TORCH_CHECK(n % 16 == 0 && k % 32 == 0, "q8_amx_pack: out must be a multiple of 16 and in of 32");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.dim() == 2 && scale.size(0) == n &&
+                  scale.size(1) == k / 32, "q8_amx_pack: scale [out, in / 32] fp32 expected");
+  q = q.contiguous();
+  scale = scale.contiguous();
+  const int64_t groups = k / 32, blocks = n / 16;
+  auto packed = torch::empty({blocks * groups * kQ8UnitBytes}, torch::kUInt8);
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk)
+      for (int64_t g = 0; g < groups; ++g) {
+        uint8_t* unit = dst + (blk * groups + g) * kQ8UnitBytes;
+        for (int r = 0; r < 16; ++r)
+          for (int b = 0; b < 32; ++b)
+            unit[32 * r + b] = static_cast<uint8_t>(qp[(blk * 16 + b / 2) * k + g * 32 + 2 * r + b % 2]);
+        float s[16];
+        for (int o = 0; o < 16; ++o) s[o] = sp[(blk * 16 + o) * groups + g];
+        std::memcpy(unit + 512, s, sizeof(s));
+      }
+  });
+  return packed;
+}
+
+// x [rows, in] bf16, packed from q8_amx_pack, out_features -> [rows, out] bf16
+torch::Tensor q8_amx_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
+#ifdef JUSTAPI_AMX
+  return amx_matmul<Q8Unit>("q8_amx_matmul", kQ8UnitBytes, x, packed, out_features);
+#else
+  return amx_matmul<void>("q8_amx_matmul", kQ8UnitBytes, x, packed, out_features);
+#endif
 }

@@ -319,6 +319,8 @@ torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
 bool int4_amx_available();
 torch::Tensor int4_amx_pack(torch::Tensor q, torch::Tensor scale, torch::Tensor zero);
 torch::Tensor int4_amx_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features);
+torch::Tensor q8_amx_pack(torch::Tensor q, torch::Tensor scale);
+torch::Tensor q8_amx_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over the paged KV cache (fp32 or bf16 cache, CPU)");
@@ -327,4 +329,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_amx_available", &int4_amx_available, "whether int4_amx_matmul can run here (built with AMX, allowed)");
   m.def("int4_amx_pack", &int4_amx_pack, "4-bit weight (q, scale, zero) -> the layout int4_amx_matmul reads");
   m.def("int4_amx_matmul", &int4_amx_matmul, "x @ w.T, bf16 rows x a packed 4-bit weight, on AMX tiles");
+  m.def("q8_amx_pack", &q8_amx_pack, "Q8_0 weight (q, scale) -> the layout q8_amx_matmul reads");
+  m.def("q8_amx_matmul", &q8_amx_matmul, "x @ w.T, bf16 rows x a packed Q8_0 weight, on AMX tiles");
 }

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ..config import SUPPORTED_ARCHS, ModelConfig
-from .quant import Q4Unpacked, unpack_q4
+from .quant import Q4Unpacked, Q8Unpacked, unpack_q4, unpack_q8_0
 
 
 class ModelLoadError(Exception):
@@ -169,13 +169,18 @@ def _select_raw(raw: np.ndarray, qtype, shape: tuple[int, ...], sel: Selection |
     return raw, shape, sel
 
 
+Q8_SUFFIX = ":q8_0"  # load_tensors' key for a Q8_0 head's integers and scales: the tensor's name + this
+
+
 def load_tensors(
     reader, path: str, dtype: torch.dtype, show_progress: bool = True, keep_q4: bool = False, select=None,
-) -> dict[str, torch.Tensor | Q4Unpacked]:
+) -> dict[str, torch.Tensor | Q4Unpacked | Q8Unpacked]:
     """All tensors of the file in PyTorch's [out, in] layout, dequantized to ``dtype``.
 
     With ``keep_q4``, 2-D Q4_0/Q4_1 weights other than the token embedding (looked up, not multiplied) stay
-    4-bit, as Q4Unpacked, for the int4 kernel. ``select(name)`` → None (the whole tensor) or a Selection: only
+    4-bit, as Q4Unpacked, for the int4 kernel; and a Q8_0 LM head (``output.weight``, or the token embedding,
+    which a model without one uses as its head) comes both dequantized and, under its name + ``Q8_SUFFIX``, as
+    Q8Unpacked, for the 8-bit AMX kernel. ``select(name)`` → None (the whole tensor) or a Selection: only
     those rows or columns are read from the file and dequantized (a tensor-parallel rank's shard, model.llama
     ``shard_selection``), so a rank never holds more of a tensor than its slice and whole quantization blocks.
     """
@@ -195,6 +200,9 @@ def load_tensors(
                 and t.name != "token_embd.weight"):
             out[t.name] = unpack_q4(raw, t.tensor_type == gguf.GGMLQuantizationType.Q4_1, shape)
             continue
+        if (keep_q4 and left is None and t.tensor_type == gguf.GGMLQuantizationType.Q8_0 and len(shape) == 2
+                and t.name in ("output.weight", "token_embd.weight")):
+            out[t.name + Q8_SUFFIX] = unpack_q8_0(raw, shape)
         try:
             if t.tensor_type == gguf.GGMLQuantizationType.F32:
                 arr = np.asarray(raw, dtype=np.float32)

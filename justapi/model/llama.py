@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from .attention import AttentionMetadata, paged_attention, write_kv
-from .gguf_loader import ModelLoadError
+from .gguf_loader import Q8_SUFFIX, ModelLoadError
 from . import hugepages
 from .layers import RotaryEmbedding, linear, rms_norm
 from .quant import Int4Weight, Int8RowWeight, Q4Unpacked, cat_q4
@@ -95,10 +95,13 @@ class LlamaModel:
         for layer in self.layers:  # norm weights in fp32 (tiny), as the C++ add_rms_norm takes them
             layer.attn_norm, layer.ffn_norm = layer.attn_norm.float(), layer.ffn_norm.float()
         self.norm = self.norm.float()
-        self.lm_head = matrix("output.weight") if "output.weight" in tensors else self.embed
+        head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+        head_q8 = {n: tensors.pop(n + Q8_SUFFIX, None) for n in ("output.weight", "token_embd.weight")}[head]
+        self.lm_head = matrix("output.weight") if head == "output.weight" else self.embed
         if isinstance(self.lm_head, torch.Tensor) and self.lm_head.dtype == torch.bfloat16 and any(
                 isinstance(layer.down, Int4Weight) for layer in self.layers):
-            self.lm_head = Int8RowWeight(self.lm_head)  # a 4-bit model's dense head: int8 rows for decode
+            # a 4-bit model's dense head: int8 rows for small batches, the Q8_0 weight on AMX for larger ones
+            self.lm_head = Int8RowWeight(self.lm_head, head_q8, kernels)
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.context_length, config.rope_style, device)
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim

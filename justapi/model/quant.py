@@ -58,6 +58,27 @@ def unpack_q4(raw: np.ndarray, is_q4_1: bool, shape: tuple[int, int]) -> Q4Unpac
     return Q4Unpacked(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(zero))
 
 
+@dataclass
+class Q8Unpacked:
+    """A GGUF Q8_0 weight as integers and per-group scales: ``w = q · d``, 32 weights a group, d in fp16."""
+
+    q: torch.Tensor  # [out, in] int8
+    scale: torch.Tensor  # [out, in / 32] fp32 (fp16 values)
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight (each product exact), as gguf's dequantize gives it."""
+        return self.q.float() * self.scale.repeat_interleave(GROUP_SIZE, dim=1)
+
+
+def unpack_q8_0(raw: np.ndarray, shape: tuple[int, int]) -> Q8Unpacked:
+    """Split raw Q8_0 bytes of an [out, in] weight (blocks of d(2) qs(32)) into integers and scales, exactly."""
+    rows, cols = shape
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows * cols // GROUP_SIZE, 34)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32).reshape(rows, cols // GROUP_SIZE)
+    q = blocks[:, 2:].copy().view(np.int8).reshape(rows, cols)
+    return Q8Unpacked(torch.from_numpy(q), torch.from_numpy(d))
+
+
 def cat_q4(parts: list[Q4Unpacked]) -> Q4Unpacked:
     """Stack weights along the output dimension (fused QKV and gate/up projections)."""
     return Q4Unpacked(
@@ -148,6 +169,12 @@ class Int4Weight:
         return bf16_linear(x, self.dense)
 
 
+# The 8-bit head on AMX only up to this many rows (one pass over each block of outputs): measured on SmolLM2's head
+# (49152 x 576, read from memory), 0.49-0.80x oneDNN's time at 6-64 rows, 1.5-1.9x at 128-345
+# (benchmarks/int4_amx_bench.py --head). A decode step's head has a row per sequence; more come from drafts.
+Q8_AMX_MAX_ROWS = 64
+
+
 class Int8RowWeight:
     """A dense [out, in] weight also held as int8 with one bf16 scale per output row; ``matmul(x)`` is ``x @ w.T``.
 
@@ -156,10 +183,18 @@ class Int8RowWeight:
     per row, not Q8_0's one per 32 weights, so rows are requantized: the scale is ``max|w| / 127`` rounded up to a
     bfloat16 value (the kernel's dtype, so no further rounding), each weight off by at most half a step. Like
     Int4Weight, only batches under INT4_MAX_ROWS rows use it (measured 1.7 ms against 4.8 ms for bf16 at one row,
-    slower from 8 rows); larger batches multiply the exact dense weight.
+    slower from 8 rows); larger batches multiply the exact dense weight: given the GGUF's Q8_0 integers and scales
+    (``q8``) and AMX in ``kernels``, on AMX tiles from the 8-bit weight (int4_matmul.cpp's Q8Unit: the dense bf16
+    values, expanded in L1, 32 MB read a step instead of 56 MB; bit-identical to oneDNN's product up to 32 rows
+    on SmolLM2's width, like the 4-bit kernel), else through oneDNN.
     """
 
-    def __init__(self, dense: torch.Tensor) -> None:
+    def __init__(self, dense: torch.Tensor, q8: Q8Unpacked | None = None, kernels=None) -> None:
+        self.kernels = self.amx = None
+        if (q8 is not None and kernels is not None and kernels.int4_amx_available()
+                and dense.shape[0] % 16 == 0 and dense.shape[1] % GROUP_SIZE == 0):
+            self.kernels = kernels
+            self.amx = kernels.q8_amx_pack(q8.q, q8.scale)
         self.dense = prepack_bf16(dense.to(torch.bfloat16))
         self.dtype = dense.dtype
         self.shape = tuple(dense.shape)
@@ -173,6 +208,9 @@ class Int8RowWeight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [rows, in] (any float dtype) → [rows, out] bfloat16."""
         x = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
-        if x.shape[0] >= INT4_MAX_ROWS:
-            return bf16_linear(x, self.dense)
-        return torch._weight_int8pack_mm(x, self.q, self.scale)
+        rows = x.shape[0]
+        if rows < INT4_MAX_ROWS:
+            return torch._weight_int8pack_mm(x, self.q, self.scale)
+        if self.amx is not None and rows <= min(AMX_MAX_ROWS, Q8_AMX_MAX_ROWS):
+            return self.kernels.q8_amx_matmul(x, self.amx, self.shape[0])
+        return bf16_linear(x, self.dense)
