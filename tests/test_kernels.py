@@ -149,6 +149,24 @@ def test_q8_amx_matmul_expands_q8_0_exactly_and_rounds_once(cpp_kernels, n, k):
         cpp_kernels.q8_amx_matmul(x[:, :128].contiguous(), packed, n)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_is_bit_identical_to_torchs_silu_times_up(cpp_kernels, dtype):
+    """The fused gate/up activation computes what F.silu(gate) * up computes, op for op (torch's own vectorised
+    exp; a bf16 silu rounded before the product), so the forward pass gives the same bits with it."""
+    if not cpp_kernels.silu_mul_available():
+        pytest.skip("the C++ kernels were built without AVX-512")
+    g = torch.Generator().manual_seed(5)
+    for rows, width in ((1, 1536), (7, 1536), (40, 64), (373, 768)):
+        gate_up = (torch.randn(rows, 2 * width, generator=g) * torch.rand(rows, 1, generator=g) * 12).to(dtype)
+        gate_up[0, :6] = torch.tensor([0.0, -0.0, 90.0, -90.0, 1e-30, -1e-30]).to(dtype)
+        gate, up = gate_up.chunk(2, dim=-1)
+        got = cpp_kernels.silu_mul(gate_up)
+        assert got.dtype == dtype and got.shape == (rows, width)
+        assert torch.equal(got, F.silu(gate) * up)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        cpp_kernels.silu_mul(torch.zeros(2, 40, dtype=dtype))
+
+
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
     lock = tmp_path / "lock"
     lock.write_text("")

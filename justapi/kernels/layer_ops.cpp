@@ -3,6 +3,7 @@
 //
 //   add_rms_norm   x += residual (optional), h = rms_norm(x) * weight
 //   rope_write_kv  rotate the Q and K heads of the fused QKV output, store K and V at their cache slots, return Q
+//   silu_mul       silu(gate) * up from the fused gate/up output, in one pass over it (AVX-512 builds)
 //
 // Built into the same module as paged_attention.cpp (see justapi/kernels/__init__.py). Compiled with
 // -ffp-contract=off: rope_write_kv's products and sums are then rounded exactly as torch's elementwise ops round
@@ -13,6 +14,14 @@
 #include <cmath>
 #include <cstdint>
 #include <tuple>
+#include <type_traits>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define JUSTAPI_SILU 1
+#include <immintrin.h>
+// torch's own vectorised exp (Sleef, exported by libtorch_cpu): the one its CPU silu kernel calls on AVX-512
+extern "C" __m512 Sleef_expf16_u10(__m512);
+#endif
 
 namespace {
 
@@ -101,7 +110,67 @@ void rope_write_dispatch_cache(const torch::Tensor& qkv, const torch::Tensor& co
                                       q.data_ptr<float>());
 }
 
+#ifdef JUSTAPI_SILU
+// torch computes silu(x) as x / (1 + exp(-x)) in fp32 (a bf16 x widened, the result rounded to bf16), then the
+// product with up as a separate op (in fp32, rounded to the dtype): the same operations in the same order here, so
+// the result is bit-identical to F.silu(gate) * up (tested)
+inline __m512 silu16(__m512 g) {
+  return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+}
+inline __m512 bf16_to_f32(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
+inline __m512 round_bf16(__m512 v) { return bf16_to_f32((__m256i)_mm512_cvtneps_pbh(v)); }
+
+template <typename T>
+void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t width) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gate_up + r * 2 * width;
+      const T* u = g + width;
+      T* o = out + r * width;
+      for (int64_t d = 0; d < width; d += 16) {
+        if constexpr (std::is_same_v<T, float>) {
+          _mm512_storeu_ps(o + d, _mm512_mul_ps(silu16(_mm512_loadu_ps(g + d)), _mm512_loadu_ps(u + d)));
+        } else {
+          const __m512 sg = round_bf16(silu16(bf16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + d)))));
+          const __m512 uf = bf16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + d)));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sg, uf)));
+        }
+      }
+    }
+  });
+}
+#endif
+
 }  // namespace
+
+bool silu_mul_available() {
+#ifdef JUSTAPI_SILU
+  return true;
+#else
+  return false;
+#endif
+}
+
+// gate_up [rows, 2 * width] (gate then up; rows may be strided), fp32 or bf16, width a multiple of 16
+// -> silu(gate) * up [rows, width], like gate_up
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 32 == 0 &&
+                  gate_up.stride(0) == gate_up.size(1),
+              "silu_mul: contiguous [rows, 2 * width] input with width a multiple of 16 expected");
+  TORCH_CHECK(gate_up.scalar_type() == torch::kFloat32 || gate_up.scalar_type() == torch::kBFloat16,
+              "silu_mul: fp32 or bf16");
+  const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
+  auto out = torch::empty({rows, width}, gate_up.options());
+#ifdef JUSTAPI_SILU
+  if (gate_up.scalar_type() == torch::kFloat32)
+    silu_mul_rows<float>(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, width);
+  else
+    silu_mul_rows<c10::BFloat16>(gate_up.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), rows, width);
+#else
+  TORCH_CHECK(false, "silu_mul: built without AVX-512");
+#endif
+  return out;
+}
 
 // x [rows, dim] fp32 or bf16 (updated in place when residual is given), weight [dim] fp32; returns h like x
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,

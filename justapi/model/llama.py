@@ -33,6 +33,11 @@ class LayerWeights:
     down: torch.Tensor | Int4Weight
 
 
+# silu(gate) * up through the C++ kernel (bit-identical to the torch ops; 0.70x their time at 373 bf16 rows,
+# benchmarks/step_profile.py --off llama.FUSED_SILU=False measures it in the engine). Benchmarks turn it off.
+FUSED_SILU = True
+
+
 class LlamaModel:
     """Weights and the forward pass of a decoder-only Llama-family model."""
 
@@ -151,9 +156,10 @@ class LlamaModel:
         qk_heads = cfg.num_heads + cfg.num_kv_heads
         eps = cfg.rms_norm_eps
         # the C++ layer ops (justapi.kernels.layer_ops): x += residual and the norm in one call, rotary and the
-        # K/V store in another; the torch path below computes the same (rotary bit-identical, the norm's sum of
-        # squares in another order)
+        # K/V store in another, silu(gate) * up in a third; the torch path below computes the same (rotary and
+        # silu bit-identical, the norm's sum of squares in another order)
         fused = self.kernels is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+        fused_silu = fused and FUSED_SILU and self.kernels.silu_mul_available()
         residual = None  # the last sublayer's output, not yet added to x
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             if fused:
@@ -188,8 +194,12 @@ class LlamaModel:
                 x = x + o
                 h = rms_norm(x, layer.ffn_norm, eps)
             gate_up = linear(h, layer.gate_up, None, bi)
-            gate, up = gate_up.chunk(2, dim=-1)
-            down = linear(F.silu(gate) * up, layer.down, None, bi)
+            if fused_silu and gate_up.shape[1] % 32 == 0:  # bit-identical to the two torch ops below
+                act = self.kernels.silu_mul(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = F.silu(gate) * up
+            down = linear(act, layer.down, None, bi)
             residual = down if self.tp is None else self.comm.all_reduce(down)
         x, residual = x[logits_rows], residual[logits_rows]  # only the rows that give logits (row-wise from here)
         if fused:
