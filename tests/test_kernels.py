@@ -167,6 +167,24 @@ def test_silu_mul_is_bit_identical_to_torchs_silu_times_up(cpp_kernels, dtype):
         cpp_kernels.silu_mul(torch.zeros(2, 40, dtype=dtype))
 
 
+def test_argmax_rows_gives_torchs_max_indices_with_ties_nans_and_infinities(cpp_kernels):
+    """The greedy pick: each row's first maximum, or its first NaN, as logits.max(dim=-1).indices gives them."""
+    g = torch.Generator().manual_seed(9)
+    for rows, vocab in ((1, 49152), (28, 49152), (6, 17), (6, 7), (6, 100)):
+        logits = torch.randn(rows, vocab, generator=g)
+        if rows > 1:
+            logits[0] = float("-inf")  # all equal: index 0
+            logits[1, vocab // 2] = logits[1, vocab - 1] = float("nan")  # the first NaN
+            logits[2] = 1.0
+            logits[3, 5] = logits[3, vocab - 1] = 9.0  # a tie: the first
+            logits[4, vocab - 1] = 9.0  # the maximum in the tail past the last full vector
+            logits[5, 0] = float("nan")
+        assert torch.equal(cpp_kernels.argmax_rows(logits), logits.max(dim=-1).indices)
+    assert cpp_kernels.argmax_rows(torch.zeros(0, 5)).shape == (0,)
+    with pytest.raises(RuntimeError, match="fp32 logits"):
+        cpp_kernels.argmax_rows(torch.zeros(2, 5, dtype=torch.bfloat16))
+
+
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
     lock = tmp_path / "lock"
     lock.write_text("")

@@ -241,7 +241,7 @@ class ModelRunner:
                 offset += 1
         if plain_rows:
             rows_logits = logits if len(plain_logits) == logits.shape[0] else logits[plain_logits]
-            tokens, logprobs = sample(rows_logits, plain_rows)
+            tokens, logprobs = sample(rows_logits, plain_rows, self.model.kernels)
             for rid, tok, lp in zip(plain_ids, tokens, logprobs):
                 self.states[rid].token_ids.append(tok)
                 out.sampled_token_ids[rid] = [tok]
