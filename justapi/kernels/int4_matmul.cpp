@@ -41,6 +41,8 @@ namespace {
 
 constexpr int64_t kUnitBytes = 320;     // a 4-bit unit (layout above)
 constexpr int64_t kQ8UnitBytes = 576;   // an 8-bit unit (Q8Unit below)
+struct Q4Unit;  // the unit formats matmul_amx takes (defined where AMX is built in)
+struct Q8Unit;
 constexpr int64_t kMaxRows = 64;  // rows per pass over the weight: four 16-row accumulator tiles
 constexpr int64_t kPairRows = 32;  // rows per pass over a pair of blocks: 2 x 2 accumulator tiles
 
@@ -350,11 +352,7 @@ torch::Tensor amx_matmul(const char* name, int64_t unit_bytes, torch::Tensor x, 
 
 // x [rows, in] bf16, packed from int4_amx_pack, out_features -> [rows, out] bf16
 torch::Tensor int4_amx_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
-#ifdef JUSTAPI_AMX
   return amx_matmul<Q4Unit>("int4_amx_matmul", kUnitBytes, x, packed, out_features);
-#else
-  return amx_matmul<void>("int4_amx_matmul", kUnitBytes, x, packed, out_features);
-#endif
 }
 
 // q [n, k] int8, scale [n, k / 32] fp32 (Q8_0's fp16 scales) -> the 8-bit units of Q8Unit, uint8
@@ -388,9 +386,5 @@ torch::Tensor q8_amx_pack(torch::Tensor q, torch::Tensor scale) {
 
 // x [rows, in] bf16, packed from q8_amx_pack, out_features -> [rows, out] bf16
 torch::Tensor q8_amx_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
-#ifdef JUSTAPI_AMX
   return amx_matmul<Q8Unit>("q8_amx_matmul", kQ8UnitBytes, x, packed, out_features);
-#else
-  return amx_matmul<void>("q8_amx_matmul", kQ8UnitBytes, x, packed, out_features);
-#endif
 }
