@@ -127,7 +127,8 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # where the bf16 copy reads 4x the bytes). Products are summed in fp32 and rounded once, as in oneDNN's bf16 product:
 # bit-identical to it up to 32 rows on SmolLM2's shapes, while from 48 rows oneDNN splits its sums differently and
 # a few elements per product differ in the last bit (tests/test_kernels.py checks 8 and 345 rows). Faster at every size measured: 0.4x
-# oneDNN's time at decode batches of 8-32 rows, 0.67-0.83x for prefill chunks of 96-512 rows
+# oneDNN's time at decode batches of 8-32 rows, 0.67-0.83x for prefill chunks of 96-512 rows (before the passes over
+# pairs of blocks, which took 0.76-0.80x of that again at 373-512 rows)
 # (benchmarks/int4_amx_bench.py). Tests set it to 0 to compare with the bf16 copy.
 AMX_MAX_ROWS = 1 << 62
 
