@@ -101,7 +101,8 @@ class LlamaModel:
             layer.attn_norm, layer.ffn_norm = layer.attn_norm.float(), layer.ffn_norm.float()
         self.norm = self.norm.float()
         head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
-        head_q8 = {n: tensors.pop(n + Q8_SUFFIX, None) for n in ("output.weight", "token_embd.weight")}[head]
+        q8_forms = {n: tensors.pop(n + Q8_SUFFIX, None) for n in ("output.weight", "token_embd.weight")}  # load_tensors
+        head_q8 = q8_forms[head]
         self.lm_head = matrix("output.weight") if head == "output.weight" else self.embed
         if isinstance(self.lm_head, torch.Tensor) and self.lm_head.dtype == torch.bfloat16 and any(
                 isinstance(layer.down, Int4Weight) for layer in self.layers):
