@@ -30,7 +30,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--base", default=None, help="a git revision whose kernels are timed against the working tree's")
-    ap.add_argument("--off", default=None, help="MODULE.NAME=VALUE: justapi.model.MODULE.NAME set to VALUE, against as is")
+    ap.add_argument("--off", default=None,
+                    help="MODULE.NAME=VALUE: justapi.model.MODULE.NAME set to VALUE, against as is")
     args = ap.parse_args()
     engine = LLM(default_model_path(), scheduled=True, max_seqs=32, show_progress=False).engine
     rng = random.Random(0)
