@@ -52,8 +52,8 @@ def test_tiny_architectures_match_transformers(tmp_path, arch, tied):
 @pytest.mark.parametrize("dim,bs,cache_dtype", [
     (8, 4, torch.float32),  # the kernel's portable path
     (8, 4, torch.bfloat16),
-    (64, 4, torch.float32),  # AVX-512 path (head_dim 64): 16-row chunks cut short by 4-token blocks
-    (64, 32, torch.bfloat16),  # two 16-row chunks per block, bf16 rows widened
+    (64, 4, torch.float32),  # AVX-512 / AVX2 path (head_dim 64): 16- or 8-row chunks cut short by 4-token blocks
+    (64, 32, torch.bfloat16),  # several row chunks per block, bf16 rows widened
     (128, 16, torch.bfloat16),
 ], ids=["d8-fp32", "d8-bf16", "d64-bs4-fp32", "d64-bs32-bf16", "d128-bs16-bf16"])
 @pytest.mark.parametrize("batch_invariant", [False, True], ids=["fused", "matmuls"])

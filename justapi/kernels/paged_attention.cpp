@@ -10,8 +10,9 @@
 // Each work item is computed alone, so a sequence's result never depends on the rest of the batch. Work items run
 // on torch's intra-op threads (at::parallel_for: OpenMP, so the extension is built with -fopenmp).
 //
-// Two implementations of the same passes: AVX-512 for head_dim 64 and 128 (query and accumulator rows held in
-// registers, blocks prefetched, exp vectorised), and a portable one for everything else.
+// Three implementations of the same passes: AVX-512 for head_dim 64 and 128 (query and accumulator rows held in
+// registers, blocks prefetched, exp vectorised), AVX2 for the same head sizes on CPUs without AVX-512 (AMD Zen 2/3,
+// older Intel: eight lanes, sixteen registers), and a portable one for everything else.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -23,7 +24,8 @@
 #include <tuple>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define JUSTAPI_SIMD_ATTENTION 1
 #include <immintrin.h>
 #endif
 
@@ -92,6 +94,15 @@ void attend(const float* qh, const T* kp, const T* vp, const int64_t* table, int
   for (int64_t g = 0; g < group; ++g)
     for (int64_t d = 0; d < head_dim; ++d) oh[g * head_dim + d] = acc[g * head_dim + d] * inv_sum[g];
 }
+
+#if defined(JUSTAPI_SIMD_ATTENTION)
+// prefetch the `bytes` of a cache block into L1 (the blocks of a sequence are scattered, so the hardware
+// prefetcher, which follows streams within a page, does not see them coming)
+inline void prefetch_block(const void* p, int64_t bytes) {
+  for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(static_cast<const char*>(p) + c, _MM_HINT_T0);
+}
+constexpr int64_t kAhead = 2;  // blocks prefetched ahead of the one being read (measured on AVX-512: 2 > 1, 4)
+#endif
 
 // --- AVX-512 -----------------------------------------------------------------------------------------------------
 
@@ -162,19 +173,12 @@ inline __m512 hsum16(const __m512* v) {
                        _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// prefetch the `bytes` of a cache block into L1 (the blocks of a sequence are scattered, so the hardware
-// prefetcher, which follows streams within a page, does not see them coming)
-inline void prefetch_block(const void* p, int64_t bytes) {
-  for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(static_cast<const char*>(p) + c, _MM_HINT_T0);
-}
-
 // head_dim = 16 * V; blocks outermost so each is read from memory once, query/accumulator rows in registers
 template <typename T, int V>
 void attend_avx512(const float* qh, const T* kp, const T* vp, const int64_t* table, int64_t ctx, int64_t kvh,
                    int64_t num_blocks, int64_t block_size, int64_t group, float scale, float* oh,
                    std::vector<float>& scores) {
   constexpr int64_t D = 16 * V;
-  constexpr int64_t kAhead = 2;  // blocks prefetched ahead of the one being read (measured: 2 > 1, 4)
   scores.resize(group * ctx + group * D);
   float* acc_all = scores.data() + group * ctx;
   const int64_t nblk = (ctx + block_size - 1) / block_size;
@@ -231,7 +235,157 @@ void attend_avx512(const float* qh, const T* kp, const T* vp, const int64_t* tab
       _mm512_storeu_ps(oh + g * D + 16 * i, _mm512_mul_ps(_mm512_loadu_ps(acc_all + g * D + 16 * i), inv));
   }
 }
-#endif  // __AVX512F__
+#elif defined(JUSTAPI_SIMD_ATTENTION)
+
+// --- AVX2 --------------------------------------------------------------------------------------------------------
+// The same passes with eight lanes. Sixteen registers do not hold a query row and eight dot products at once, so
+// the query is read from L1 as each product needs it, and eight rows' products run side by side (eight independent
+// FMA chains, as the FMA latency needs).
+
+// 8 cache values as fp32 lanes
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// lanes [0, m) set
+inline __m256i first_lanes(int64_t m) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(m)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// exp(x) of 8 lanes for x <= 0: exp512's reduction and polynomial; AVX2 has no scalef, so 2^n is built in the
+// exponent field (n >= -126 after the clamp at -87, a normal number)
+inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float hadd8(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+}
+
+// s[0..n) = exp(s - max(s)), unnormalised; *inv_sum = 1 / their sum
+inline void softmax_avx2(float* s, int64_t n, float* inv_sum) {
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 mx = neg_inf;
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + t));
+  const __m256i tail = first_lanes(n - t);
+  if (t < n) mx = _mm256_max_ps(mx, _mm256_blendv_ps(neg_inf, _mm256_maskload_ps(s + t, tail), _mm256_castsi256_ps(tail)));
+  const __m256 m = _mm256_set1_ps(hmax8(mx));
+  __m256 sum = _mm256_setzero_ps();
+  for (t = 0; t + 8 <= n; t += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
+    _mm256_storeu_ps(s + t, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  if (t < n) {
+    const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_maskload_ps(s + t, tail), m)), _mm256_castsi256_ps(tail));
+    _mm256_maskstore_ps(s + t, tail, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  *inv_sum = 1.f / hadd8(sum);
+}
+
+// r[i] = the sum of v[i]'s 8 lanes, for 8 vectors at once
+inline __m256 hsum8(const __m256* v) {
+  // per 128-bit lane: [v0 e0+e1, v1 e0+e1, v0 e2+e3, v1 e2+e3], then the lane's sums of v0..v3
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  // low lanes hold the sums of elements 0-3, high lanes of 4-7
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// head_dim D = 64 or 128; blocks outermost so each is read from memory once
+template <typename T, int64_t D>
+void attend_avx2(const float* qh, const T* kp, const T* vp, const int64_t* table, int64_t ctx, int64_t kvh,
+                 int64_t num_blocks, int64_t block_size, int64_t group, float scale, float* oh,
+                 std::vector<float>& scores) {
+  constexpr int64_t V = D / 8;
+  scores.resize(group * ctx + 2 * group * D);
+  float* qs = scores.data() + group * ctx;  // the scaled queries
+  float* acc_all = qs + group * D;
+  for (int64_t i = 0; i < group * D; i += 8)
+    _mm256_storeu_ps(qs + i, _mm256_mul_ps(_mm256_loadu_ps(qh + i), _mm256_set1_ps(scale)));
+  const int64_t nblk = (ctx + block_size - 1) / block_size;
+  const int64_t block_elems = block_size * D, block_bytes = block_elems * sizeof(T);
+  auto kblock = [&](int64_t ib) { return kp + (kvh * num_blocks + table[ib]) * block_elems; };
+  auto vblock = [&](int64_t ib) { return vp + (kvh * num_blocks + table[ib]) * block_elems; };
+  for (int64_t ib = 0; ib < std::min(kAhead, nblk); ++ib) prefetch_block(kblock(ib), block_bytes);
+  for (int64_t ib = 0; ib < nblk; ++ib) {
+    if (ib + kAhead < nblk) prefetch_block(kblock(ib + kAhead), block_bytes);
+    else if (ib + kAhead - nblk < nblk) prefetch_block(vblock(ib + kAhead - nblk), block_bytes);
+    const T* kb = kblock(ib);
+    const int64_t n = std::min(block_size, ctx - ib * block_size);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = qs + g * D;
+      float* sg = scores.data() + g * ctx + ib * block_size;
+      for (int64_t j0 = 0; j0 < n; j0 += 8) {  // 8 rows' dot products, reduced together
+        const int64_t m = std::min<int64_t>(8, n - j0);
+        const T* kr[8];  // rows past the block's end repeat its last row; their sums are not stored
+        for (int64_t j = 0; j < 8; ++j) kr[j] = kb + (j0 + std::min(j, m - 1)) * D;
+        __m256 s[8];
+        const __m256 q0 = _mm256_loadu_ps(qg);
+        for (int j = 0; j < 8; ++j) s[j] = _mm256_mul_ps(q0, load8(kr[j]));
+        for (int64_t i = 1; i < V; ++i) {
+          const __m256 qi = _mm256_loadu_ps(qg + 8 * i);
+          for (int j = 0; j < 8; ++j) s[j] = _mm256_fmadd_ps(qi, load8(kr[j] + 8 * i), s[j]);
+        }
+        const __m256 r = hsum8(s);
+        if (m == 8) _mm256_storeu_ps(sg + j0, r);
+        else _mm256_maskstore_ps(sg + j0, first_lanes(m), r);
+      }
+    }
+  }
+  float inv_sum[kMaxGroup];
+  for (int64_t g = 0; g < group; ++g) softmax_avx2(scores.data() + g * ctx, ctx, inv_sum + g);
+  std::fill(acc_all, acc_all + group * D, 0.f);
+  for (int64_t ib = 0; ib < nblk; ++ib) {
+    if (ib + kAhead < nblk) prefetch_block(vblock(ib + kAhead), block_bytes);
+    const T* vb = vblock(ib);
+    const int64_t n = std::min(block_size, ctx - ib * block_size);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* sg = scores.data() + g * ctx + ib * block_size;
+      for (int64_t c = 0; c < D; c += 64) {  // 64 columns at a time: 8 accumulators
+        float* ag = acc_all + g * D + c;
+        __m256 acc[8];
+        for (int i = 0; i < 8; ++i) acc[i] = _mm256_loadu_ps(ag + 8 * i);
+        for (int64_t j = 0; j < n; ++j) {
+          const __m256 p = _mm256_set1_ps(sg[j]);
+          for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(p, load8(vb + j * D + c + 8 * i), acc[i]);
+        }
+        for (int i = 0; i < 8; ++i) _mm256_storeu_ps(ag + 8 * i, acc[i]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const __m256 inv = _mm256_set1_ps(inv_sum[g]);
+    for (int64_t i = 0; i < D; i += 8)
+      _mm256_storeu_ps(oh + g * D + i, _mm256_mul_ps(_mm256_loadu_ps(acc_all + g * D + i), inv));
+  }
+}
+#endif  // __AVX512F__ / AVX2
 
 // the work items of one call, split over torch's threads
 template <typename T>
@@ -253,6 +407,17 @@ void run(const float* qp, const T* kp, const T* vp, const int64_t* tables, const
       }
       if (head_dim == 128) {
         attend_avx512<T, 8>(qp + off, kp, vp, table, lens[b], kvh, num_blocks, block_size, group, scale, op + off,
+                            scores);
+        continue;
+      }
+#elif defined(JUSTAPI_SIMD_ATTENTION)
+      if (head_dim == 64) {
+        attend_avx2<T, 64>(qp + off, kp, vp, table, lens[b], kvh, num_blocks, block_size, group, scale, op + off,
+                           scores);
+        continue;
+      }
+      if (head_dim == 128) {
+        attend_avx2<T, 128>(qp + off, kp, vp, table, lens[b], kvh, num_blocks, block_size, group, scale, op + off,
                             scores);
         continue;
       }
