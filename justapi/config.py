@@ -68,7 +68,9 @@ class ModelConfig:
 
 # "auto": a file whose weights are all F32 runs in float32; otherwise weights stored as Q4_0/Q4_1 stay 4-bit and
 # run through torch's int4 CPU kernel with bfloat16 activations, and every other weight is bfloat16 (on CUDA,
-# where that kernel does not run, all weights are bfloat16).
+# where that kernel does not run, all weights are bfloat16). On a CPU where oneDNN has no bf16 matmul (AVX2 only,
+# as AMD Zen 2/3), the model computes in float32 instead: the 4-bit weights still serve small batches, larger ones
+# multiply an fp32 copy (quant.cpu_has_bf16_matmul).
 # "float32": every weight dequantized to fp32 — the exact path the equivalence tests use, and the one
 # --batch-invariant always takes.
 DTYPES = ("auto", "float32", "bfloat16", "float16")

@@ -68,21 +68,26 @@ def test_batch_invariance_takes_the_float32_path(tmp_path):
 
 
 def test_kv_cache_dtype_follows_the_compute_dtype_and_a_bf16_pool_holds_twice_the_blocks(tmp_path, monkeypatch):
-    """--kv-cache-dtype auto: bf16 when the model computes in bf16 (a 4-bit file under --dtype auto), fp32 on the
-    fp32 path; a pool sized from memory gets twice the blocks in bf16. An explicit float32 overrides auto."""
+    """--kv-cache-dtype auto: the model's compute dtype (bf16 for a 4-bit file under --dtype auto where the CPU
+    has a bf16 matmul, fp32 where it has not; fp32 on the fp32 path); a pool sized from memory gets twice the
+    blocks in bf16. An explicit float32 overrides auto."""
     from justapi.config import EngineConfig
     from justapi.engine import engine_core
+    from justapi.model.quant import cpu_has_bf16_matmul
     from tiny_gguf import write_tiny_model
 
     monkeypatch.setattr(engine_core, "available_memory_bytes", lambda: 64 << 20)
     path = write_tiny_model(str(tmp_path / "q4.gguf"), "llama", hidden=128, intermediate=256, qtype="Q4_1")
     auto = LLM(path, show_progress=False).engine
+    half = LLM(path, dtype="bfloat16", show_progress=False).engine
     exact = LLM(path, dtype="float32", show_progress=False).engine
-    wide = LLM(path, kv_cache_dtype="float32", show_progress=False).engine
-    assert auto.model.kv_dtype == torch.bfloat16 and auto.runner.kv_caches[0][1].dtype == torch.bfloat16
+    wide = LLM(path, dtype="bfloat16", kv_cache_dtype="float32", show_progress=False).engine
+    assert auto.model.dtype == (torch.bfloat16 if cpu_has_bf16_matmul() else torch.float32)
+    assert auto.model.kv_dtype == auto.model.dtype and auto.runner.kv_caches[0][1].dtype == auto.model.dtype
+    assert half.model.kv_dtype == torch.bfloat16 and half.runner.kv_caches[0][1].dtype == torch.bfloat16
     assert exact.model.kv_dtype == torch.float32 and exact.runner.kv_caches[0][0].dtype == torch.float32
     assert wide.model.dtype == torch.bfloat16 and wide.model.kv_dtype == torch.float32
-    assert auto.scheduler.pool.num_blocks == 2 * exact.scheduler.pool.num_blocks == 2 * wide.scheduler.pool.num_blocks
+    assert half.scheduler.pool.num_blocks == 2 * exact.scheduler.pool.num_blocks == 2 * wide.scheduler.pool.num_blocks
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     assert all(len(r.token_ids) == 12 for r in LLM(path, show_progress=False).generate([[5, 6, 7], [8] * 40], params))
     with pytest.raises(ValueError, match="--kv-cache-dtype must be one of"):

@@ -170,6 +170,33 @@ def test_q4_weights_stay_4bit_and_match_the_dequantized_weights(tmp_path, qtype)
     assert (a.exp() * (a - b)).sum(-1).max().item() < 0.01
 
 
+def test_without_a_bf16_matmul_auto_computes_in_fp32_and_batches_equal_the_float32_path(tmp_path, monkeypatch):
+    """On a CPU where oneDNN has no bf16 matmul (AVX2 only: quant.cpu_has_bf16_matmul, simulated here), --dtype auto
+    keeps Q4 weights 4-bit for batches under INT4_MAX_ROWS rows and computes in fp32 with an fp32 KV cache. Batches
+    of INT4_MAX_ROWS rows or more multiply the fp32 dequantization, as --dtype float32 does, so prefill chunks of
+    that size give bit-identical logits; smaller batches go through the int4 and int8 kernels and return fp32."""
+    from justapi import LLM
+    from justapi.model import quant
+
+    monkeypatch.setattr(quant, "cpu_has_bf16_matmul", lambda: False)
+    path = write_tiny_model(str(tmp_path / "q.gguf"), "llama", hidden=256, intermediate=256, num_heads=4,
+                            num_kv_heads=2, qtype="Q4_1", weight_scale=0.05)
+    auto = LLM(path, show_progress=False).engine.model
+    exact = LLM(path, dtype="float32", show_progress=False).engine.model
+    assert auto.dtype == torch.float32 and auto.kv_dtype == torch.float32
+    down, head = auto.layers[0].down, auto.lm_head
+    assert isinstance(down, quant.Int4Weight) and down.dense.dtype == torch.float32 and down.amx is None
+    assert isinstance(head, quant.Int8RowWeight) and head.dense.dtype == torch.float32 and head.amx is None
+    ids = [(5 * i + 2) % 200 + 3 for i in range(3 * quant.INT4_MAX_ROWS)]
+    assert torch.equal(paged_prefill_logits(auto, ids, 4, quant.INT4_MAX_ROWS),
+                       paged_prefill_logits(exact, ids, 4, quant.INT4_MAX_ROWS))
+    few = torch.randn(quant.INT4_MAX_ROWS - 1, 256)
+    assert down.matmul(few).dtype == torch.float32 and head.matmul(few).dtype == torch.float32
+    small = torch.log_softmax(paged_prefill_logits(auto, ids, 4, 1), -1)  # one row at a time: the 4-bit kernels
+    full = torch.log_softmax(paged_prefill_logits(exact, ids, 4, 1), -1)
+    assert (full.exp() * (full - small)).sum(-1).max().item() < 0.01
+
+
 def test_a_q8_0_token_embedding_also_loads_as_integers_and_scales_for_the_head(tmp_path):
     """With --dtype auto a Q8_0 head (here the tied token embedding) comes dense and, under its name +
     Q8_SUFFIX, as its Q8_0 integers and scales, which dequantize to exactly the dense weight."""
@@ -262,7 +289,7 @@ def test_smollm2_bfloat16_weights_stay_close_to_fp32(real_llm, real_model_path):
 @pytest.mark.real_model
 def test_smollm2_int4_weights_stay_close_to_fp32(real_llm, real_model_path):
     """--dtype auto (Q4_1 weights through the int4 kernel, bf16 activations, bf16 KV cache, prefill attention in
-    bf16) against the exact fp32 path.
+    bf16; on a CPU without a bf16 matmul, fp32 activations and KV cache) against the exact fp32 path.
 
     Stated tolerance: per-position KL below 0.03 nats (measured max 0.014; 0.007 with the prefill attention in
     fp32) with ≥ 90% argmax agreement (measured 0.97 and 1.0); greedy chat answers of 32 tokens share on average
@@ -271,12 +298,13 @@ def test_smollm2_int4_weights_stay_close_to_fp32(real_llm, real_model_path):
     near-ties, and then the two continuations are different texts).
     """
     from justapi import LLM
-    from justapi.model.quant import Int4Weight, Int8RowWeight
+    from justapi.model.quant import Int4Weight, Int8RowWeight, cpu_has_bf16_matmul
 
     q4 = LLM(real_model_path, pool_blocks=64, dtype="auto", show_progress=False)
     assert all(isinstance(layer.down, Int4Weight) for layer in q4.engine.model.layers)
     assert isinstance(q4.engine.model.lm_head, Int8RowWeight)
-    assert q4.engine.model.kv_dtype == torch.bfloat16 and q4.engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+    want = torch.bfloat16 if cpu_has_bf16_matmul() else torch.float32
+    assert q4.engine.model.kv_dtype == want and q4.engine.runner.kv_caches[0][0].dtype == want
     for text in ["The quick brown fox jumps over the lazy dog. " * 3, "def fibonacci(n):\n    if n < 2:\n"]:
         ids = real_llm.tokenizer.encode(text)
         exact = torch.log_softmax(paged_prefill_logits(real_llm.engine.model, ids, 16, 11), -1)
@@ -303,6 +331,8 @@ def test_smollm2_greedy_output_is_the_same_with_and_without_onednn_prepacked_wei
     from justapi import LLM
     from justapi.model import quant
 
+    if not quant.cpu_has_bf16_matmul():
+        pytest.skip("oneDNN has no bf16 matmul on this CPU: --dtype auto computes in fp32, nothing is prepacked")
     chats = [f"Question {i}: name {i + 2} animals that live in the sea, and say why." for i in range(8)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     packed = LLM(real_model_path, pool_blocks=128, dtype="auto", show_progress=False)
@@ -417,8 +447,10 @@ def test_smollm2_weights_and_kv_cache_on_huge_pages_keep_greedy_output(real_mode
 
 
 def test_prepacked_bf16_linear_matches_the_plain_product():
-    from justapi.model.quant import bf16_linear, prepack_bf16
+    from justapi.model.quant import bf16_linear, cpu_has_bf16_matmul, prepack_bf16
 
+    if not cpu_has_bf16_matmul():
+        pytest.skip("oneDNN has no bf16 matmul on this CPU: prepack_bf16 leaves weights as they are")
     g = torch.Generator().manual_seed(2)
     w = torch.randn(300, 160, generator=g).to(torch.bfloat16)
     packed = prepack_bf16(w)

@@ -39,10 +39,14 @@ def resolve_dtype(name: str, reader, gpu: bool) -> tuple[torch.dtype, bool]:
         return _DTYPES[name], False
     import gguf
 
+    from ..model.quant import cpu_has_bf16_matmul
+
     matrices = [t for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2]
     if all(t.tensor_type == gguf.GGMLQuantizationType.F32 for t in matrices):
         return torch.float32, False
-    return torch.bfloat16, not gpu
+    if gpu:
+        return torch.bfloat16, False
+    return (torch.bfloat16 if cpu_has_bf16_matmul() else torch.float32), True
 
 
 def resolve_kv_dtype(name: str, compute_dtype: torch.dtype) -> torch.dtype:

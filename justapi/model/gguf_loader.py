@@ -178,7 +178,8 @@ def load_tensors(
     """All tensors of the file in PyTorch's [out, in] layout, dequantized to ``dtype``.
 
     With ``keep_q4``, 2-D Q4_0/Q4_1 weights other than the token embedding (looked up, not multiplied) stay
-    4-bit, as Q4Unpacked, for the int4 kernel; and a Q8_0 LM head (``output.weight``, or the token embedding,
+    4-bit, as Q4Unpacked, for the int4 kernel (with ``dtype`` fp32, carrying their fp32 dequantization too, for the
+    dense copy that larger batches multiply); and a Q8_0 LM head (``output.weight``, or the token embedding,
     which a model without one uses as its head) comes both dequantized and, under its name + ``Q8_SUFFIX``, as
     Q8Unpacked, for the 8-bit AMX kernel. ``select(name)`` → None (the whole tensor) or a Selection: only
     those rows or columns are read from the file and dequantized (a tensor-parallel rank's shard, model.llama
@@ -199,6 +200,8 @@ def load_tensors(
         if (keep_q4 and left is None and t.tensor_type in q4_types and len(shape) == 2
                 and t.name != "token_embd.weight"):
             out[t.name] = unpack_q4(raw, t.tensor_type == gguf.GGMLQuantizationType.Q4_1, shape)
+            if dtype == torch.float32:
+                out[t.name].exact = torch.from_numpy(gguf.quants.dequantize(raw, t.tensor_type).reshape(shape))
             continue
         if (keep_q4 and left is None and t.tensor_type == gguf.GGMLQuantizationType.Q8_0 and len(shape) == 2
                 and t.name in ("output.weight", "token_embd.weight")):

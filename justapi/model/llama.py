@@ -71,7 +71,7 @@ class LlamaModel:
             """The weights ``names`` stacked along the output dimension: 4-bit if all are, else dense."""
             parts = [take(n) for n in names]
             if all(isinstance(p, Q4Unpacked) for p in parts):
-                return Int4Weight(cat_q4(parts), kernels)
+                return Int4Weight(cat_q4(parts), kernels, dense_dtype)
             dtype = next((p.dtype for p in parts if isinstance(p, torch.Tensor)), dense_dtype)
             dense = [p.dequantize().to(device, dtype) if isinstance(p, Q4Unpacked) else p for p in parts]
             return dense[0] if len(dense) == 1 else torch.cat(dense).contiguous()
@@ -104,8 +104,7 @@ class LlamaModel:
         q8_forms = {n: tensors.pop(n + Q8_SUFFIX, None) for n in ("output.weight", "token_embd.weight")}  # load_tensors
         head_q8 = q8_forms[head]
         self.lm_head = matrix("output.weight") if head == "output.weight" else self.embed
-        if isinstance(self.lm_head, torch.Tensor) and self.lm_head.dtype == torch.bfloat16 and any(
-                isinstance(layer.down, Int4Weight) for layer in self.layers):
+        if isinstance(self.lm_head, torch.Tensor) and any(isinstance(layer.down, Int4Weight) for layer in self.layers):
             # a 4-bit model's dense head: int8 rows for small batches, the Q8_0 weight on AMX for larger ones
             self.lm_head = Int8RowWeight(self.lm_head, head_q8, kernels)
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.context_length, config.rope_style, device)
