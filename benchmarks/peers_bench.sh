@@ -12,8 +12,9 @@ source "$STEER/env.sh"
 PORT_JUSTAPI=${PORT_JUSTAPI:-8010}
 OUT=$ROOT/bench_results
 mkdir -p "$OUT" "$PEERS/run" "$PEERS/logs"
-# llama.cpp's ggml AMX kernels crash on this machine's CPU (general protection fault); --no-repack avoids them.
-export LLAMA_EXTRA=${LLAMA_EXTRA:---no-repack}
+# llama.cpp's ggml AMX kernels crashed on the AMX machines (general protection fault); --no-repack avoids them.
+# Without AMX (AVX2 or AVX-512 only) llama-server keeps its default repacking.
+if grep -q -m1 amx_tile /proc/cpuinfo; then export LLAMA_EXTRA=${LLAMA_EXTRA---no-repack}; fi
 J=$ROOT/.venv/bin/justapi
 up() { curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$1/v1/models" 2>/dev/null | grep -q 200; }
 
