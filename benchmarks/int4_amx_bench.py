@@ -95,26 +95,26 @@ def time_head(kernels, reps: int) -> None:
     import gguf
 
     from justapi.model.gguf_loader import default_model_path
-    from justapi.model.quant import prepack_bf16, unpack_q8_0
+    from justapi.model.quant import prepack_linear, unpack_q8_0
 
     t = next(t for t in gguf.GGUFReader(default_model_path()).tensors if t.name == "token_embd.weight")
     if t.tensor_type != gguf.GGMLQuantizationType.Q8_0:
         raise SystemExit(f"the token embedding is {t.tensor_type.name}, not Q8_0")
     q8 = unpack_q8_0(t.data, tuple(int(d) for d in reversed(t.shape)))
     n = q8.q.shape[0]
-    dense, packed = prepack_bf16(q8.dequantize().to(torch.bfloat16)), kernels.q8_amx_pack(q8.q, q8.scale)
+    dense, packed = prepack_linear(q8.dequantize().to(torch.bfloat16)), kernels.q8_amx_pack(q8.q, q8.scale)
     flush = torch.ones(64 << 20)  # 256 MB
     g = torch.Generator().manual_seed(0)
     print("rows  bf16 copy (oneDNN)  8-bit AMX  ratio")
     for rows in (6, 8, 16, 28, 32, 64, 128, 345):
         x = torch.randn(rows, q8.q.shape[1], generator=g).to(torch.bfloat16)
-        assert rows > 32 or torch.equal(kernels.q8_amx_matmul(x, packed, n), quant.bf16_linear(x, dense))
+        assert rows > 32 or torch.equal(kernels.q8_amx_matmul(x, packed, n), quant.packed_linear(x, dense))
         best = {"bf16": 1e9, "amx": 1e9}
         for rep in range(reps):
             for name in ("bf16", "amx")[:: 1 if rep % 2 else -1]:
                 flush.sum()
                 t0 = time.perf_counter()
-                kernels.q8_amx_matmul(x, packed, n) if name == "amx" else quant.bf16_linear(x, dense)
+                kernels.q8_amx_matmul(x, packed, n) if name == "amx" else quant.packed_linear(x, dense)
                 best[name] = min(best[name], time.perf_counter() - t0)
         old, new = best["bf16"], best["amx"]
         print(f"{rows:4d}  {old * 1e3:15.2f} ms  {new * 1e3:6.2f} ms  {new / old:.2f}")

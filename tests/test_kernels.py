@@ -68,7 +68,7 @@ def test_int4_amx_matmul_equals_the_bf16_product_of_the_same_weights(cpp_kernels
     dequantized copy (oneDNN, the path batches take without the kernel). Row counts cross the 16-row tiles, the
     64-row passes of one block and the 32-row passes over pairs of blocks (6 blocks on 2 threads: a pair and a
     lone block each)."""
-    from justapi.model.quant import AMX_MAX_ROWS, INT4_MAX_ROWS, Int4Weight, Q4Unpacked, bf16_linear
+    from justapi.model.quant import AMX_MAX_ROWS, INT4_MAX_ROWS, Int4Weight, Q4Unpacked, packed_linear
 
     if not cpp_kernels.int4_amx_available():
         pytest.skip("this CPU (or this build) has no AMX")
@@ -84,7 +84,7 @@ def test_int4_amx_matmul_equals_the_bf16_product_of_the_same_weights(cpp_kernels
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     exact = x.double() @ dense.double().T
     assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-4).all()  # one bf16 rounding of the sum
-    assert torch.equal(got, bf16_linear(x, dense))  # at this width oneDNN sums in the same order, at every size
+    assert torch.equal(got, packed_linear(x, dense))  # at this width oneDNN sums in the same order, at every size
     weight = Int4Weight(w, cpp_kernels)
     assert weight.amx is not None
     if INT4_MAX_ROWS <= rows <= AMX_MAX_ROWS:
@@ -97,7 +97,7 @@ def test_int4_amx_matmul_on_smollm2_widths_rounds_once_and_matches_onednn_at_dec
     """On SmolLM2's widths (576 and 1536 inputs) oneDNN splits its fp32 sums from 48 rows on, so there the two
     products may differ in the last bit of a few elements; both stay within one bf16 rounding of the exact product.
     At 8 rows (batched decode) they are bit-identical."""
-    from justapi.model.quant import Q4Unpacked, bf16_linear, prepack_bf16
+    from justapi.model.quant import Q4Unpacked, packed_linear, prepack_linear
 
     if not cpp_kernels.int4_amx_available():
         pytest.skip("this CPU (or this build) has no AMX")
@@ -114,7 +114,7 @@ def test_int4_amx_matmul_on_smollm2_widths_rounds_once_and_matches_onednn_at_dec
             exact = x.double() @ dense.double().T
             assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-4).all()
             if rows == 8:
-                assert torch.equal(got, bf16_linear(x, prepack_bf16(dense)))
+                assert torch.equal(got, packed_linear(x, prepack_linear(dense)))
 
 
 @pytest.mark.parametrize("n, k", [(96, 160), (96, 576)])
@@ -123,7 +123,7 @@ def test_q8_amx_matmul_expands_q8_0_exactly_and_rounds_once(cpp_kernels, n, k):
     weight rounded to bf16, products summed in fp32, the result rounded once. At 576 inputs (SmolLM2's head)
     bit-identical to oneDNN's product of the bf16 copy up to 32 rows; within one bf16 rounding of the exact
     product at every size (passes of one block up to 64 rows, pairs of blocks above)."""
-    from justapi.model.quant import Int8RowWeight, Q8Unpacked, bf16_linear, prepack_bf16
+    from justapi.model.quant import Int8RowWeight, Q8Unpacked, packed_linear, prepack_linear
 
     if not cpp_kernels.int4_amx_available():
         pytest.skip("this CPU (or this build) has no AMX")
@@ -140,7 +140,7 @@ def test_q8_amx_matmul_expands_q8_0_exactly_and_rounds_once(cpp_kernels, n, k):
         exact = x.double() @ dense.double().T
         assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-4).all()
         if rows <= 32:
-            assert torch.equal(got, bf16_linear(x, prepack_bf16(dense)))
+            assert torch.equal(got, packed_linear(x, prepack_linear(dense)))
     head = Int8RowWeight(w.dequantize(), w, cpp_kernels)  # the LM head: the 8-bit kernel for 6-64 rows
     assert head.amx is not None
     x = torch.randn(8, k, generator=g).to(torch.bfloat16)

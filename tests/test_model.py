@@ -173,8 +173,9 @@ def test_q4_weights_stay_4bit_and_match_the_dequantized_weights(tmp_path, qtype)
 def test_without_a_bf16_matmul_auto_computes_in_fp32_and_batches_equal_the_float32_path(tmp_path, monkeypatch):
     """On a CPU where oneDNN has no bf16 matmul (AVX2 only: quant.cpu_has_bf16_matmul, simulated here), --dtype auto
     keeps Q4 weights 4-bit for batches under INT4_MAX_ROWS rows and computes in fp32 with an fp32 KV cache. Batches
-    of INT4_MAX_ROWS rows or more multiply the fp32 dequantization, as --dtype float32 does, so prefill chunks of
-    that size give bit-identical logits; smaller batches go through the int4 and int8 kernels and return fp32."""
+    of INT4_MAX_ROWS rows or more multiply the weights of --dtype float32, prepacked for oneDNN: prefill chunks of
+    that size give the float32 path's logits up to the order of the sums, and without prepacking (through the same
+    F.linear) bit-identical ones. Smaller batches go through the int4 and int8 kernels and return fp32."""
     from justapi import LLM
     from justapi.model import quant
 
@@ -187,9 +188,14 @@ def test_without_a_bf16_matmul_auto_computes_in_fp32_and_batches_equal_the_float
     down, head = auto.layers[0].down, auto.lm_head
     assert isinstance(down, quant.Int4Weight) and down.dense.dtype == torch.float32 and down.amx is None
     assert isinstance(head, quant.Int8RowWeight) and head.dense.dtype == torch.float32 and head.amx is None
+    assert down.dense.is_mkldnn == head.dense.is_mkldnn == torch.backends.mkldnn.is_available()
     ids = [(5 * i + 2) % 200 + 3 for i in range(3 * quant.INT4_MAX_ROWS)]
-    assert torch.equal(paged_prefill_logits(auto, ids, 4, quant.INT4_MAX_ROWS),
-                       paged_prefill_logits(exact, ids, 4, quant.INT4_MAX_ROWS))
+    want = paged_prefill_logits(exact, ids, 4, quant.INT4_MAX_ROWS)
+    torch.testing.assert_close(paged_prefill_logits(auto, ids, 4, quant.INT4_MAX_ROWS), want, atol=1e-4, rtol=1e-5)
+    monkeypatch.setattr(quant, "ONEDNN_PREPACK", False)
+    plain = LLM(path, show_progress=False).engine.model
+    assert not plain.layers[0].down.dense.is_mkldnn
+    assert torch.equal(paged_prefill_logits(plain, ids, 4, quant.INT4_MAX_ROWS), want)
     few = torch.randn(quant.INT4_MAX_ROWS - 1, 256)
     assert down.matmul(few).dtype == torch.float32 and head.matmul(few).dtype == torch.float32
     small = torch.log_softmax(paged_prefill_logits(auto, ids, 4, 1), -1)  # one row at a time: the 4-bit kernels
@@ -326,13 +332,12 @@ def test_smollm2_int4_weights_stay_close_to_fp32(real_llm, real_model_path):
 
 @pytest.mark.real_model
 def test_smollm2_greedy_output_is_the_same_with_and_without_onednn_prepacked_weights(real_model_path, monkeypatch):
-    """The bf16 weights of --dtype auto are reordered once into oneDNN's layout (quant.prepack_bf16); batches of 6+
-    rows (a batch of 8, and the prompts' prefill) then multiply the prepacked copy. Greedy text must not change."""
+    """The dense weights of --dtype auto (bf16, or fp32 where the CPU has no bf16 matmul) are reordered once into
+    oneDNN's layout (quant.prepack_linear); batches of 6+ rows (a batch of 8, and the prompts' prefill) then
+    multiply the prepacked copy. Greedy text must not change."""
     from justapi import LLM
     from justapi.model import quant
 
-    if not quant.cpu_has_bf16_matmul():
-        pytest.skip("oneDNN has no bf16 matmul on this CPU: --dtype auto computes in fp32, nothing is prepacked")
     chats = [f"Question {i}: name {i + 2} animals that live in the sea, and say why." for i in range(8)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     packed = LLM(real_model_path, pool_blocks=128, dtype="auto", show_progress=False)
@@ -365,11 +370,11 @@ def test_smollm2_greedy_output_is_the_same_with_and_without_the_int4_amx_kernel_
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     amx = [r.token_ids for r in llm.generate(chats, params)]
     matmul = quant.Int4Weight.matmul
-    small_on_onednn = lambda self, x: (quant.bf16_linear(x.to(torch.bfloat16), self.dense)  # noqa: E731
+    small_on_onednn = lambda self, x: (quant.packed_linear(x.to(torch.bfloat16), self.dense)  # noqa: E731
                                        if quant.INT4_MAX_ROWS <= x.shape[0] <= 8 else matmul(self, x))
     monkeypatch.setattr(quant.Int4Weight, "matmul", small_on_onednn)
     head_matmul = quant.Int8RowWeight.matmul
-    head_on_onednn = lambda self, x: (quant.bf16_linear(x.to(torch.bfloat16), self.dense)  # noqa: E731
+    head_on_onednn = lambda self, x: (quant.packed_linear(x.to(torch.bfloat16), self.dense)  # noqa: E731
                                       if quant.INT4_MAX_ROWS <= x.shape[0] <= 8 else head_matmul(self, x))
     monkeypatch.setattr(quant.Int8RowWeight, "matmul", head_on_onednn)
     assert [r.token_ids for r in llm.generate(chats, params)] == amx
@@ -446,21 +451,24 @@ def test_smollm2_weights_and_kv_cache_on_huge_pages_keep_greedy_output(real_mode
     assert [r.token_ids for r in huge.generate(chats, params)] == [r.token_ids for r in plain.generate(chats, params)]
 
 
-def test_prepacked_bf16_linear_matches_the_plain_product():
-    from justapi.model.quant import bf16_linear, cpu_has_bf16_matmul, prepack_bf16
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prepacked_linear_matches_the_plain_product(dtype):
+    from justapi.model.quant import cpu_has_bf16_matmul, packed_linear, prepack_linear
 
-    if not cpu_has_bf16_matmul():
-        pytest.skip("oneDNN has no bf16 matmul on this CPU: prepack_bf16 leaves weights as they are")
     g = torch.Generator().manual_seed(2)
-    w = torch.randn(300, 160, generator=g).to(torch.bfloat16)
-    packed = prepack_bf16(w)
+    w = torch.randn(300, 160, generator=g).to(dtype)
+    packed = prepack_linear(w)
+    if dtype == torch.bfloat16 and not cpu_has_bf16_matmul():
+        assert packed is w  # an emulated bf16 product gains nothing from a layout
+        return
     assert packed.is_mkldnn and torch.equal(packed.to_dense(), w)
     for rows in (1, 6, 33, 512):
-        x = torch.randn(rows, 160, generator=g).to(torch.bfloat16)
+        x = torch.randn(rows, 160, generator=g).to(dtype)
         want = x.float() @ w.float().T
-        got = bf16_linear(x, packed)
-        assert got.dtype == torch.bfloat16 and got.shape == (rows, 300)
-        assert torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2)  # one bf16 rounding of an fp32 sum
+        got = packed_linear(x, packed)
+        assert got.dtype == dtype and got.shape == (rows, 300)
+        tol = 1e-2 if dtype == torch.bfloat16 else 1e-4  # one bf16 rounding of an fp32 sum; fp32 sums' order
+        assert torch.allclose(got.float(), want, rtol=tol, atol=tol)
 
 
 def test_int8_row_weights_are_within_half_a_step_and_match_their_own_dequantization():

@@ -99,7 +99,10 @@ INT4_MAX_ROWS = 6
 # A plain bf16 ``F.linear`` on CPU goes through oneDNN, which reorders the weight into its blocked (AMX/AVX-512)
 # layout on every call; at decode sizes that reorder costs as much as the product. The weight is reordered once at
 # load instead, as torch's own inductor does when it freezes a model (``mkldnn._reorder_linear_weight``), and
-# multiplied with ``mkldnn._linear_pointwise``. Tests turn this off to check that greedy output is unchanged.
+# multiplied with ``mkldnn._linear_pointwise``. An fp32 ``F.linear`` goes through MKL instead, which on AMD's Zen 3
+# takes 1.5-2.8x oneDNN's time with a prepacked weight at 8-28 rows (SmolLM2's head at 28 rows: 30.2 against
+# 14.6 ms; 1.0-1.25x at 128-512 rows), so the fp32 copies of a 4-bit model are prepacked too. (--dtype float32's
+# weights are not: that exact path keeps F.linear.) Tests turn this off to check that greedy output is unchanged.
 ONEDNN_PREPACK = True
 PREPACK_ROWS_HINT = 32  # the batch size oneDNN picks the layout for; any number of rows works with it
 
@@ -114,16 +117,18 @@ def cpu_has_bf16_matmul() -> bool:
         return False
 
 
-def prepack_bf16(w: torch.Tensor) -> torch.Tensor:
-    """A CPU bf16 [out, in] weight in oneDNN's blocked layout (an opaque mkldnn tensor), or ``w`` itself where
-    prepacking is off or unavailable; ``bf16_linear`` multiplies either."""
-    if not ONEDNN_PREPACK or w.device.type != "cpu" or w.dtype != torch.bfloat16 or not cpu_has_bf16_matmul():
+def prepack_linear(w: torch.Tensor) -> torch.Tensor:
+    """A CPU bf16 or fp32 [out, in] weight in oneDNN's blocked layout (an opaque mkldnn tensor), or ``w`` itself
+    where prepacking is off or unavailable (bf16 without a bf16 matmul); ``packed_linear`` multiplies either."""
+    if not ONEDNN_PREPACK or w.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return w
+    if w.dtype != torch.float32 and (w.dtype != torch.bfloat16 or not cpu_has_bf16_matmul()):
         return w
     return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PREPACK_ROWS_HINT)
 
 
-def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T`` for a bf16 ``x`` [rows, in] and a weight from ``prepack_bf16``."""
+def packed_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` for ``x`` [rows, in] of the weight's dtype and a weight from ``prepack_linear``."""
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
     return torch.nn.functional.linear(x, w)
@@ -155,10 +160,10 @@ class Int4Weight:
         self.packed = torch._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32).contiguous(), 1)
         # [in / 32, out, 2]: the layout the kernel reads
         self.scales_zeros = torch.stack([w.scale.t(), w.zero.t()], dim=-1).to(torch.bfloat16).contiguous()
-        # INT4_MAX_ROWS rows or more, without AMX: in fp32 the file's exact values where the loader kept them (so
-        # such batches compute as --dtype float32 does), else the kernel's values (bf16 scales and zeros)
+        # INT4_MAX_ROWS rows or more, without AMX: in fp32 the file's exact values where the loader kept them (the
+        # weights of --dtype float32), else the kernel's values (bf16 scales and zeros)
         dense = w.exact if dtype == torch.float32 and w.exact is not None else w.dequantize()
-        self.dense = prepack_bf16(dense.to(dtype))
+        self.dense = prepack_linear(dense.to(dtype))
         self.kernels = self.amx = None
         if (dtype == torch.bfloat16 and kernels is not None and kernels.int4_amx_available() and self.out_features % 16 == 0
                 and self.in_features % GROUP_SIZE == 0):
@@ -180,7 +185,7 @@ class Int4Weight:
         x = x if x.dtype == self.dtype else x.to(self.dtype)  # no call per projection when it is
         if self.amx is not None and rows <= AMX_MAX_ROWS:
             return self.kernels.int4_amx_matmul(x, self.amx, self.out_features)
-        return bf16_linear(x, self.dense) if self.dtype == torch.bfloat16 else torch.nn.functional.linear(x, self.dense)
+        return packed_linear(x, self.dense)
 
 
 # The 8-bit head on AMX only up to this many rows (one pass over each block of outputs): measured on SmolLM2's head
@@ -210,7 +215,7 @@ class Int8RowWeight:
                 and dense.shape[0] % 16 == 0 and dense.shape[1] % GROUP_SIZE == 0):
             self.kernels = kernels
             self.amx = kernels.q8_amx_pack(q8.q, q8.scale)
-        self.dense = prepack_bf16(dense)
+        self.dense = prepack_linear(dense)
         self.shape = tuple(dense.shape)
         w = dense.float()
         scale = (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.bfloat16).tiny)
@@ -229,4 +234,4 @@ class Int8RowWeight:
         x = x if x.dtype == self.dtype else x.to(self.dtype)
         if self.amx is not None and rows <= min(AMX_MAX_ROWS, Q8_AMX_MAX_ROWS):
             return self.kernels.q8_amx_matmul(x, self.amx, self.shape[0])
-        return bf16_linear(x, self.dense) if self.dtype == torch.bfloat16 else torch.nn.functional.linear(x, self.dense)
+        return packed_linear(x, self.dense)
