@@ -149,6 +149,45 @@ def test_q8_amx_matmul_expands_q8_0_exactly_and_rounds_once(cpp_kernels, n, k):
         cpp_kernels.q8_amx_matmul(x[:, :128].contiguous(), packed, n)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_q_gemv_equals_the_dequantized_product_in_fp32(cpp_kernels, bits):
+    """A few fp32 rows times a 4-bit (integers, a scale and a zero per 32, as Q4_0/Q4_1 unpack) or 8-bit (Q8_0)
+    weight on AVX2: within fp32 rounding of the exact product of the dequantized weight, for 1 to 8 rows. The
+    fp32 Int4Weight / Int8RowWeight of a model on a CPU without a bf16 matmul give the same numbers under
+    INT4_MAX_ROWS rows. Shapes that do not fit are refused."""
+    from justapi.model.quant import INT4_MAX_ROWS, Int4Weight, Int8RowWeight, Q4Unpacked, Q8Unpacked
+
+    if not cpp_kernels.q_gemv_available():
+        pytest.skip("the C++ kernels were built without AVX2 and FMA")
+    g = torch.Generator().manual_seed(13)
+    n, k = 84, 96  # 3 groups a row; 84 outputs: the threads' shares end mid-way through 16s
+    scale = torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3
+    if bits == 4:
+        q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+        zero = torch.randn(n, k // 32, generator=g) * 0.05
+        dense = (q.float() - 8) * scale.repeat_interleave(32, 1) + zero.repeat_interleave(32, 1)
+        weight = Int4Weight(Q4Unpacked(q, scale, zero, dense), cpp_kernels, torch.float32)
+        args = (weight.nibbles, weight.scale, weight.offset, 4)
+    else:
+        q8 = Q8Unpacked(torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g), scale)
+        dense = q8.dequantize()
+        weight = Int8RowWeight(dense, q8, cpp_kernels)
+        args = (weight.q8, weight.q8_scale, None, 8)
+    for rows in range(1, 9):
+        x = torch.randn(rows, k, generator=g)
+        got = cpp_kernels.q_gemv(x, *args)
+        assert got.dtype == torch.float32 and got.shape == (rows, n)
+        exact = x.double() @ dense.double().T
+        magnitude = x.abs().double() @ dense.abs().double().T
+        assert ((got.double() - exact).abs() <= magnitude * 1e-5 + 1e-6).all()
+        if rows < INT4_MAX_ROWS:
+            assert torch.equal(weight.matmul(x), got)
+    with pytest.raises(RuntimeError, match="do not match"):
+        cpp_kernels.q_gemv(x[:, :64].contiguous(), *args)
+    with pytest.raises(RuntimeError, match="1 to 8"):
+        cpp_kernels.q_gemv(torch.randn(9, k), *args)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul_is_bit_identical_to_torchs_silu_times_up(cpp_kernels, dtype):
     """The fused gate/up activation computes what F.silu(gate) * up computes, op for op (torch's own vectorised

@@ -442,7 +442,9 @@ def test_smollm2_weights_and_kv_cache_on_huge_pages_keep_greedy_output(real_mode
     if hugepages.available():
         model, k_cache = huge.engine.model, huge.engine.runner.kv_caches[0][0]
         assert model.huge_pages and "hg" in _vm_flags(k_cache.data_ptr())
-        assert "hg" in _vm_flags(model.layers[0].down.packed.data_ptr()) and "hg" in _vm_flags(model.embed.data_ptr())
+        down = model.layers[0].down
+        four_bit = down.packed if down.nibbles is None else down.nibbles  # torch's int4 layout, or q_gemv's
+        assert "hg" in _vm_flags(four_bit.data_ptr()) and "hg" in _vm_flags(model.embed.data_ptr())
     plain = LLM(real_model_path, pool_blocks=128, dtype="auto", huge_pages=False, show_progress=False)
     # not carved out of an arena (its own storage); its pages' flags are not checked: the heap may hand it memory
     # that an earlier arena of this process advised

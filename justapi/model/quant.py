@@ -149,7 +149,8 @@ class Int4Weight:
     """A packed [out, in] 4-bit weight and its dequantization in ``dtype``; ``matmul(x)`` is ``x @ w.T``.
 
     Up to INT4_MAX_ROWS rows (single-stream and small-batch decode, where reading the weight is the cost) run
-    through torch's int4 kernel (bf16 rows); larger batches (batched decode, prefill chunks) through the engine's AMX
+    through torch's int4 kernel (bf16 rows), or in fp32 on AVX2 through the engine's q_gemv (kernels/q_gemv.cpp:
+    where the CPU has no bf16 matmul, so the model computes in fp32); larger batches (batched decode, prefill chunks) through the engine's AMX
     kernel where ``kernels`` has it, and otherwise through a matmul of the dense copy (bf16 through oneDNN,
     prepacked; fp32 where the CPU has no bf16 kernel, see cpu_has_bf16_matmul). All use the same weight values.
     """
@@ -157,14 +158,21 @@ class Int4Weight:
     def __init__(self, w: Q4Unpacked, kernels=None, dtype: torch.dtype = torch.bfloat16) -> None:
         self.out_features, self.in_features = w.shape
         self.dtype = dtype  # of the products; the model's compute dtype
-        self.packed = torch._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32).contiguous(), 1)
-        # [in / 32, out, 2]: the layout the kernel reads
-        self.scales_zeros = torch.stack([w.scale.t(), w.zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+        self.kernels = self.amx = self.nibbles = None
+        if (dtype == torch.float32 and kernels is not None and kernels.q_gemv_available()
+                and self.in_features % GROUP_SIZE == 0):
+            # fp32 rows under INT4_MAX_ROWS on AVX2 (kernels/q_gemv.cpp): GGUF's nibble order, w = q * scale + offset
+            self.kernels = kernels
+            halves = w.q.view(self.out_features, -1, 2, GROUP_SIZE // 2)  # per group: weights 0-15, 16-31
+            self.nibbles = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(self.out_features, -1).contiguous()
+            self.scale, self.offset = w.scale.contiguous(), (w.zero - 8 * w.scale).contiguous()
+        else:  # torch's int4 kernel, [in / 32, out, 2] scales and zeros: the layout it reads
+            self.packed = torch._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32).contiguous(), 1)
+            self.scales_zeros = torch.stack([w.scale.t(), w.zero.t()], dim=-1).to(torch.bfloat16).contiguous()
         # INT4_MAX_ROWS rows or more, without AMX: in fp32 the file's exact values where the loader kept them (the
         # weights of --dtype float32), else the kernel's values (bf16 scales and zeros)
         dense = w.exact if dtype == torch.float32 and w.exact is not None else w.dequantize()
         self.dense = prepack_linear(dense.to(dtype))
-        self.kernels = self.amx = None
         if (dtype == torch.bfloat16 and kernels is not None and kernels.int4_amx_available() and self.out_features % 16 == 0
                 and self.in_features % GROUP_SIZE == 0):
             self.kernels = kernels
@@ -178,6 +186,9 @@ class Int4Weight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [rows, in] (any float dtype) → [rows, out] in ``self.dtype``."""
         rows = x.shape[0]
+        if rows < INT4_MAX_ROWS and self.nibbles is not None:
+            return self.kernels.q_gemv(x if x.dtype == torch.float32 else x.float(), self.nibbles, self.scale,
+                                       self.offset, 4)
         if rows < INT4_MAX_ROWS:
             xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)  # the kernel is fast with bf16 rows only
             y = torch._weight_int4pack_mm_for_cpu(xb, self.packed, GROUP_SIZE, self.scales_zeros)
@@ -205,11 +216,13 @@ class Int8RowWeight:
     slower from 8 rows); larger batches multiply the exact dense weight: given the GGUF's Q8_0 integers and scales
     (``q8``) and AMX in ``kernels``, on AMX tiles from the 8-bit weight (int4_matmul.cpp's Q8Unit: the dense bf16
     values, expanded in L1, 32 MB read a step instead of 56 MB; bit-identical to oneDNN's product up to 32 rows
-    on SmolLM2's width, like the 4-bit kernel), else through oneDNN.
+    on SmolLM2's width, like the 4-bit kernel), else through oneDNN. In fp32 on AVX2 (a CPU without a bf16 matmul),
+    batches under INT4_MAX_ROWS rows multiply the Q8_0 weight itself in fp32 (kernels/q_gemv.cpp) instead of int8
+    rows, which are then not made.
     """
 
     def __init__(self, dense: torch.Tensor, q8: Q8Unpacked | None = None, kernels=None) -> None:
-        self.kernels = self.amx = None
+        self.kernels = self.amx = self.q8 = None
         self.dtype = dense.dtype  # of the products: the model's compute dtype, bf16 or (no bf16 kernel) fp32
         if (self.dtype == torch.bfloat16 and q8 is not None and kernels is not None and kernels.int4_amx_available()
                 and dense.shape[0] % 16 == 0 and dense.shape[1] % GROUP_SIZE == 0):
@@ -217,6 +230,12 @@ class Int8RowWeight:
             self.amx = kernels.q8_amx_pack(q8.q, q8.scale)
         self.dense = prepack_linear(dense)
         self.shape = tuple(dense.shape)
+        if (self.dtype == torch.float32 and q8 is not None and kernels is not None and kernels.q_gemv_available()
+                and dense.shape[1] % GROUP_SIZE == 0):
+            # fp32 rows under INT4_MAX_ROWS on AVX2 (kernels/q_gemv.cpp), from the Q8_0 weight itself: no int8 rows
+            self.kernels = kernels
+            self.q8, self.q8_scale = q8.q.view(torch.uint8), q8.scale.contiguous()
+            return
         w = dense.float()
         scale = (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.bfloat16).tiny)
         up = scale.to(torch.bfloat16)
@@ -227,6 +246,8 @@ class Int8RowWeight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [rows, in] (any float dtype) → [rows, out] in ``self.dtype``."""
         rows = x.shape[0]
+        if rows < INT4_MAX_ROWS and self.q8 is not None:
+            return self.kernels.q_gemv(x if x.dtype == torch.float32 else x.float(), self.q8, self.q8_scale, None, 8)
         if rows < INT4_MAX_ROWS:
             xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)  # fp32 rows take 8-25x as long
             y = torch._weight_int8pack_mm(xb, self.q, self.scale)
