@@ -175,7 +175,8 @@ def test_without_a_bf16_matmul_auto_computes_in_fp32_and_batches_equal_the_float
     keeps Q4 weights 4-bit for batches under INT4_MAX_ROWS rows and computes in fp32 with an fp32 KV cache. Batches
     of INT4_MAX_ROWS rows or more multiply the weights of --dtype float32, prepacked for oneDNN: prefill chunks of
     that size give the float32 path's logits up to the order of the sums, and without prepacking (through the same
-    F.linear) bit-identical ones. Smaller batches go through the int4 and int8 kernels and return fp32."""
+    F.linear) bit-identical ones. Smaller batches multiply the 4- and 8-bit weights as stored, in fp32 (q_gemv on
+    AVX2; torch's int4 and int8 kernels otherwise), within a small KL of the float32 path."""
     from justapi import LLM
     from justapi.model import quant
 

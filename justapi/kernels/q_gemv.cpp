@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 
 #include <cstdint>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define JUSTAPI_Q_GEMV 1
@@ -139,16 +140,20 @@ torch::Tensor q_gemv(torch::Tensor x, torch::Tensor wq, torch::Tensor scale, c10
   x = x.contiguous();
   wq = wq.contiguous();
   scale = scale.contiguous();
-  torch::Tensor off, xsum;
+  torch::Tensor off;
+  std::vector<float> xsum;  // each row's sum over each group, for the 4-bit offsets
   if (offset.has_value()) {
     off = offset->contiguous();
     TORCH_CHECK(off.scalar_type() == torch::kFloat32 && off.sizes() == scale.sizes(), "q_gemv: offset like scale");
-    xsum = x.view({rows, groups, kGroup}).sum(-1).contiguous();
+    const float* xp = x.data_ptr<float>();
+    xsum.assign(rows * groups, 0.f);
+    for (int64_t i = 0; i < rows * groups; ++i)
+      for (int64_t k = 0; k < kGroup; ++k) xsum[i] += xp[i * kGroup + k];
   }
   auto y = torch::empty({rows, out}, x.options());
 #if defined(JUSTAPI_Q_GEMV)
   const float* op = offset.has_value() ? off.data_ptr<float>() : nullptr;
-  const float* xs = offset.has_value() ? xsum.data_ptr<float>() : nullptr;
+  const float* xs = offset.has_value() ? xsum.data() : nullptr;
   if (bits == 4)
     gemv_rows<Q4Group>(rows, x.data_ptr<float>(), in, wq.data_ptr<uint8_t>(), scale.data_ptr<float>(), op, xs, out,
                        y.data_ptr<float>());
