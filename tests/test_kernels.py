@@ -88,7 +88,7 @@ def test_int4_amx_matmul_equals_the_bf16_product_of_the_same_weights(cpp_kernels
     weight = Int4Weight(w, cpp_kernels)
     assert weight.amx is not None
     if INT4_MAX_ROWS <= rows <= AMX_MAX_ROWS:
-        assert torch.equal(weight.matmul(x), got)
+        assert torch.equal(weight.matmul(x), got) and rows <= Q_MATMUL_MAX_ROWS
     with pytest.raises(RuntimeError, match="does not match"):
         cpp_kernels.int4_amx_matmul(x[:, :128].contiguous(), weight.amx, n)
 
@@ -149,43 +149,65 @@ def test_q8_amx_matmul_expands_q8_0_exactly_and_rounds_once(cpp_kernels, n, k):
         cpp_kernels.q8_amx_matmul(x[:, :128].contiguous(), packed, n)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_q_gemv_equals_the_dequantized_product_in_fp32(cpp_kernels, bits):
-    """A few fp32 rows times a 4-bit (integers, a scale and a zero per 32, as Q4_0/Q4_1 unpack) or 8-bit (Q8_0)
-    weight on AVX2: within fp32 rounding of the exact product of the dequantized weight, for 1 to 8 rows. The
-    fp32 Int4Weight / Int8RowWeight of a model on a CPU without a bf16 matmul give the same numbers under
-    INT4_MAX_ROWS rows. Shapes that do not fit are refused."""
-    from justapi.model.quant import INT4_MAX_ROWS, Int4Weight, Int8RowWeight, Q4Unpacked, Q8Unpacked
+def _rows_to_16_bits(x: torch.Tensor) -> torch.Tensor:
+    """q_matmul's rounding of fp32 rows: per group of 32, round(x * 32767 / amax) * (amax / 32767), ties to even."""
+    groups = x.view(x.shape[0], -1, 32)
+    amax = groups.abs().amax(-1, keepdim=True)
+    # a tensor divided by a tensor: ``32767.0 / amax`` would multiply by amax's reciprocal, rounded twice
+    inv = torch.where(amax > 0, torch.full_like(amax, 32767.0) / amax, torch.zeros_like(amax))
+    return (torch.round(groups * inv) * (amax / 32767.0)).view_as(x)
 
-    if not cpp_kernels.q_gemv_available():
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_q_matmul_equals_the_dequantized_weight_times_the_rows_rounded_to_16_bits(cpp_kernels, bits):
+    """fp32 rows times a 4-bit (integers, a scale and a zero per 32, as Q4_0/Q4_1 unpack) or 8-bit (Q8_0) weight
+    on AVX2, each row rounded to 16 bits per group of 32: within fp32 rounding of the exact product of the 16-bit
+    rows and the weights' integer part (``q · scale``), plus the fp32 rows times the 4-bit groups' offsets, for 1
+    to 9 rows and larger batches (rows go 4 at a time), a group of zeros included; within the rows' rounding of
+    the fp32 product. The fp32 Int4Weight / Int8RowWeight of a model on a
+    CPU without a bf16 matmul give the same numbers up to Q_MATMUL_MAX_ROWS rows. Shapes that do not fit are
+    refused."""
+    from justapi.model.quant import Q_MATMUL_MAX_ROWS, Int4Weight, Int8RowWeight, Q4Unpacked, Q8Unpacked
+
+    if not cpp_kernels.q_matmul_available():
         pytest.skip("the C++ kernels were built without AVX2 and FMA")
     g = torch.Generator().manual_seed(13)
-    n, k = 84, 96  # 3 groups a row; 84 outputs: the threads' shares end mid-way through 16s
+    n, k = 86, 96  # 3 groups a row; 11 blocks of 8 outputs, the last with 6: the threads' shares are uneven
     scale = torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3
     if bits == 4:
         q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
         zero = torch.randn(n, k // 32, generator=g) * 0.05
+        offset = (zero - 8 * scale).repeat_interleave(32, 1).double()
+        integer = q.double() * scale.repeat_interleave(32, 1).double()  # what the rows' integers multiply
         dense = (q.float() - 8) * scale.repeat_interleave(32, 1) + zero.repeat_interleave(32, 1)
         weight = Int4Weight(Q4Unpacked(q, scale, zero, dense), cpp_kernels, torch.float32)
-        args = (weight.nibbles, weight.scale, weight.offset, 4)
+        args = (weight.q_bytes, weight.q_scale, weight.q_offset, 4, n)
+        assert weight.packed is None  # no torch int4 layout
     else:
         q8 = Q8Unpacked(torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g), scale)
         dense = q8.dequantize()
+        integer, offset = dense.double(), torch.zeros(n, k, dtype=torch.float64)
         weight = Int8RowWeight(dense, q8, cpp_kernels)
-        args = (weight.q8, weight.q8_scale, None, 8)
-    for rows in range(1, 9):
-        x = torch.randn(rows, k, generator=g)
-        got = cpp_kernels.q_gemv(x, *args)
+        args = (weight.q_bytes, weight.q_scale, None, 8, n)
+    for rows in list(range(1, 10)) + [13, 37]:
+        x = torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 4
+        x[0, 32:64] = 0  # a group of zeros: no scale to divide by
+        got = cpp_kernels.q_matmul(x, *args)
         assert got.dtype == torch.float32 and got.shape == (rows, n)
-        exact = x.double() @ dense.double().T
-        magnitude = x.abs().double() @ dense.abs().double().T
+        rounded = _rows_to_16_bits(x).double()
+        exact = rounded @ integer.T + x.double() @ offset.T
+        magnitude = rounded.abs() @ integer.abs().T + x.abs().double() @ offset.abs().T
         assert ((got.double() - exact).abs() <= magnitude * 1e-5 + 1e-6).all()
-        if rows < INT4_MAX_ROWS:
-            assert torch.equal(weight.matmul(x), got)
-    with pytest.raises(RuntimeError, match="do not match"):
-        cpp_kernels.q_gemv(x[:, :64].contiguous(), *args)
-    with pytest.raises(RuntimeError, match="1 to 8"):
-        cpp_kernels.q_gemv(torch.randn(9, k), *args)
+        step = x.view(rows, -1, 32).abs().amax(-1).double() / 32767 / 2  # half a step of each group's rounding
+        bound = (step.repeat_interleave(32, 1) @ integer.abs().T) * (1 + 1e-5) + magnitude * 1e-5 + 1e-6
+        assert ((got.double() - x.double() @ dense.double().T).abs() <= bound).all()
+        assert torch.equal(weight.matmul(x), got) and rows <= Q_MATMUL_MAX_ROWS
+    with pytest.raises(RuntimeError, match="width"):
+        cpp_kernels.q_matmul(x[:, :64].contiguous(), *args)
+    with pytest.raises(RuntimeError, match="fp32 rows"):
+        cpp_kernels.q_matmul(x.to(torch.bfloat16), *args)
+    with pytest.raises(RuntimeError, match="blocks of 8"):
+        cpp_kernels.q_matmul(x, *args[:-1], n + 8)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -172,17 +172,19 @@ def test_q4_weights_stay_4bit_and_match_the_dequantized_weights(tmp_path, qtype)
 
 def test_without_a_bf16_matmul_auto_computes_in_fp32_and_batches_equal_the_float32_path(tmp_path, monkeypatch):
     """On a CPU where oneDNN has no bf16 matmul (AVX2 only: quant.cpu_has_bf16_matmul, simulated here), --dtype auto
-    keeps Q4 weights 4-bit for batches under INT4_MAX_ROWS rows and computes in fp32 with an fp32 KV cache. Batches
-    of INT4_MAX_ROWS rows or more multiply the weights of --dtype float32, prepacked for oneDNN: prefill chunks of
-    that size give the float32 path's logits up to the order of the sums, and without prepacking (through the same
-    F.linear) bit-identical ones. Smaller batches multiply the 4- and 8-bit weights as stored, in fp32 (q_gemv on
-    AVX2; torch's int4 and int8 kernels otherwise), within a small KL of the float32 path."""
+    computes in fp32 with an fp32 KV cache. Batches of up to Q_MATMUL_MAX_ROWS rows multiply the 4-bit weights and
+    the Q8_0 head as stored, with rows rounded to 16 bits (q_matmul, where the C++ kernels are built): logits within
+    1e-4 of the largest of the float32 path's, prefill chunks and single rows. Larger batches, and all batches of INT4_MAX_ROWS rows
+    or more with q_matmul off (quant.Q_MATMUL), multiply the weights of --dtype float32, prepacked for oneDNN: the
+    float32 path's logits up to the order of the sums, and without prepacking (through the same F.linear)
+    bit-identical ones. Smaller batches then run through torch's int4 and int8 kernels, within a small KL."""
     from justapi import LLM
+    from justapi.kernels import decode_kernels
     from justapi.model import quant
 
     monkeypatch.setattr(quant, "cpu_has_bf16_matmul", lambda: False)
     path = write_tiny_model(str(tmp_path / "q.gguf"), "llama", hidden=256, intermediate=256, num_heads=4,
-                            num_kv_heads=2, qtype="Q4_1", weight_scale=0.05)
+                            num_kv_heads=2, qtype="Q4_1", embd_qtype="Q8_0", weight_scale=0.05)  # as SmolLM2's
     auto = LLM(path, show_progress=False).engine.model
     exact = LLM(path, dtype="float32", show_progress=False).engine.model
     assert auto.dtype == torch.float32 and auto.kv_dtype == torch.float32
@@ -191,15 +193,28 @@ def test_without_a_bf16_matmul_auto_computes_in_fp32_and_batches_equal_the_float
     assert isinstance(head, quant.Int8RowWeight) and head.dense.dtype == torch.float32 and head.amx is None
     assert down.dense.is_mkldnn == head.dense.is_mkldnn == torch.backends.mkldnn.is_available()
     ids = [(5 * i + 2) % 200 + 3 for i in range(3 * quant.INT4_MAX_ROWS)]
+    if decode_kernels() is not None and decode_kernels().q_matmul_available():
+        assert down.q_bytes is not None and head.q_bytes is not None
+        for chunk in (quant.INT4_MAX_ROWS, 1):  # prefill chunks; one row at a time
+            want = paged_prefill_logits(exact, ids, 4, chunk)  # logits up to ~250 here
+            got = paged_prefill_logits(auto, ids, 4, chunk)
+            assert (got - want).abs().max() <= 1e-4 * want.abs().max()  # measured 2e-5
+        monkeypatch.setattr(quant, "Q_MATMUL_MAX_ROWS", quant.INT4_MAX_ROWS - 1)  # those chunks to the dense copy
+        want = paged_prefill_logits(exact, ids, 4, quant.INT4_MAX_ROWS)
+        torch.testing.assert_close(paged_prefill_logits(auto, ids, 4, quant.INT4_MAX_ROWS), want, atol=1e-4, rtol=1e-5)
+    few = torch.randn(quant.INT4_MAX_ROWS - 1, 256)
+    assert down.matmul(few).dtype == torch.float32 and head.matmul(few).dtype == torch.float32
+
+    monkeypatch.setattr(quant, "Q_MATMUL", False)
+    dense = LLM(path, show_progress=False).engine.model
+    assert dense.layers[0].down.q_bytes is None and dense.lm_head.q_bytes is None
     want = paged_prefill_logits(exact, ids, 4, quant.INT4_MAX_ROWS)
-    torch.testing.assert_close(paged_prefill_logits(auto, ids, 4, quant.INT4_MAX_ROWS), want, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(paged_prefill_logits(dense, ids, 4, quant.INT4_MAX_ROWS), want, atol=1e-4, rtol=1e-5)
     monkeypatch.setattr(quant, "ONEDNN_PREPACK", False)
     plain = LLM(path, show_progress=False).engine.model
     assert not plain.layers[0].down.dense.is_mkldnn
     assert torch.equal(paged_prefill_logits(plain, ids, 4, quant.INT4_MAX_ROWS), want)
-    few = torch.randn(quant.INT4_MAX_ROWS - 1, 256)
-    assert down.matmul(few).dtype == torch.float32 and head.matmul(few).dtype == torch.float32
-    small = torch.log_softmax(paged_prefill_logits(auto, ids, 4, 1), -1)  # one row at a time: the 4-bit kernels
+    small = torch.log_softmax(paged_prefill_logits(plain, ids, 4, 1), -1)  # one row at a time: torch's kernels
     full = torch.log_softmax(paged_prefill_logits(exact, ids, 4, 1), -1)
     assert (full.exp() * (full - small)).sum(-1).max().item() < 0.01
 
@@ -296,7 +311,8 @@ def test_smollm2_bfloat16_weights_stay_close_to_fp32(real_llm, real_model_path):
 @pytest.mark.real_model
 def test_smollm2_int4_weights_stay_close_to_fp32(real_llm, real_model_path):
     """--dtype auto (Q4_1 weights through the int4 kernel, bf16 activations, bf16 KV cache, prefill attention in
-    bf16; on a CPU without a bf16 matmul, fp32 activations and KV cache) against the exact fp32 path.
+    bf16; on a CPU without a bf16 matmul, fp32 activations and KV cache, and decode-sized batches through q_matmul
+    with rows rounded to 16 bits) against the exact fp32 path.
 
     Stated tolerance: per-position KL below 0.03 nats (measured max 0.014; 0.007 with the prefill attention in
     fp32) with ≥ 90% argmax agreement (measured 0.97 and 1.0); greedy chat answers of 32 tokens share on average
@@ -335,10 +351,12 @@ def test_smollm2_int4_weights_stay_close_to_fp32(real_llm, real_model_path):
 def test_smollm2_greedy_output_is_the_same_with_and_without_onednn_prepacked_weights(real_model_path, monkeypatch):
     """The dense weights of --dtype auto (bf16, or fp32 where the CPU has no bf16 matmul) are reordered once into
     oneDNN's layout (quant.prepack_linear); batches of 6+ rows (a batch of 8, and the prompts' prefill) then
-    multiply the prepacked copy. Greedy text must not change."""
+    multiply the prepacked copy. Greedy text must not change. (Where q_matmul serves every batch, no dense copy
+    is made: it is turned off here.)"""
     from justapi import LLM
     from justapi.model import quant
 
+    monkeypatch.setattr(quant, "Q_MATMUL", False)
     chats = [f"Question {i}: name {i + 2} animals that live in the sea, and say why." for i in range(8)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     packed = LLM(real_model_path, pool_blocks=128, dtype="auto", show_progress=False)
@@ -444,7 +462,7 @@ def test_smollm2_weights_and_kv_cache_on_huge_pages_keep_greedy_output(real_mode
         model, k_cache = huge.engine.model, huge.engine.runner.kv_caches[0][0]
         assert model.huge_pages and "hg" in _vm_flags(k_cache.data_ptr())
         down = model.layers[0].down
-        four_bit = down.packed if down.nibbles is None else down.nibbles  # torch's int4 layout, or q_gemv's
+        four_bit = down.packed if down.q_bytes is None else down.q_bytes  # torch's int4 layout, or q_matmul's
         assert "hg" in _vm_flags(four_bit.data_ptr()) and "hg" in _vm_flags(model.embed.data_ptr())
     plain = LLM(real_model_path, pool_blocks=128, dtype="auto", huge_pages=False, show_progress=False)
     # not carved out of an arena (its own storage); its pages' flags are not checked: the heap may hand it memory

@@ -2,7 +2,7 @@
 
 One module: ``decode_attention`` (paged_attention.cpp), ``add_rms_norm`` and ``rope_write_kv`` (layer_ops.cpp),
 ``int4_amx_*`` (int4_matmul.cpp: 4-bit weights times batches of rows on AMX tiles, where the CPU has them),
-``q_gemv`` (q_gemv.cpp: 4- and 8-bit weights times a few fp32 rows on AVX2).
+``q_matmul`` (q_matmul.cpp: 4- and 8-bit weights times fp32 rows, rounded to 8 bits, with AVX2 integer products).
 ``decode_kernels()`` returns it, or None where it cannot be built (no compiler) or is turned off with
 ``JUSTAPI_KERNELS=0``; callers then take the pure-torch path, which computes the same thing more slowly.
 The build runs once per machine (about a minute) and lands in torch's extension cache (``TORCH_EXTENSIONS_DIR``,
@@ -36,7 +36,7 @@ def decode_kernels():
             from torch.utils import cpp_extension
 
             here = os.path.dirname(__file__)
-            names = ("paged_attention.cpp", "layer_ops.cpp", "int4_matmul.cpp", "q_gemv.cpp")
+            names = ("paged_attention.cpp", "layer_ops.cpp", "int4_matmul.cpp", "q_matmul.cpp")
             sources = [os.path.join(here, name) for name in names]
             _clear_stale_lock(cpp_extension._get_build_directory("justapi_paged_attention", False))
             _module = cpp_extension.load(

@@ -490,10 +490,10 @@ torch::Tensor argmax_rows(torch::Tensor logits);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor q8_amx_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features);
 
-// q_gemv.cpp
-bool q_gemv_available();
-torch::Tensor q_gemv(torch::Tensor x, torch::Tensor wq, torch::Tensor scale, c10::optional<torch::Tensor> offset,
-                     int64_t bits);
+// q_matmul.cpp
+bool q_matmul_available();
+torch::Tensor q_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scale, c10::optional<torch::Tensor> offset,
+                       int64_t bits, int64_t out);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over the paged KV cache (fp32 or bf16 cache, CPU)");
@@ -507,6 +507,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up from fused [rows, 2 * width] gate/up rows, as torch rounds it");
   m.def("q8_amx_pack", &q8_amx_pack, "Q8_0 weight (q, scale) -> the layout q8_amx_matmul reads");
   m.def("q8_amx_matmul", &q8_amx_matmul, "x @ w.T, bf16 rows x a packed Q8_0 weight, on AMX tiles");
-  m.def("q_gemv_available", &q_gemv_available, "whether q_gemv can run here (an AVX2 + FMA build)");
-  m.def("q_gemv", &q_gemv, "x @ w.T, 1-8 fp32 rows x a 4-bit (Q4_0/Q4_1) or 8-bit (Q8_0) weight, on AVX2");
+  m.def("q_matmul_available", &q_matmul_available, "whether q_matmul can run here (an AVX2 + FMA build)");
+  m.def("q_matmul", &q_matmul, "x @ w.T, fp32 rows (rounded to 8 bits) x a packed 4-bit or Q8_0 weight, on AVX2");
 }

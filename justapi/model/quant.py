@@ -1,4 +1,4 @@
-"""GGUF 4-bit weights kept quantized in memory and multiplied with torch's CPU int4 kernel.
+"""GGUF 4-bit weights kept quantized in memory and multiplied with torch's CPU int4 kernel or the engine's own.
 
 A Q4_0 or Q4_1 block holds 32 weights of one row as 4-bit integers ``q`` in [0, 15] with an fp16 scale ``d``
 (and for Q4_1 an fp16 minimum ``m``)::
@@ -144,28 +144,62 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # (benchmarks/int4_amx_bench.py). Tests set it to 0 to compare with the bf16 copy.
 AMX_MAX_ROWS = 1 << 62
 
+# On a CPU without a bf16 matmul, where --dtype auto computes in fp32, the engine's AVX2 kernel (kernels/q_matmul.cpp)
+# multiplies batches of up to Q_MATMUL_MAX_ROWS rows by the 4-bit weights and the Q8_0 head as stored, with the
+# rows rounded to 16-bit integers per group of 32 and integer multiply-adds. Measured on SmolLM2's weights on a
+# Zen 3 EPYC (2 threads, all 30 layers, benchmarks/q_matmul_bench.py), against the dense fp32 copy on oneDNN
+# (prepacked): 0.21x the time at one row, 0.43x at 8, 0.90x at 28, 0.94x at 64, 1.06x at 128, 1.16x at 512 (the
+# head: 0.30x to 0.86x up to 64 rows). Single-stream decode in process went from 62.5 and 64.6 to 88.9 and 99.0
+# tok/s against the fp32 kernel it replaced. Larger batches (prefill chunks) multiply the dense copy. Tests turn it
+# off to compare.
+Q_MATMUL = True
+Q_MATMUL_MAX_ROWS = 64
+Q_MATMUL_OUTPUTS = 8  # outputs side by side in q_matmul's layout
+
+
+def pack_for_q_matmul(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None):
+    """q_matmul's layout (see kernels/q_matmul.cpp) of a weight ``q`` [out, in] (uint8 in [0, 15] with ``offset``:
+    ``w = q · scale + offset``; int8 without: ``w = q · scale``) and its [out, in / 32] fp32 terms: for each block of
+    8 outputs (the last padded with zeros) and each group of 32 inputs, step t holds inputs 2t, 2t+1 of the 8
+    outputs side by side (4-bit: steps 2c and 2c+1 in the low and high nibbles of the same 16 bytes). Returns
+    (bytes [blocks, …], scale, offset), the terms [blocks, in / 32, 8]."""
+    out, cols = q.shape
+    blocks, groups = -(-out // Q_MATMUL_OUTPUTS), cols // GROUP_SIZE
+    pad = lambda t: torch.cat([t, t.new_zeros(blocks * Q_MATMUL_OUTPUTS - out, t.shape[1])])  # noqa: E731
+    q = pad(q)
+    if offset is not None:  # [block, output, group, chunk, half, input]  ->  [block, group, chunk, half, output, input]
+        v = q.view(blocks, Q_MATMUL_OUTPUTS, groups, 8, 2, 2).permute(0, 2, 3, 4, 1, 5)
+        packed = v[:, :, :, 0] | (v[:, :, :, 1] << 4)
+    else:  # [block, output, group, step, input]  ->  [block, group, step, output, input]
+        packed = q.view(torch.uint8).view(blocks, Q_MATMUL_OUTPUTS, groups, 16, 2).permute(0, 2, 3, 1, 4)
+    terms = lambda t: pad(t.float()).view(blocks, Q_MATMUL_OUTPUTS, groups).transpose(1, 2).contiguous()  # noqa: E731
+    return (packed.reshape(blocks, -1).contiguous(), terms(scale), None if offset is None else terms(offset))
+
+
+def q_matmul_fits(kernels, dtype: torch.dtype, shape: tuple[int, int]) -> bool:
+    """Whether q_matmul serves a weight of ``shape`` [out, in] in a model computing in ``dtype``."""
+    return (Q_MATMUL and dtype == torch.float32 and kernels is not None and kernels.q_matmul_available()
+            and shape[1] % GROUP_SIZE == 0)
+
 
 class Int4Weight:
     """A packed [out, in] 4-bit weight and its dequantization in ``dtype``; ``matmul(x)`` is ``x @ w.T``.
 
-    Up to INT4_MAX_ROWS rows (single-stream and small-batch decode, where reading the weight is the cost) run
-    through torch's int4 kernel (bf16 rows), or in fp32 on AVX2 through the engine's q_gemv (kernels/q_gemv.cpp:
-    where the CPU has no bf16 matmul, so the model computes in fp32); larger batches (batched decode, prefill chunks) through the engine's AMX
-    kernel where ``kernels`` has it, and otherwise through a matmul of the dense copy (bf16 through oneDNN,
-    prepacked; fp32 where the CPU has no bf16 kernel, see cpu_has_bf16_matmul). All use the same weight values.
+    Where the model computes in fp32 (the CPU has no bf16 matmul, see cpu_has_bf16_matmul) and the engine's AVX2
+    kernel is built, batches of up to Q_MATMUL_MAX_ROWS rows run through it (q_matmul, see Q_MATMUL). Otherwise
+    up to INT4_MAX_ROWS rows (single-stream and small-batch decode, where reading the weight is the cost) run
+    through torch's int4 kernel (bf16 rows). Larger batches (batched decode, prefill chunks) run through the
+    engine's AMX kernel where ``kernels`` has it, and otherwise through a matmul of the dense copy (bf16 through
+    oneDNN, prepacked; fp32 without a bf16 kernel). All use the same weight values.
     """
 
     def __init__(self, w: Q4Unpacked, kernels=None, dtype: torch.dtype = torch.bfloat16) -> None:
         self.out_features, self.in_features = w.shape
         self.dtype = dtype  # of the products; the model's compute dtype
-        self.kernels = self.amx = self.nibbles = None
-        if (dtype == torch.float32 and kernels is not None and kernels.q_gemv_available()
-                and self.in_features % GROUP_SIZE == 0):
-            # fp32 rows under INT4_MAX_ROWS on AVX2 (kernels/q_gemv.cpp): GGUF's nibble order, w = q * scale + offset
+        self.kernels = self.amx = self.q_bytes = self.packed = None
+        if q_matmul_fits(kernels, dtype, w.shape):  # fp32 rows on AVX2 (kernels/q_matmul.cpp), see Q_MATMUL
             self.kernels = kernels
-            halves = w.q.view(self.out_features, -1, 2, GROUP_SIZE // 2)  # per group: weights 0-15, 16-31
-            self.nibbles = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(self.out_features, -1).contiguous()
-            self.scale, self.offset = w.scale.contiguous(), (w.zero - 8 * w.scale).contiguous()
+            self.q_bytes, self.q_scale, self.q_offset = pack_for_q_matmul(w.q, w.scale, w.zero - 8 * w.scale)
         else:  # torch's int4 kernel, [in / 32, out, 2] scales and zeros: the layout it reads
             self.packed = torch._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32).contiguous(), 1)
             self.scales_zeros = torch.stack([w.scale.t(), w.zero.t()], dim=-1).to(torch.bfloat16).contiguous()
@@ -186,9 +220,9 @@ class Int4Weight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [rows, in] (any float dtype) → [rows, out] in ``self.dtype``."""
         rows = x.shape[0]
-        if rows < INT4_MAX_ROWS and self.nibbles is not None:
-            return self.kernels.q_gemv(x if x.dtype == torch.float32 else x.float(), self.nibbles, self.scale,
-                                       self.offset, 4)
+        if self.q_bytes is not None and rows <= Q_MATMUL_MAX_ROWS:
+            return self.kernels.q_matmul(x if x.dtype == torch.float32 else x.float(), self.q_bytes, self.q_scale,
+                                         self.q_offset, 4, self.out_features)
         if rows < INT4_MAX_ROWS:
             xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)  # the kernel is fast with bf16 rows only
             y = torch._weight_int4pack_mm_for_cpu(xb, self.packed, GROUP_SIZE, self.scales_zeros)
@@ -217,25 +251,23 @@ class Int8RowWeight:
     (``q8``) and AMX in ``kernels``, on AMX tiles from the 8-bit weight (int4_matmul.cpp's Q8Unit: the dense bf16
     values, expanded in L1, 32 MB read a step instead of 56 MB; bit-identical to oneDNN's product up to 32 rows
     on SmolLM2's width, like the 4-bit kernel), else through oneDNN. In fp32 on AVX2 (a CPU without a bf16 matmul),
-    batches under INT4_MAX_ROWS rows multiply the Q8_0 weight itself in fp32 (kernels/q_gemv.cpp) instead of int8
-    rows, which are then not made.
+    batches of up to Q_MATMUL_MAX_ROWS rows multiply the Q8_0 weight itself through q_matmul (see Q_MATMUL), and
+    no int8 rows are made.
     """
 
     def __init__(self, dense: torch.Tensor, q8: Q8Unpacked | None = None, kernels=None) -> None:
-        self.kernels = self.amx = self.q8 = None
+        self.kernels = self.amx = self.q_bytes = None
         self.dtype = dense.dtype  # of the products: the model's compute dtype, bf16 or (no bf16 kernel) fp32
+        self.shape = tuple(dense.shape)
+        self.dense = prepack_linear(dense)
+        if q8 is not None and q_matmul_fits(kernels, self.dtype, self.shape):  # see Q_MATMUL: no int8 rows then
+            self.kernels = kernels
+            self.q_bytes, self.q_scale, _ = pack_for_q_matmul(q8.q, q8.scale, None)
+            return
         if (self.dtype == torch.bfloat16 and q8 is not None and kernels is not None and kernels.int4_amx_available()
                 and dense.shape[0] % 16 == 0 and dense.shape[1] % GROUP_SIZE == 0):
             self.kernels = kernels
             self.amx = kernels.q8_amx_pack(q8.q, q8.scale)
-        self.dense = prepack_linear(dense)
-        self.shape = tuple(dense.shape)
-        if (self.dtype == torch.float32 and q8 is not None and kernels is not None and kernels.q_gemv_available()
-                and dense.shape[1] % GROUP_SIZE == 0):
-            # fp32 rows under INT4_MAX_ROWS on AVX2 (kernels/q_gemv.cpp), from the Q8_0 weight itself: no int8 rows
-            self.kernels = kernels
-            self.q8, self.q8_scale = q8.q.view(torch.uint8), q8.scale.contiguous()
-            return
         w = dense.float()
         scale = (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.bfloat16).tiny)
         up = scale.to(torch.bfloat16)
@@ -246,8 +278,9 @@ class Int8RowWeight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [rows, in] (any float dtype) → [rows, out] in ``self.dtype``."""
         rows = x.shape[0]
-        if rows < INT4_MAX_ROWS and self.q8 is not None:
-            return self.kernels.q_gemv(x if x.dtype == torch.float32 else x.float(), self.q8, self.q8_scale, None, 8)
+        if self.q_bytes is not None and rows <= Q_MATMUL_MAX_ROWS:
+            return self.kernels.q_matmul(x if x.dtype == torch.float32 else x.float(), self.q_bytes, self.q_scale,
+                                         None, 8, self.shape[0])
         if rows < INT4_MAX_ROWS:
             xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)  # fp32 rows take 8-25x as long
             y = torch._weight_int8pack_mm(xb, self.q, self.scale)
