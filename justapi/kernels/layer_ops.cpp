@@ -3,7 +3,8 @@
 //
 //   add_rms_norm   x += residual (optional), h = rms_norm(x) * weight
 //   rope_write_kv  rotate the Q and K heads of the fused QKV output, store K and V at their cache slots, return Q
-//   silu_mul       silu(gate) * up from the fused gate/up output, in one pass over it (AVX-512 builds)
+//   silu_mul       silu(gate) * up from the fused gate/up output, in one pass over it (AVX-512 builds; fp32
+//                  only on AVX2)
 //   argmax_rows    the greedy pick: each row's first maximum (torch's max(dim=-1) runs on one thread, 1.6 ms
 //                  for 28 rows of SmolLM2's 49152 logits)
 //
@@ -23,6 +24,11 @@
 #include <immintrin.h>
 // torch's own vectorised exp (Sleef, exported by libtorch_cpu): the one its CPU silu kernel calls on AVX-512
 extern "C" __m512 Sleef_expf16_u10(__m512);
+#elif defined(__AVX2__) && defined(__FMA__)
+#define JUSTAPI_SILU_AVX2 1  // fp32 only: the models that run on CPUs without a bf16 matmul compute in fp32
+#include <immintrin.h>
+// ... and the one it calls on AVX2
+extern "C" __m256 Sleef_expf8_u10(__m256);
 #endif
 
 namespace {
@@ -143,6 +149,25 @@ void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t width) {
 }
 #endif
 
+#ifdef JUSTAPI_SILU_AVX2
+// the AVX-512 path's operations with 8 lanes, fp32 only
+void silu_mul_rows_avx2(const float* gate_up, float* out, int64_t rows, int64_t width) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g = gate_up + r * 2 * width;
+      const float* u = g + width;
+      float* o = out + r * width;
+      for (int64_t d = 0; d < width; d += 8) {
+        const __m256 x = _mm256_loadu_ps(g + d);
+        const __m256 silu =
+            _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), Sleef_expf8_u10(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+        _mm256_storeu_ps(o + d, _mm256_mul_ps(silu, _mm256_loadu_ps(u + d)));
+      }
+    }
+  });
+}
+#endif
+
 // the index of the first maximum of row[0..n), or of the first NaN if there is one (as torch's max(dim) gives)
 int64_t argmax_row(const float* row, int64_t n) {
   int64_t d = 0, best = 0;
@@ -199,9 +224,11 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
   return out;
 }
 
-bool silu_mul_available() {
-#ifdef JUSTAPI_SILU
+bool silu_mul_available(bool bf16) {
+#if defined(JUSTAPI_SILU)
   return true;
+#elif defined(JUSTAPI_SILU_AVX2)
+  return !bf16;
 #else
   return false;
 #endif
@@ -217,13 +244,15 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
               "silu_mul: fp32 or bf16");
   const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
   auto out = torch::empty({rows, width}, gate_up.options());
-#ifdef JUSTAPI_SILU
+  TORCH_CHECK(silu_mul_available(gate_up.scalar_type() == torch::kBFloat16), "silu_mul: built without AVX-512",
+              gate_up.scalar_type() == torch::kFloat32 ? " or AVX2" : "");
+#if defined(JUSTAPI_SILU)
   if (gate_up.scalar_type() == torch::kFloat32)
     silu_mul_rows<float>(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, width);
   else
     silu_mul_rows<c10::BFloat16>(gate_up.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), rows, width);
-#else
-  TORCH_CHECK(false, "silu_mul: built without AVX-512");
+#elif defined(JUSTAPI_SILU_AVX2)
+  silu_mul_rows_avx2(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, width);
 #endif
   return out;
 }

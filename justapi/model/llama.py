@@ -159,7 +159,7 @@ class LlamaModel:
         # K/V store in another, silu(gate) * up in a third; the torch path below computes the same (rotary and
         # silu bit-identical, the norm's sum of squares in another order)
         fused = self.kernels is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
-        fused_silu = fused and FUSED_SILU and self.kernels.silu_mul_available()
+        fused_silu = fused and FUSED_SILU and self.kernels.silu_mul_available(x.dtype == torch.bfloat16)
         residual = None  # the last sublayer's output, not yet added to x
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             if fused:
