@@ -27,6 +27,8 @@
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define JUSTAPI_SIMD_ATTENTION 1
 #include <immintrin.h>
+
+#include "avx2_reduce.h"
 #endif
 
 namespace {
@@ -271,18 +273,6 @@ inline __m256 exp256(__m256 x) {
   p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-inline float hmax8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-inline float hadd8(__m256 v) {
-  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
 }
 
 // s[0..n) = exp(s - max(s)), unnormalised; *inv_sum = 1 / their sum

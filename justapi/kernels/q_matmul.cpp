@@ -34,6 +34,8 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #define JUSTAPI_Q_MATMUL 1
 #include <immintrin.h>
+
+#include "avx2_reduce.h"
 #endif
 
 namespace {
@@ -43,27 +45,15 @@ constexpr int64_t kOut = 8;      // outputs side by side in the packed layout
 constexpr int64_t kRowBlock = 4; // rows whose sums are held in registers at once
 
 #if defined(JUSTAPI_Q_MATMUL)
-inline float hmax(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-inline float hsum(__m256 v) {
-  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
-}
-
 // n groups of 32 fp32 values -> xq (int16), dx, xs as in the header
 void quantize_groups(const float* x, int64_t n, int16_t* xq, float* dx, float* xs) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t i = 0; i < n; ++i) {
     __m256 a[4];
     for (int k = 0; k < 4; ++k) a[k] = _mm256_loadu_ps(x + i * kGroup + 8 * k);
-    const float amax = hmax(_mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, a[0]), _mm256_andnot_ps(sign, a[1])),
+    const float amax = hmax8(_mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, a[0]), _mm256_andnot_ps(sign, a[1])),
                                           _mm256_max_ps(_mm256_andnot_ps(sign, a[2]), _mm256_andnot_ps(sign, a[3]))));
-    xs[i] = hsum(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
+    xs[i] = hadd8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
     dx[i] = amax / 32767.f;
     const __m256 inv = _mm256_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
     for (int k = 0; k < 4; k += 2) {  // to nearest, ties to even; the packs interleave 128-bit lanes, undone
