@@ -223,7 +223,7 @@ class Int4Weight:
         if self.q_bytes is not None and rows <= Q_MATMUL_MAX_ROWS:
             return self.kernels.q_matmul(x if x.dtype == torch.float32 else x.float(), self.q_bytes, self.q_scale,
                                          self.q_offset, 4, self.out_features)
-        if rows < INT4_MAX_ROWS:
+        if rows < INT4_MAX_ROWS and self.packed is not None:
             xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)  # the kernel is fast with bf16 rows only
             y = torch._weight_int4pack_mm_for_cpu(xb, self.packed, GROUP_SIZE, self.scales_zeros)
             return y if self.dtype == torch.bfloat16 else y.to(self.dtype)
@@ -281,7 +281,7 @@ class Int8RowWeight:
         if self.q_bytes is not None and rows <= Q_MATMUL_MAX_ROWS:
             return self.kernels.q_matmul(x if x.dtype == torch.float32 else x.float(), self.q_bytes, self.q_scale,
                                          None, 8, self.shape[0])
-        if rows < INT4_MAX_ROWS:
+        if rows < INT4_MAX_ROWS and self.q_bytes is None:  # int8 rows (not made where q_matmul serves)
             xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)  # fp32 rows take 8-25x as long
             y = torch._weight_int8pack_mm(xb, self.q, self.scale)
             return y if self.dtype == torch.bfloat16 else y.to(self.dtype)
