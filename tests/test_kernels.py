@@ -163,7 +163,7 @@ def test_q_matmul_equals_the_dequantized_weight_times_the_rows_rounded_to_16_bit
     """fp32 rows times a 4-bit (integers, a scale and a zero per 32, as Q4_0/Q4_1 unpack) or 8-bit (Q8_0) weight
     on AVX2, each row rounded to 16 bits per group of 32: within fp32 rounding of the exact product of the 16-bit
     rows and the weights' integer part (``q · scale``), plus the fp32 rows times the 4-bit groups' offsets, for 1
-    to 9 rows and larger batches (rows go 4 at a time), a group of zeros included; within the rows' rounding of
+    to 9 rows and larger batches (rows go 6 at a time), a group of zeros included; within the rows' rounding of
     the fp32 product. The fp32 Int4Weight / Int8RowWeight of a model on a
     CPU without a bf16 matmul give the same numbers up to Q_MATMUL_MAX_ROWS rows. Shapes that do not fit are
     refused."""

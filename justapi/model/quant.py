@@ -148,8 +148,8 @@ AMX_MAX_ROWS = 1 << 62
 # multiplies batches of up to Q_MATMUL_MAX_ROWS rows by the 4-bit weights and the Q8_0 head as stored, with the
 # rows rounded to 16-bit integers per group of 32 and integer multiply-adds. Measured on SmolLM2's weights on a
 # Zen 3 EPYC (2 threads, all 30 layers, benchmarks/q_matmul_bench.py), against the dense fp32 copy on oneDNN
-# (prepacked): 0.21x the time at one row, 0.43x at 8, 0.90x at 28, 0.94x at 64, 1.06x at 128, 1.16x at 512 (the
-# head: 0.30x to 0.86x up to 64 rows). Single-stream decode in process went from 62.5 and 64.6 to 88.9 and 99.0
+# (prepacked): 0.16x the time at one row, 0.43x at 8, 0.64x at 28, 0.87x at 64, 0.94x at 128, 1.16x at 512 (the
+# head: 0.25x to 0.98x up to 64 rows). Single-stream decode in process went from 62.5 and 64.6 to 88.9 and 99.0
 # tok/s against the fp32 kernel it replaced. Larger batches (prefill chunks) multiply the dense copy. Tests turn it
 # off to compare.
 Q_MATMUL = True
