@@ -174,10 +174,11 @@ def test_without_a_bf16_matmul_auto_computes_in_fp32_and_batches_equal_the_float
     """On a CPU where oneDNN has no bf16 matmul (AVX2 only: quant.cpu_has_bf16_matmul, simulated here), --dtype auto
     computes in fp32 with an fp32 KV cache. Batches of up to Q_MATMUL_MAX_ROWS rows multiply the 4-bit weights and
     the Q8_0 head as stored, with rows rounded to 16 bits (q_matmul, where the C++ kernels are built): logits within
-    1e-4 of the largest of the float32 path's, prefill chunks and single rows. Larger batches, and all batches of INT4_MAX_ROWS rows
-    or more with q_matmul off (quant.Q_MATMUL), multiply the weights of --dtype float32, prepacked for oneDNN: the
-    float32 path's logits up to the order of the sums, and without prepacking (through the same F.linear)
-    bit-identical ones. Smaller batches then run through torch's int4 and int8 kernels, within a small KL."""
+    1e-4 of the largest of the float32 path's, prefill chunks and single rows. Larger batches, and all batches of
+    INT4_MAX_ROWS rows or more with q_matmul off (quant.Q_MATMUL), multiply the weights of --dtype float32,
+    prepacked for oneDNN: the float32 path's logits up to the order of the sums, and without prepacking (through
+    the same F.linear) bit-identical ones. Smaller batches then run through torch's int4 and int8 kernels, within a
+    small KL."""
     from justapi import LLM
     from justapi.kernels import decode_kernels
     from justapi.model import quant
@@ -351,8 +352,8 @@ def test_smollm2_int4_weights_stay_close_to_fp32(real_llm, real_model_path):
 def test_smollm2_greedy_output_is_the_same_with_and_without_onednn_prepacked_weights(real_model_path, monkeypatch):
     """The dense weights of --dtype auto (bf16, or fp32 where the CPU has no bf16 matmul) are reordered once into
     oneDNN's layout (quant.prepack_linear); batches of 6+ rows (a batch of 8, and the prompts' prefill) then
-    multiply the prepacked copy. Greedy text must not change. (Where q_matmul serves every batch, no dense copy
-    is made: it is turned off here.)"""
+    multiply the prepacked copy. Greedy text must not change. (q_matmul, which takes batches of up to 64 rows on
+    a CPU without a bf16 matmul, is turned off here so that they reach the dense copy.)"""
     from justapi import LLM
     from justapi.model import quant
 
