@@ -150,12 +150,12 @@ def test_q8_amx_matmul_expands_q8_0_exactly_and_rounds_once(cpp_kernels, n, k):
 
 
 def _rows_to_16_bits(x: torch.Tensor) -> torch.Tensor:
-    """q_matmul's rounding of fp32 rows: per group of 32, round(x * 32767 / amax) * (amax / 32767), ties to even."""
+    """q_matmul's rounding of fp32 rows: per group of 32, round(x * 32258 / amax) * (amax / 32258), ties to even."""
     groups = x.view(x.shape[0], -1, 32)
     amax = groups.abs().amax(-1, keepdim=True)
-    # a tensor divided by a tensor: ``32767.0 / amax`` would multiply by amax's reciprocal, rounded twice
-    inv = torch.where(amax > 0, torch.full_like(amax, 32767.0) / amax, torch.zeros_like(amax))
-    return (torch.round(groups * inv) * (amax / 32767.0)).view_as(x)
+    # a tensor divided by a tensor: ``32258.0 / amax`` would multiply by amax's reciprocal, rounded twice
+    inv = torch.where(amax > 0, torch.full_like(amax, 32258.0) / amax, torch.zeros_like(amax))
+    return (torch.round(groups * inv) * (amax / 32258.0)).view_as(x)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -200,7 +200,7 @@ def test_q_matmul_equals_the_dequantized_weight_times_the_rows_rounded_to_16_bit
         exact = rounded @ integer.T + x.double() @ offset.T
         magnitude = rounded.abs() @ integer.abs().T + x.abs().double() @ offset.abs().T
         assert ((got.double() - exact).abs() <= magnitude * 1e-5 + 1e-6).all()
-        step = x.view(rows, -1, 32).abs().amax(-1).double() / 32767 / 2  # half a step of each group's rounding
+        step = x.view(rows, -1, 32).abs().amax(-1).double() / 32258 / 2  # half a step of each group's rounding
         bound = (step.repeat_interleave(32, 1) @ integer.abs().T) * (1 + 1e-5) + magnitude * 1e-5 + 1e-6
         assert ((got.double() - x.double() @ dense.double().T).abs() <= bound).all()
         assert torch.equal(weight.matmul(x), got)  # every batch here is under Q_MATMUL_MAX_ROWS

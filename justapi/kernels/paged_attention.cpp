@@ -498,5 +498,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_amx_pack", &q8_amx_pack, "Q8_0 weight (q, scale) -> the layout q8_amx_matmul reads");
   m.def("q8_amx_matmul", &q8_amx_matmul, "x @ w.T, bf16 rows x a packed Q8_0 weight, on AMX tiles");
   m.def("q_matmul_available", &q_matmul_available, "whether q_matmul can run here (an AVX2 + FMA build)");
-  m.def("q_matmul", &q_matmul, "x @ w.T, fp32 rows (rounded to 8 bits) x a packed 4-bit or Q8_0 weight, on AVX2");
+  m.def("q_matmul", &q_matmul, "x @ w.T, fp32 rows (rounded to 16-bit integers) x a packed 4-bit or Q8_0 weight, on AVX2");
 }

@@ -146,7 +146,9 @@ AMX_MAX_ROWS = 1 << 62
 
 # On a CPU without a bf16 matmul, where --dtype auto computes in fp32, the engine's AVX2 kernel (kernels/q_matmul.cpp)
 # multiplies batches of up to Q_MATMUL_MAX_ROWS rows by the 4-bit weights and the Q8_0 head as stored, with the
-# rows rounded to 16-bit integers per group of 32 and integer multiply-adds. Measured on SmolLM2's weights on a
+# rows rounded to 16-bit integers per group of 32 and integer multiply-adds. (Since 2026-12-01 the 4-bit products
+# split each rounded value into two bytes: 0.8x the time at one row, 0.9x at 8, the same from 28 rows,
+# benchmarks/q_matmul_ab.py; the figures below are from before.) Measured on SmolLM2's weights on a
 # Zen 3 EPYC (2 threads, all 30 layers, benchmarks/q_matmul_bench.py), against the dense fp32 copy on oneDNN
 # (prepacked): 0.16x the time at one row, 0.43x at 8, 0.64x at 28, 0.87x at 64, 0.94x at 128, 1.16x at 512 (the
 # head: 0.25x to 0.98x up to 64 rows). Single-stream decode in process went from 62.5 and 64.6 to 88.9 and 99.0
@@ -160,15 +162,15 @@ Q_MATMUL_OUTPUTS = 8  # outputs side by side in q_matmul's layout
 def pack_for_q_matmul(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None):
     """q_matmul's layout (see kernels/q_matmul.cpp) of a weight ``q`` [out, in] (uint8 in [0, 15] with ``offset``:
     ``w = q · scale + offset``; int8 without: ``w = q · scale``) and its [out, in / 32] fp32 terms: for each block of
-    8 outputs (the last padded with zeros) and each group of 32 inputs, step t holds inputs 2t, 2t+1 of the 8
-    outputs side by side (4-bit: steps 2c and 2c+1 in the low and high nibbles of the same 16 bytes). Returns
-    (bytes [blocks, …], scale, offset), the terms [blocks, in / 32, 8]."""
+    8 outputs (the last padded with zeros) and each group of 32 inputs, the inputs of the 8 outputs side by side,
+    8-bit: 16 steps of 2 inputs; 4-bit: 4 chunks of 32 bytes, chunk c inputs 8c..8c+3 in the low nibbles and
+    8c+4..8c+7 in the high ones. Returns (bytes [blocks, …], scale, offset), the terms [blocks, in / 32, 8]."""
     out, cols = q.shape
     blocks, groups = -(-out // Q_MATMUL_OUTPUTS), cols // GROUP_SIZE
     pad = lambda t: torch.cat([t, t.new_zeros(blocks * Q_MATMUL_OUTPUTS - out, t.shape[1])])  # noqa: E731
     q = pad(q)
     if offset is not None:  # [block, output, group, chunk, half, input]  ->  [block, group, chunk, half, output, input]
-        v = q.view(blocks, Q_MATMUL_OUTPUTS, groups, 8, 2, 2).permute(0, 2, 3, 4, 1, 5)
+        v = q.view(blocks, Q_MATMUL_OUTPUTS, groups, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)
         packed = v[:, :, :, 0] | (v[:, :, :, 1] << 4)
     else:  # [block, output, group, step, input]  ->  [block, group, step, output, input]
         packed = q.view(torch.uint8).view(blocks, Q_MATMUL_OUTPUTS, groups, 16, 2).permute(0, 2, 3, 1, 4)
