@@ -1,7 +1,7 @@
 """Where W1's time goes, in process: engine steps by kind (decode only, prefill chunk + decodes, prefill only), and
 the time of schedule / execute / update.
 
-usage: python benchmarks/w1_steps.py [--requests 128] [--max-seqs 32] [--profile]
+usage: python benchmarks/w1_steps.py [--requests 128] [--max-seqs 32] [--kv-cache-dtype auto] [--profile]
 
 The W1 mix of docs/benchmarks.md (prompts 64-512 tokens, outputs 16-256, EOS ignored, greedy), all requests sent
 at once to an engine with the server's defaults (--scheduled, --dtype auto, at most 32 running). With --profile,
@@ -25,9 +25,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--max-seqs", type=int, default=32)
+    ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
-    llm = LLM(default_model_path(), scheduled=True, max_seqs=args.max_seqs, show_progress=False)
+    llm = LLM(default_model_path(), scheduled=True, max_seqs=args.max_seqs, kv_cache_dtype=args.kv_cache_dtype,
+              show_progress=False)
     engine = llm.engine
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
