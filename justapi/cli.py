@@ -24,8 +24,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                         "where the CPU has no bfloat16 matmul), F32 files run in float32; float32: every weight "
                         "dequantized, exact (default: %(default)s)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=C.KV_CACHE_DTYPES,
-                   help="KV cache element type; auto: bfloat16 when the model computes in bfloat16, else float32; "
-                        "attention computes in float32 (default: %(default)s)")
+                   help="KV cache element type; auto: bfloat16 under --dtype auto on a quantized model or when the "
+                        "model computes in bfloat16, else float32 (the exact --dtype float32 path); decode attention "
+                        "computes in float32 (default: %(default)s)")
     p.add_argument("--scheduled", action="store_true",
                    help="continuous batching with chunked prefill; without it, the static-batching baseline")
     p.add_argument("--max-seqs", type=int, default=C.DEFAULT_MAX_SEQS, help="concurrent sequences (default: %(default)s)")

@@ -75,9 +75,10 @@ class ModelConfig:
 # --batch-invariant always takes.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
-# The KV cache's element type. "auto": bfloat16 where the model computes in bfloat16 (so with --dtype auto on a
-# quantized model), float32 otherwise. Attention itself always computes in fp32; a bf16 cache halves the bytes
-# each decode step reads and doubles the tokens a pool of the same memory holds.
+# The KV cache's element type. "auto": bfloat16 where the model computes in bfloat16 or runs --dtype auto's
+# quantized route (also where that route computes in fp32, on a CPU without a bf16 matmul), float32 otherwise (the
+# exact --dtype float32 path). Decode attention computes in fp32; a bf16 cache halves the bytes each decode step
+# reads and doubles the tokens a pool of the same memory holds.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
 

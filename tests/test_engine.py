@@ -68,12 +68,12 @@ def test_batch_invariance_takes_the_float32_path(tmp_path):
 
 
 def test_kv_cache_dtype_follows_the_compute_dtype_and_a_bf16_pool_holds_twice_the_blocks(tmp_path, monkeypatch):
-    """--kv-cache-dtype auto: the model's compute dtype (bf16 for a 4-bit file under --dtype auto where the CPU
-    has a bf16 matmul, fp32 where it has not; fp32 on the fp32 path); a pool sized from memory gets twice the
-    blocks in bf16. An explicit float32 overrides auto."""
+    """--kv-cache-dtype auto: bf16 for a 4-bit file under --dtype auto, whether it computes in bf16 (a CPU with a
+    bf16 matmul) or in fp32 (one without, simulated here); bf16 under --dtype bfloat16; fp32 on the exact fp32 path.
+    A pool sized from memory gets twice the blocks in bf16. An explicit float32 overrides auto."""
     from justapi.config import EngineConfig
     from justapi.engine import engine_core
-    from justapi.model.quant import cpu_has_bf16_matmul
+    from justapi.model import quant
     from tiny_gguf import write_tiny_model
 
     monkeypatch.setattr(engine_core, "available_memory_bytes", lambda: 64 << 20)
@@ -82,8 +82,12 @@ def test_kv_cache_dtype_follows_the_compute_dtype_and_a_bf16_pool_holds_twice_th
     half = LLM(path, dtype="bfloat16", show_progress=False).engine
     exact = LLM(path, dtype="float32", show_progress=False).engine
     wide = LLM(path, dtype="bfloat16", kv_cache_dtype="float32", show_progress=False).engine
-    assert auto.model.dtype == (torch.bfloat16 if cpu_has_bf16_matmul() else torch.float32)
-    assert auto.model.kv_dtype == auto.model.dtype and auto.runner.kv_caches[0][1].dtype == auto.model.dtype
+    assert auto.model.dtype == (torch.bfloat16 if quant.cpu_has_bf16_matmul() else torch.float32)
+    assert auto.model.kv_dtype == torch.bfloat16 and auto.runner.kv_caches[0][1].dtype == torch.bfloat16
+    with monkeypatch.context() as m:
+        m.setattr(quant, "cpu_has_bf16_matmul", lambda: False)
+        fp32_route = LLM(path, show_progress=False).engine
+        assert fp32_route.model.dtype == torch.float32 and fp32_route.model.kv_dtype == torch.bfloat16
     assert half.model.kv_dtype == torch.bfloat16 and half.runner.kv_caches[0][1].dtype == torch.bfloat16
     assert exact.model.kv_dtype == torch.float32 and exact.runner.kv_caches[0][0].dtype == torch.float32
     assert wide.model.dtype == torch.bfloat16 and wide.model.kv_dtype == torch.float32

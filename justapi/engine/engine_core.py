@@ -49,10 +49,11 @@ def resolve_dtype(name: str, reader, gpu: bool) -> tuple[torch.dtype, bool]:
     return (torch.bfloat16 if cpu_has_bf16_matmul() else torch.float32), True
 
 
-def resolve_kv_dtype(name: str, compute_dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's dtype for ``--kv-cache-dtype name`` (see config.KV_CACHE_DTYPES)."""
+def resolve_kv_dtype(name: str, compute_dtype: torch.dtype, keep_q4: bool) -> torch.dtype:
+    """The KV cache's dtype for ``--kv-cache-dtype name`` (see config.KV_CACHE_DTYPES); ``keep_q4``: the model is
+    served by --dtype auto's quantized route (resolve_dtype)."""
     if name == "auto":
-        return torch.bfloat16 if compute_dtype == torch.bfloat16 else torch.float32
+        return torch.bfloat16 if compute_dtype == torch.bfloat16 or keep_q4 else torch.float32
     return _DTYPES[name]
 
 
@@ -122,7 +123,7 @@ class EngineCore:
         tensors = load_tensors(reader, config.model, dtype, config.show_progress and tp_rank == 0, keep_q4, select)
         del reader
         self.model = LlamaModel(self.model_config, tensors, config.device, config.batch_invariant, plan, comm,
-                                kv_dtype=resolve_kv_dtype(config.kv_cache_dtype, dtype), kernels=kernels,
+                                kv_dtype=resolve_kv_dtype(config.kv_cache_dtype, dtype, keep_q4), kernels=kernels,
                                 huge_pages=config.huge_pages)
         self.max_model_len = self._max_model_len()
         num_blocks = self._num_blocks()
@@ -181,7 +182,7 @@ class EngineCore:
         tensors = load_tensors(reader, path, dtype, self.config.show_progress, keep_q4)
         log.info("draft model %s: %d layers, hidden %d", path, draft_config.num_layers, draft_config.hidden_size)
         return LlamaModel(draft_config, tensors, self.config.device, self.config.batch_invariant,
-                          kv_dtype=resolve_kv_dtype(self.config.kv_cache_dtype, dtype), kernels=kernels,
+                          kv_dtype=resolve_kv_dtype(self.config.kv_cache_dtype, dtype, keep_q4), kernels=kernels,
                           huge_pages=self.config.huge_pages)
 
     def _kv_bytes_per_block(self) -> int:
