@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from . import quant
+
 
 @dataclass
 class SeqSpan:
@@ -144,20 +146,25 @@ def _sequence_attention_fused(q, k_cache, v_cache, span: SeqSpan, scale: float) 
     """``_sequence_attention`` through torch's fused kernel (grouped query heads, additive mask): measured 3.3x
     faster on a 512-token chunk, within 1e-6 of it, with an fp32 cache. With a bf16 cache it runs in bf16 (the
     kernel accumulates in fp32; K/V are stored bf16 already, and the result is rounded to bf16 for the output
-    projection anyway): 2.5x faster again, the queries and the softmax weights rounded to bf16.
+    projection anyway): 2.5x faster again, the queries and the softmax weights rounded to bf16. Except on a CPU
+    without a bf16 matmul (the fp32 route of --dtype auto): there the gathered K/V are widened to fp32, which
+    took about the bf16 kernel's time (0.9-1.2x, benchmarks/sdpa_dtype.py on a Zen 3) and keeps SmolLM2's logits
+    closer to the exact path (prefill KL 0.0005 instead of 0.002; docs/benchmarks.md).
 
     ::
 
         keys:  k0 .. k344 | 0 .. 0        (KEY_PAD: 352 keys; the zeros' scores get -inf, their weights 0)
     """
     ctx, dt = span.context_len, k_cache.dtype
+    if dt == torch.bfloat16 and q.device.type == "cpu" and not quant.cpu_has_bf16_matmul():
+        dt = q.dtype
     padded = -(-ctx // KEY_PAD) * KEY_PAD
     if span.bias is None or span.bias.dtype != dt:  # once per step, not once per layer
         span.bias = torch.full((span.num_query_tokens, padded), float("-inf"), dtype=dt, device=q.device)
         span.bias[:, :ctx].masked_fill_(_visibility(span, q.device), 0.0)
     pad = (0, 0, 0, padded - ctx)  # zeros rather than the cache's slots past the context
-    k = F.pad(_gather(k_cache, span.block_table, ctx), pad).unsqueeze(0)  # [1, kvh, padded, d]
-    v = F.pad(_gather(v_cache, span.block_table, ctx), pad).unsqueeze(0)
+    k = F.pad(_gather(k_cache, span.block_table, ctx).to(dt), pad).unsqueeze(0)  # [1, kvh, padded, d]
+    v = F.pad(_gather(v_cache, span.block_table, ctx).to(dt), pad).unsqueeze(0)
     o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0).to(dt), k, v, attn_mask=span.bias,
                                        scale=scale, enable_gqa=True)  # [1, heads, num_q, d]
     return o[0].transpose(0, 1).to(q.dtype)
