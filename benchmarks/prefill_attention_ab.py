@@ -12,6 +12,7 @@ logits are compared too (largest difference).
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import subprocess
 import sys
@@ -34,8 +35,12 @@ def main() -> None:
     src = subprocess.run(["git", "-C", ROOT, "show", f"{args.base}:justapi/model/attention.py"], capture_output=True,
                          text=True, check=True).stdout
     old = types.ModuleType("base_attention")
+    old.__package__ = "justapi.model"  # its relative imports (quant) resolve to the working tree's
     sys.modules[old.__name__] = old  # dataclasses look their module up
     exec(compile(src, "base_attention", "exec"), old.__dict__)  # noqa: S102 - our own source at another revision
+    base_fn = old._sequence_attention_fused
+    if "compute_dtype" not in inspect.signature(base_fn).parameters:  # before paged_attention took the model's dtype
+        old._sequence_attention_fused = lambda q, k, v, span, scale, compute_dtype=None: base_fn(q, k, v, span, scale)
     llm = LLM(default_model_path(), scheduled=True, pool_blocks=512, show_progress=False)
     model = llm.engine.model
     forward = L.LlamaModel.forward

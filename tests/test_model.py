@@ -57,19 +57,15 @@ def test_tiny_architectures_match_transformers(tmp_path, arch, tied):
     (128, 16, torch.bfloat16),
 ], ids=["d8-fp32", "d8-bf16", "d64-bs4-fp32", "d64-bs32-bf16", "d128-bs16-bf16"])
 @pytest.mark.parametrize("batch_invariant", [False, True], ids=["fused", "matmuls"])
-@pytest.mark.parametrize("bf16_matmul", [True, False], ids=["bf16-matmul", "no-bf16-matmul"])
-def test_paged_attention_equals_dense_for_mixed_batch(kernel, dim, bs, cache_dtype, batch_invariant, bf16_matmul,
-                                                      monkeypatch):
+@pytest.mark.parametrize("compute_dtype", [torch.bfloat16, torch.float32], ids=["bf16-model", "fp32-model"])
+def test_paged_attention_equals_dense_for_mixed_batch(kernel, dim, bs, cache_dtype, batch_invariant, compute_dtype):
     """A prefill chunk, two decode tokens and a draft tree in one call, against dense fp32 attention over the
     same cached values.
 
     With ``kernel``, the decode rows go through the C++ kernel that reads the paged cache in place; the prefill
     chunk and the tree go through torch's fused attention, or with ``batch_invariant`` through plain matmuls. The
-    fused attention of a bf16 cache runs in bf16 where the CPU has a bf16 matmul, else in fp32 (simulated both ways).
+    fused attention of a bf16 cache runs in bf16 for a model that computes in bf16, else in fp32.
     """
-    from justapi.model import quant
-
-    monkeypatch.setattr(quant, "cpu_has_bf16_matmul", lambda: bf16_matmul)
     kernels = None
     if kernel:
         from justapi.kernels import decode_kernels
@@ -100,12 +96,13 @@ def test_paged_attention_equals_dense_for_mixed_batch(kernel, dim, bs, cache_dty
         decode_context_lens=torch.tensor([s.context_len for s in decode]),
         decode_max_context=max(s.context_len for s in decode),
     )
-    got = paged_attention(q, k_cache, v_cache, meta, dim ** -0.5, kernels, batch_invariant)
+    got = paged_attention(q, k_cache, v_cache, meta, dim ** -0.5, kernels, batch_invariant, compute_dtype)
     assert got.dtype == torch.float32
     if not batch_invariant:  # the chunk's and the tree's additive masks are built once, reused by the next layer
         biases = [(s, s.bias) for s in spans if s.bias is not None]
         assert [s.num_query_tokens for s, _ in biases] == [6, 4]
-        assert torch.equal(paged_attention(q, k_cache, v_cache, meta, dim ** -0.5, kernels, batch_invariant), got)
+        assert torch.equal(paged_attention(q, k_cache, v_cache, meta, dim ** -0.5, kernels, batch_invariant,
+                                           compute_dtype), got)
         assert all(s.bias is b for s, b in biases)
     for span in spans:
         n, ctx = span.num_query_tokens, span.context_len
@@ -117,9 +114,10 @@ def test_paged_attention_equals_dense_for_mixed_batch(kernel, dim, bs, cache_dty
         scores = torch.einsum("qhd,khd->hqk", qs, k.float()) * dim ** -0.5
         probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
         want = torch.einsum("hqk,khd->qhd", probs, v.float())
-        # the fused path computes a bf16 cache's prefill chunks and trees in bf16 where the CPU has a bf16 matmul
-        # (queries and softmax weights rounded to bf16, fp32 accumulation): measured within 6e-3 here
-        bf16_math = not batch_invariant and cache_dtype == torch.bfloat16 and n > 1 and bf16_matmul
+        # the fused path computes a bf16 cache's prefill chunks and trees in bf16 for a bf16 model (queries and
+        # softmax weights rounded to bf16, fp32 accumulation): measured within 6e-3 here
+        bf16_math = (not batch_invariant and n > 1 and cache_dtype == torch.bfloat16
+                     and compute_dtype == torch.bfloat16)
         tol = dict(atol=1e-2, rtol=1e-2) if bf16_math else dict(atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(got[span.query_start : span.query_start + n], want, **tol)
 

@@ -22,8 +22,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import quant
-
 
 @dataclass
 class SeqSpan:
@@ -71,6 +69,7 @@ def paged_attention(
     scale: float,
     kernels=None,
     batch_invariant: bool = False,
+    compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Attention of query rows ``q`` [num_tokens, num_heads, head_dim] over their sequences' cached K/V.
 
@@ -79,6 +78,8 @@ def paged_attention(
     kernel on CPU); with ``batch_invariant``, through plain matmuls over the whole context instead, the path the
     bit-identity tests across chunkings hold (the flash kernel's tiling follows the sequence lengths).
     The cache may be fp32 or bf16; ``q`` and the result are fp32 (on the torch path, gathered K/V are widened).
+    ``compute_dtype``: the model's (None: the cache's); the fused path computes in the cache's dtype only where it
+    is the model's (see _sequence_attention_fused).
     """
     use_kernel = (kernels is not None and q.device.type == "cpu" and q.dtype == torch.float32
                   and k_cache.dtype in (torch.float32, torch.bfloat16))
@@ -98,8 +99,10 @@ def paged_attention(
         if span.num_query_tokens == 1 and span.mask is None and meta.decode_rows is not None:
             continue  # done in the decode batch
         rows = slice(span.query_start, span.query_start + span.num_query_tokens)
-        attend = _sequence_attention if batch_invariant else _sequence_attention_fused
-        out[rows] = attend(q[rows], k_cache, v_cache, span, scale)
+        if batch_invariant:
+            out[rows] = _sequence_attention(q[rows], k_cache, v_cache, span, scale)
+        else:
+            out[rows] = _sequence_attention_fused(q[rows], k_cache, v_cache, span, scale, compute_dtype)
     return out
 
 
@@ -142,12 +145,14 @@ def _sequence_attention(q, k_cache, v_cache, span: SeqSpan, scale: float) -> tor
 KEY_PAD = 32
 
 
-def _sequence_attention_fused(q, k_cache, v_cache, span: SeqSpan, scale: float) -> torch.Tensor:
+def _sequence_attention_fused(q, k_cache, v_cache, span: SeqSpan, scale: float,
+                              compute_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``_sequence_attention`` through torch's fused kernel (grouped query heads, additive mask): measured 3.3x
-    faster on a 512-token chunk, within 1e-6 of it, with an fp32 cache. With a bf16 cache it runs in bf16 (the
-    kernel accumulates in fp32; K/V are stored bf16 already, and the result is rounded to bf16 for the output
-    projection anyway): 2.5x faster again, the queries and the softmax weights rounded to bf16. Except on a CPU
-    without a bf16 matmul (the fp32 route of --dtype auto): there the gathered K/V are widened to fp32, which
+    faster on a 512-token chunk, within 1e-6 of it, with an fp32 cache. With a bf16 cache and a model that
+    computes in bf16 it runs in bf16 (the kernel accumulates in fp32; K/V are stored bf16 already, and the result
+    is rounded to bf16 for the output projection anyway): 2.5x faster again on an AMX CPU, the queries and the
+    softmax weights rounded to bf16. A model that computes in fp32 over a bf16 cache (--dtype auto's route on a CPU
+    without a bf16 matmul, where torch's bf16 kernel is emulated) widens the gathered K/V to fp32 instead: that
     took about the bf16 kernel's time (0.9-1.2x, benchmarks/sdpa_dtype.py on a Zen 3) and keeps SmolLM2's logits
     closer to the exact path (prefill KL 0.0005 instead of 0.002; docs/benchmarks.md).
 
@@ -156,7 +161,7 @@ def _sequence_attention_fused(q, k_cache, v_cache, span: SeqSpan, scale: float) 
         keys:  k0 .. k344 | 0 .. 0        (KEY_PAD: 352 keys; the zeros' scores get -inf, their weights 0)
     """
     ctx, dt = span.context_len, k_cache.dtype
-    if dt == torch.bfloat16 and q.device.type == "cpu" and not quant.cpu_has_bf16_matmul():
+    if compute_dtype is not None and compute_dtype != dt:
         dt = q.dtype
     padded = -(-ctx // KEY_PAD) * KEY_PAD
     if span.bias is None or span.bias.dtype != dt:  # once per step, not once per layer

@@ -168,8 +168,8 @@ class LlamaModel:
                 x = x if residual is None else x + residual
                 h = rms_norm(x, layer.attn_norm, eps)
             qkv = linear(h, layer.qkv, layer.qkv_bias, bi)
-            # attention computes in fp32 whatever the weights' and the cache's dtype: bf16 batched matmuls with
-            # 3-row GQA groups are slower than fp32 on CPU; the cache stores K/V in its own dtype (write_kv)
+            # the queries are fp32 whatever the weights' dtype; the cache stores K/V in its own dtype (write_kv), and
+            # attention reads them in fp32, except prefill chunks over a bf16 cache of a bf16 model (paged_attention)
             if layer.q_norm is None and fused:
                 q = self.kernels.rope_write_kv(qkv, cos, sin, self.rope.style == "neox", cfg.num_heads,
                                                cfg.num_kv_heads, cfg.head_dim, k_cache, v_cache, meta.slot_mapping)
@@ -185,7 +185,7 @@ class LlamaModel:
                     q = self.rope.rotate(rms_norm(q, layer.q_norm, eps).float(), cos, sin)
                     k = self.rope.rotate(rms_norm(k, layer.k_norm, eps).float(), cos, sin)
                 write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-            attn = paged_attention(q, k_cache, v_cache, meta, self.scale, self.kernels, bi).to(x.dtype)
+            attn = paged_attention(q, k_cache, v_cache, meta, self.scale, self.kernels, bi, x.dtype).to(x.dtype)
             o = linear(attn.reshape(n, self.q_size), layer.o, None, bi)
             o = o if self.tp is None else self.comm.all_reduce(o)
             if fused:
