@@ -39,12 +39,16 @@ def build_at(rev: str):
         if isinstance(node, ast.keyword) and node.arg in ("extra_cflags", "extra_ldflags"):
             flags[node.arg] = ast.literal_eval(node.value)
     tmp = tempfile.mkdtemp(prefix="justapi-kernel-base-")
-    names = [n for n in ("paged_attention.cpp", "layer_ops.cpp", "int4_matmul.cpp") if f"{n}" in init]
+    files = subprocess.run(["git", "ls-tree", "--name-only", rev, "justapi/kernels/"], cwd=ROOT, check=True,
+                           capture_output=True, text=True).stdout.split()
     sources = []
-    for name in names:
-        with open(os.path.join(tmp, name), "w") as f:
-            f.write(show(f"justapi/kernels/{name}"))
-        sources.append(os.path.join(tmp, name))
+    for path in files:  # every source the revision's build names, and every header they may include
+        name = os.path.basename(path)
+        if name.endswith(".h") or (name.endswith(".cpp") and name in init):
+            with open(os.path.join(tmp, name), "w") as f:
+                f.write(show(path))
+            if name.endswith(".cpp"):
+                sources.append(os.path.join(tmp, name))
     return cpp_extension.load(name="justapi_paged_attention_base", sources=sources, build_directory=tmp,
                               verbose=False, **flags)
 
