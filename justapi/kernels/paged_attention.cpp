@@ -22,6 +22,7 @@
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -244,11 +245,27 @@ void attend_avx512(const float* qh, const T* kp, const T* vp, const int64_t* tab
 // the query is read from L1 as each product needs it, and eight rows' products run side by side (eight independent
 // FMA chains, as the FMA latency needs).
 
-// 8 cache values as fp32 lanes
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+// 16 cache values as two vectors of fp32 lanes. fp32: in order. bf16: one load and two unpacks with zeros (each
+// bf16 becomes the high half of an fp32), which leaves them in the order [0-3, 8-11] and [4-7, 12-15]; the scaled
+// queries are stored in that order and the weighted sums of values put back in order at the end (swap_halves).
+// Widening 8 values in order (zero-extend, then shift) takes twice the instructions.
+inline void load16(const float* p, __m256& a, __m256& b) {
+  a = _mm256_loadu_ps(p);
+  b = _mm256_loadu_ps(p + 8);
+}
+inline void load16(const uint16_t* p, __m256& a, __m256& b) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  a = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), x));
+  b = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), x));
+}
+// 16 lanes in order <-> load16's order of a bf16 cache (the same exchange of 128-bit halves both ways)
+template <typename T>
+inline void swap_halves(__m256& a, __m256& b) {
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    const __m256 lo = _mm256_permute2f128_ps(a, b, 0x20), hi = _mm256_permute2f128_ps(a, b, 0x31);
+    a = lo;
+    b = hi;
+  }
 }
 
 // lanes [0, m) set
@@ -316,8 +333,13 @@ void attend_avx2(const float* qh, const T* kp, const T* vp, const int64_t* table
   scores.resize(group * ctx + 2 * group * D);
   float* qs = scores.data() + group * ctx;  // the scaled queries
   float* acc_all = qs + group * D;
-  for (int64_t i = 0; i < group * D; i += 8)
-    _mm256_storeu_ps(qs + i, _mm256_mul_ps(_mm256_loadu_ps(qh + i), _mm256_set1_ps(scale)));
+  for (int64_t i = 0; i < group * D; i += 16) {  // scaled, in load16's order
+    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qh + i), _mm256_set1_ps(scale));
+    __m256 b = _mm256_mul_ps(_mm256_loadu_ps(qh + i + 8), _mm256_set1_ps(scale));
+    swap_halves<T>(a, b);
+    _mm256_storeu_ps(qs + i, a);
+    _mm256_storeu_ps(qs + i + 8, b);
+  }
   const int64_t nblk = (ctx + block_size - 1) / block_size;
   const int64_t block_elems = block_size * D, block_bytes = block_elems * sizeof(T);
   auto kblock = [&](int64_t ib) { return kp + (kvh * num_blocks + table[ib]) * block_elems; };
@@ -336,11 +358,14 @@ void attend_avx2(const float* qh, const T* kp, const T* vp, const int64_t* table
         const T* kr[8];  // rows past the block's end repeat its last row; their sums are not stored
         for (int64_t j = 0; j < 8; ++j) kr[j] = kb + (j0 + std::min(j, m - 1)) * D;
         __m256 s[8];
-        const __m256 q0 = _mm256_loadu_ps(qg);
-        for (int j = 0; j < 8; ++j) s[j] = _mm256_mul_ps(q0, load8(kr[j]));
-        for (int64_t i = 1; i < V; ++i) {
-          const __m256 qi = _mm256_loadu_ps(qg + 8 * i);
-          for (int j = 0; j < 8; ++j) s[j] = _mm256_fmadd_ps(qi, load8(kr[j] + 8 * i), s[j]);
+        for (int64_t i = 0; i < V; i += 2) {
+          const __m256 qa = _mm256_loadu_ps(qg + 8 * i), qb = _mm256_loadu_ps(qg + 8 * i + 8);
+          for (int j = 0; j < 8; ++j) {
+            __m256 k_lo, k_hi;
+            load16(kr[j] + 8 * i, k_lo, k_hi);
+            s[j] = i == 0 ? _mm256_mul_ps(qa, k_lo) : _mm256_fmadd_ps(qa, k_lo, s[j]);
+            s[j] = _mm256_fmadd_ps(qb, k_hi, s[j]);
+          }
         }
         const __m256 r = hsum8(s);
         if (m == 8) _mm256_storeu_ps(sg + j0, r);
@@ -363,7 +388,12 @@ void attend_avx2(const float* qh, const T* kp, const T* vp, const int64_t* table
         for (int i = 0; i < 8; ++i) acc[i] = _mm256_loadu_ps(ag + 8 * i);
         for (int64_t j = 0; j < n; ++j) {
           const __m256 p = _mm256_set1_ps(sg[j]);
-          for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(p, load8(vb + j * D + c + 8 * i), acc[i]);
+          for (int i = 0; i < 8; i += 2) {
+            __m256 v_lo, v_hi;
+            load16(vb + j * D + c + 8 * i, v_lo, v_hi);
+            acc[i] = _mm256_fmadd_ps(p, v_lo, acc[i]);
+            acc[i + 1] = _mm256_fmadd_ps(p, v_hi, acc[i + 1]);
+          }
         }
         for (int i = 0; i < 8; ++i) _mm256_storeu_ps(ag + 8 * i, acc[i]);
       }
@@ -371,8 +401,12 @@ void attend_avx2(const float* qh, const T* kp, const T* vp, const int64_t* table
   }
   for (int64_t g = 0; g < group; ++g) {
     const __m256 inv = _mm256_set1_ps(inv_sum[g]);
-    for (int64_t i = 0; i < D; i += 8)
-      _mm256_storeu_ps(oh + g * D + i, _mm256_mul_ps(_mm256_loadu_ps(acc_all + g * D + i), inv));
+    for (int64_t i = 0; i < D; i += 16) {  // back in order
+      __m256 a = _mm256_loadu_ps(acc_all + g * D + i), b = _mm256_loadu_ps(acc_all + g * D + i + 8);
+      swap_halves<T>(a, b);
+      _mm256_storeu_ps(oh + g * D + i, _mm256_mul_ps(a, inv));
+      _mm256_storeu_ps(oh + g * D + i + 8, _mm256_mul_ps(b, inv));
+    }
   }
 }
 #endif  // __AVX512F__ / AVX2
