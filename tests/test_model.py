@@ -176,10 +176,10 @@ def test_q4_weights_stay_4bit_and_match_the_dequantized_weights(tmp_path, qtype)
 
 def test_without_a_bf16_matmul_auto_computes_in_fp32_and_batches_equal_the_float32_path(tmp_path, monkeypatch):
     """On a CPU where oneDNN has no bf16 matmul (AVX2 only: quant.cpu_has_bf16_matmul, simulated here), --dtype auto
-    computes in fp32 (with a bf16 KV cache by default; fp32 here, to hold the products to the float32 path's). Batches
-    of up to Q_MATMUL_MAX_ROWS rows multiply the 4-bit weights and
-    the Q8_0 head as stored, with rows rounded to 16 bits (q_matmul, where the C++ kernels are built): logits within
-    1e-4 of the largest of the float32 path's, prefill chunks and single rows. Larger batches, and all batches of
+    computes in fp32 (with a bf16 KV cache by default; fp32 here, to hold the products to the float32 path's).
+    Batches of up to Q_MATMUL_MAX_ROWS rows multiply the 4-bit weights and the Q8_0 head as stored, with rows
+    rounded to 16 bits (q_matmul, where the C++ kernels are built): logits within 1e-4 of the largest of the
+    float32 path's, prefill chunks and single rows. Larger batches, and all batches of
     INT4_MAX_ROWS rows or more with q_matmul off (quant.Q_MATMUL), multiply the weights of --dtype float32,
     prepacked for oneDNN: the float32 path's logits up to the order of the sums, and without prepacking (through
     the same F.linear) bit-identical ones. Smaller batches then run through torch's int4 and int8 kernels, within a
