@@ -18,7 +18,7 @@
 // the product of the dequantized weight with the rounded rows, within fp32 rounding (tests/test_kernels.py), and
 // the rows' rounding is about 2^-16 of each group's largest value: far below bf16's 2^-9 of each value. (8-bit
 // rows alone, as llama.cpp rounds them, run faster but moved SmolLM2's logits by up to 0.27 nats:
-// docs/benchmarks.md.)
+// docs/benchmarks-archive.md.)
 //
 // Layout (quant.pack_for_q_matmul): 8 outputs side by side, so that the 8 lanes of an int32 vector are 8 outputs
 // and scales apply as vectors (a last, partial block padded with zero weights). For each block of 8 outputs and
@@ -52,7 +52,7 @@ constexpr int64_t kOut = 8;     // outputs side by side in the packed layout
 constexpr float kSteps = 32258.f;  // 254 * 127: xq = 254 * hi + lo with hi, lo in [-127, 127] (see the header)
 // Rows whose sums are held in registers at once. 4-bit: a row's hi and lo sums and its fp32 result fill the 16
 // vector registers at 4 rows; 3 and 5 measured slower than 4, and 6 with the results in memory no faster
-// (benchmarks/q_matmul_ab.py, docs/benchmarks.md). 8-bit: 6 took 0.86-0.92x the time of 4 at 6-28 rows, measured
+// (a probe in docs/benchmarks-archive.md). 8-bit: 6 took 0.86-0.92x the time of 4 at 6-28 rows, measured
 // when this int16 path served the 4-bit layers too.
 constexpr int64_t kRowBlock4 = 4;
 constexpr int64_t kRowBlock8 = 6;

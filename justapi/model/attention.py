@@ -141,7 +141,7 @@ def _sequence_attention(q, k_cache, v_cache, span: SeqSpan, scale: float) -> tor
 
 # The fused kernel's keys are padded to a multiple of this many (zeros, masked out): torch's CPU flash kernel takes
 # a slow path for a ragged key count (a 325-token chunk: 3.51 ms a layer, padded to 352: 0.96 ms; summed over W1's
-# prompt lengths 0.55x the time; benchmarks/sdpa_key_pad.py, docs/benchmarks.md).
+# prompt lengths 0.55x the time; a probe in docs/benchmarks-archive.md).
 KEY_PAD = 32
 
 
@@ -153,8 +153,8 @@ def _sequence_attention_fused(q, k_cache, v_cache, span: SeqSpan, scale: float,
     is rounded to bf16 for the output projection anyway): 2.5x faster again on an AMX CPU, the queries and the
     softmax weights rounded to bf16. A model that computes in fp32 over a bf16 cache (--dtype auto's route on a CPU
     without a bf16 matmul, where torch's bf16 kernel is emulated) widens the gathered K/V to fp32 instead: that
-    took about the bf16 kernel's time (0.9-1.2x, benchmarks/sdpa_dtype.py on a Zen 3) and keeps SmolLM2's logits
-    closer to the exact path (prefill KL 0.0005 instead of 0.002; docs/benchmarks.md).
+    took about the bf16 kernel's time (0.9-1.2x, on a Zen 3, docs/benchmarks-archive.md) and keeps SmolLM2's logits
+    closer to the exact path (prefill KL 0.0005 instead of 0.002; docs/benchmarks-archive.md).
 
     ::
 

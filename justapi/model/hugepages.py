@@ -2,7 +2,7 @@
 
 Decode attention reads each sequence's K/V blocks (2 KiB per head at SmolLM2's sizes) scattered through a pool of
 hundreds of MB: on 4 KiB pages nearly every block read costs a TLB miss and a page walk. On 2 MiB pages the
-decode-attention kernel took 0.93x the time, a whole decode step 2-4% less (docs/benchmarks.md). Nothing else
+decode-attention kernel took 0.93x the time, a whole decode step 2-4% less (docs/benchmarks-archive.md). Nothing else
 changes: the values and the layouts are the same, only the pages under them.
 
 How: one over-allocated uint8 tensor per group of tensors (torch owns the memory), its 2 MiB-aligned interior
