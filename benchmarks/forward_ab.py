@@ -2,12 +2,11 @@
 tree, on SmolLM2 with --dtype auto, in one process, interleaved, best of 30 × 5 calls each (3 × 5 for a prefill
 chunk).
 
-usage: python benchmarks/forward_ab.py [--base HEAD~1] [--reps 30] [--prepack-ab | --amx-ab]
+usage: python benchmarks/forward_ab.py [--base HEAD~1] [--reps 30] [--disable KERNEL]
 
---prepack-ab: instead of a revision, the working tree's forward with the bf16 weights multiplied plain (a second
-copy of the model loaded with quant.ONEDNN_PREPACK off) as the base, against the prepacked weights.
---amx-ab: the working tree's forward with the 4-bit AMX kernel off (quant.AMX_MAX_ROWS = 0: batches take the bf16
-copy) as the base, against it on.
+--disable KERNEL (one of config.OPTIONAL_KERNELS: q_matmul, amx, prepack, fused_silu): instead of a revision, the
+working tree's forward over a second copy of the model loaded with that kernel off (``--disable-kernels``; its
+weights hold the forms their routes then read) as the base, against the default.
 
 This VM's speed drifts by up to 3× within minutes, so end-to-end tok/s of two separate runs cannot resolve a 10%
 change; the minimum over many interleaved repetitions of the same inputs can. The inputs are captured from a real
@@ -25,7 +24,6 @@ import time
 import torch
 
 import justapi.model.llama as L
-from justapi.model import quant
 from justapi import LLM, SamplingParams
 from justapi.model.gguf_loader import default_model_path
 
@@ -49,23 +47,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", default="HEAD~1")
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--prepack-ab", action="store_true")
-    ap.add_argument("--amx-ab", action="store_true")
+    ap.add_argument("--disable", default=None, help="a kernel to turn off in the base, instead of a revision")
     args = ap.parse_args()
     new_forward = L.LlamaModel.forward
     llm = LLM(default_model_path(), scheduled=True, pool_blocks=512, show_progress=False)
     model = llm.engine.model
-    new_rope, new_head, new_layers = model.rope, model.lm_head, model.layers
-    amx_rows = quant.AMX_MAX_ROWS
-    if args.amx_ab:
-        base_name = "4-bit AMX kernel off"
-        old_forward, old_rope, old_head, old_layers = new_forward, new_rope, new_head, new_layers
-    elif args.prepack_ab:
-        base_name = "plain bf16 weights"
-        quant.ONEDNN_PREPACK = False
-        plain = LLM(default_model_path(), scheduled=True, pool_blocks=16, show_progress=False).engine.model
-        quant.ONEDNN_PREPACK = True
-        old_forward, old_rope, old_head, old_layers = new_forward, new_rope, plain.lm_head, plain.layers
+    new_rope, new_head, new_layers, new_policy = model.rope, model.lm_head, model.layers, model.policy
+    old_policy = new_policy
+    if args.disable:
+        base_name = f"{args.disable} off"
+        off = LLM(default_model_path(), scheduled=True, pool_blocks=16, disabled_kernels=(args.disable,),
+                  show_progress=False).engine.model
+        old_forward, old_rope, old_head, old_layers, old_policy = new_forward, new_rope, off.lm_head, off.layers, off.policy
     else:
         base_name = args.base
         old_forward, OldRope = old_version(args.base)
@@ -96,10 +89,10 @@ def main() -> None:
         a, k = captured[n]
         best = {"base": 1e9, "new": 1e9}
         for _ in range(args.reps if n < 512 else max(2, args.reps // 10)):
-            for name, f, rope, head, layers in (("base", old_forward, old_rope, old_head, old_layers),
-                                                ("new", new_forward, new_rope, new_head, new_layers)):
-                model.rope, model.lm_head, model.layers = rope, head, layers
-                quant.AMX_MAX_ROWS = 0 if args.amx_ab and name == "base" else amx_rows
+            for name, f, rope, head, layers, policy in (
+                    ("base", old_forward, old_rope, old_head, old_layers, old_policy),
+                    ("new", new_forward, new_rope, new_head, new_layers, new_policy)):
+                model.rope, model.lm_head, model.layers, model.policy = rope, head, layers, policy
                 t = time.perf_counter()
                 for _ in range(5):
                     f(model, *a, **k)

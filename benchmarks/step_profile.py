@@ -2,7 +2,7 @@
 mixed step (the same 28 decodes plus a fresh 345-token prompt, W1's mean prefill per chunk step), timed and then
 profiled (cProfile; the C++ kernels and oneDNN show as the built-in calls that run them).
 
-usage: python benchmarks/step_profile.py [--steps 10] [--base REV | --off MODULE.NAME=VALUE]
+usage: python benchmarks/step_profile.py [--steps 10] [--base REV | --disable KERNEL]
 
 The server's defaults (--scheduled, --dtype auto). Each mixed step adds the prompt with max_tokens=1, so the request
 is prefilled, samples its one token and finishes within that step: every measured step has the same shape.
@@ -10,8 +10,8 @@ is prefilled, samples its one token and finishes within that step: every measure
 With ``--base REV``: no profile; the C++ kernels as built at that git revision (justapi/kernels/*.cpp) against the
 working tree's, swapped into the same engine (the model's layer ops and attention, every 4-bit weight's matmul)
 step by step, alternating; the median and the best of each kind of step are printed for both, with ratios.
-With ``--off quant.Q8_AMX_MAX_ROWS=0``: the same, the two sides being a module attribute of justapi.model set to
-VALUE (a Python literal) and left as it is.
+With ``--disable amx`` (any of config.OPTIONAL_KERNELS): the same, the two sides being a second engine loaded with
+that kernel off (``--disable-kernels``) and the default one, each with its own 28 decoding requests.
 """
 
 from __future__ import annotations
@@ -30,10 +30,31 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--base", default=None, help="a git revision whose kernels are timed against the working tree's")
-    ap.add_argument("--off", default=None,
-                    help="MODULE.NAME=VALUE: justapi.model.MODULE.NAME set to VALUE, against as is")
+    ap.add_argument("--disable", default=None, help="a kernel (--disable-kernels) to time off against on")
     args = ap.parse_args()
     engine = LLM(default_model_path(), scheduled=True, max_seqs=32, show_progress=False).engine
+    decode, mixed = steps_of(engine)
+    if args.base:
+        compare_kernels(engine, args.base, args.steps, decode, mixed)
+        return
+    if args.disable:
+        off = LLM(default_model_path(), scheduled=True, max_seqs=32, disabled_kernels=(args.disable,),
+                  show_progress=False).engine
+        compare({f"{args.disable} off": steps_of(off), "default": (decode, mixed)}, args.steps)
+        return
+    for name, step in (("decode step (28 rows)", decode), ("mixed step (345-token prompt + 28 decodes)", mixed)):
+        times = sorted(step() for _ in range(args.steps))
+        print(f"{name}: median {times[len(times) // 2] * 1e3:.1f} ms over {args.steps} steps")
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(args.steps):
+            step()
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+
+
+def steps_of(engine):
+    """(decode, mixed): each runs one step of its kind on ``engine`` (28 requests decoding) and returns its time."""
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
 
@@ -61,44 +82,17 @@ def main() -> None:
 
     for _ in range(3):  # warm-up
         mixed(), decode()
-    if args.base:
-        compare_kernels(engine, args.base, args.steps, decode, mixed)
-        return
-    if args.off:
-        compare_setting(args.off, args.steps, decode, mixed)
-        return
-    for name, step in (("decode step (28 rows)", decode), ("mixed step (345-token prompt + 28 decodes)", mixed)):
-        times = sorted(step() for _ in range(args.steps))
-        print(f"{name}: median {times[len(times) // 2] * 1e3:.1f} ms over {args.steps} steps")
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(args.steps):
-            step()
-        prof.disable()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+    return decode, mixed
 
 
-def compare_setting(off: str, steps: int, decode, mixed) -> None:
-    import ast
-    import importlib
-
-    target, value = off.split("=", 1)
-    module_name, attr = target.rsplit(".", 1)
-    module = importlib.import_module(f"justapi.model.{module_name}")
-    sides = {off: ast.literal_eval(value), "as is": getattr(module, attr)}
-    compare(sides, lambda v: setattr(module, attr, v), steps, decode, mixed)
-
-
-def compare(sides: dict, use, steps: int, decode, mixed) -> None:
-    """Steps of each kind with ``use(side)`` for each of ``sides`` alternating; the last side is left in use."""
+def compare(sides: dict, steps: int) -> None:
+    """Steps of each kind, ``sides`` {name: (decode, mixed)} alternating, the median and best of each printed."""
     first, last = list(sides)
-    for name, step in (("decode step (28 rows)", decode), ("mixed step (345-token prompt + 28 decodes)", mixed)):
+    for kind, name in enumerate(("decode step (28 rows)", "mixed step (345-token prompt + 28 decodes)")):
         times = {k: [] for k in sides}
         for i in range(steps):
             for k in list(sides)[:: 1 if i % 2 else -1]:
-                use(sides[k])
-                times[k].append(step())
-        use(sides[last])
+                times[k].append(sides[k][kind]())
         (old, new), (old_min, new_min) = ([sorted(t)[len(t) // 2] for t in times.values()],
                                           [min(t) for t in times.values()])
         print(f"{name}, median of {steps} (best): {first} {old * 1e3:.1f} ms ({old_min * 1e3:.1f}), {last} "
@@ -115,12 +109,16 @@ def compare_kernels(engine, rev: str, steps: int, decode, mixed) -> None:
     weights = [w for layer in model.layers for w in vars(layer).values()
                if isinstance(w, Int4Weight) and w.kernels is not None]
 
-    def use(mod) -> None:
-        model.kernels = mod
-        for w in weights:
-            w.kernels = mod
+    def use(mod, step):
+        def run() -> float:
+            model.kernels = mod
+            for w in weights:
+                w.kernels = mod
+            return step()
+        return run
 
-    compare(builds, use, steps, decode, mixed)
+    compare({name: (use(mod, decode), use(mod, mixed)) for name, mod in builds.items()}, steps)
+    use(model.kernels, lambda: 0.0)()  # the working tree's build left in use
 
 
 if __name__ == "__main__":

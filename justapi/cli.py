@@ -44,6 +44,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cpu-kernels", action="store_true",
                    help="pure torch instead of the C++ kernels compiled on first use (decode attention, fused "
                         "layer ops, the 4-bit AMX matmul)")
+    p.add_argument("--disable-kernels", default="",
+                   help="comma-separated kernels not to use: " + ", ".join(C.OPTIONAL_KERNELS))
     p.add_argument("--no-huge-pages", action="store_true",
                    help="keep the weights and the KV cache off transparent huge pages (default: on them where Linux "
                         "offers them)")
@@ -120,7 +122,8 @@ def engine_config(args) -> C.EngineConfig:
             max_seqs=args.max_seqs, max_prefill=args.max_prefill, max_decode=args.max_decode,
             chunk_size=args.chunk_size, scheduled=args.scheduled, prefix_cache=not args.no_prefix_cache,
             max_model_len=args.max_model_len, batch_invariant=args.batch_invariant, num_threads=args.threads,
-            cpu_kernels=not args.no_cpu_kernels, huge_pages=not args.no_huge_pages, spec_method=args.spec_method, draft_model=args.draft_model,
+            cpu_kernels=not args.no_cpu_kernels, huge_pages=not args.no_huge_pages,
+            disabled_kernels=tuple(k for k in args.disable_kernels.split(",") if k), spec_method=args.spec_method, draft_model=args.draft_model,
             gamma=args.gamma, branch=args.branch, spec_tree_nodes=args.spec_tree_nodes,
             spec_max_batch=args.spec_max_batch, disaggregate=args.disaggregate,
             prefill_workers=args.prefill_workers, decode_workers=args.decode_workers, tp=args.tp,

@@ -81,6 +81,11 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # reads and doubles the tokens a pool of the same memory holds.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
+# Kernels the engine may use where the CPU runs them, each of which --disable-kernels can turn off (to compare, or to
+# work around a fault): q_matmul (AVX2 integer matmul of fp32 rows), amx (4- and 8-bit weights on AMX tiles),
+# prepack (dense weights in oneDNN's blocked layout), fused_silu (silu(gate) * up in one C++ call).
+OPTIONAL_KERNELS = ("q_matmul", "amx", "prepack", "fused_silu")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -103,6 +108,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None: all cores
     cpu_kernels: bool = True  # the C++ kernels (justapi.kernels: decode attention, layer ops, AMX matmul); False: torch
     huge_pages: bool = True  # CPU weights and KV cache on transparent huge pages where Linux offers them
+    disabled_kernels: tuple[str, ...] = ()  # OPTIONAL_KERNELS not to use
     spec_method: str | None = None  # "ngram": speculative decoding by prompt lookup
     draft_model: str | None = None  # a GGUF with the target's vocabulary: speculative decoding with a draft model
     gamma: int | None = None  # draft tokens per step, the tree's depth (default DEFAULT_GAMMA when speculating)
@@ -123,6 +129,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        bad = [k for k in self.disabled_kernels if k not in OPTIONAL_KERNELS]
+        if bad:
+            raise ValueError(f"--disable-kernels: unknown kernel {bad[0]!r}; the kernels are {', '.join(OPTIONAL_KERNELS)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}")
         if self.batch_invariant and self.dtype not in ("auto", "float32"):

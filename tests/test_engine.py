@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -73,7 +74,7 @@ def test_kv_cache_dtype_follows_the_compute_dtype_and_a_bf16_pool_holds_twice_th
     A pool sized from memory gets twice the blocks in bf16. An explicit float32 overrides auto."""
     from justapi.config import EngineConfig
     from justapi.engine import engine_core
-    from justapi.model import quant
+    from justapi.model import kernel_policy
     from tiny_gguf import write_tiny_model
 
     monkeypatch.setattr(engine_core, "available_memory_bytes", lambda: 64 << 20)
@@ -82,10 +83,11 @@ def test_kv_cache_dtype_follows_the_compute_dtype_and_a_bf16_pool_holds_twice_th
     half = LLM(path, dtype="bfloat16", show_progress=False).engine
     exact = LLM(path, dtype="float32", show_progress=False).engine
     wide = LLM(path, dtype="bfloat16", kv_cache_dtype="float32", show_progress=False).engine
-    assert auto.model.dtype == (torch.bfloat16 if quant.cpu_has_bf16_matmul() else torch.float32)
+    assert auto.model.dtype == (torch.bfloat16 if kernel_policy.cpu_has_bf16_matmul() else torch.float32)
     assert auto.model.kv_dtype == torch.bfloat16 and auto.runner.kv_caches[0][1].dtype == torch.bfloat16
     with monkeypatch.context() as m:
-        m.setattr(quant, "cpu_has_bf16_matmul", lambda: False)
+        real_probe = kernel_policy.probe_cpu
+        m.setattr(kernel_policy, "probe_cpu", lambda k: dataclasses.replace(real_probe(k), bf16_matmul=False))
         fp32_route = LLM(path, show_progress=False).engine
         assert fp32_route.model.dtype == torch.float32 and fp32_route.model.kv_dtype == torch.bfloat16
     assert half.model.kv_dtype == torch.bfloat16 and half.runner.kv_caches[0][1].dtype == torch.bfloat16

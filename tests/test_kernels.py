@@ -68,7 +68,8 @@ def test_int4_amx_matmul_equals_the_bf16_product_of_the_same_weights(cpp_kernels
     dequantized copy (oneDNN, the path batches take without the kernel). Row counts cross the 16-row tiles, the
     64-row passes of one block and the 32-row passes over pairs of blocks (6 blocks on 2 threads: a pair and a
     lone block each)."""
-    from justapi.model.quant import AMX_MAX_ROWS, INT4_MAX_ROWS, Int4Weight, Q4Unpacked, packed_linear
+    from justapi.model.kernel_policy import TORCH_SMALL_MAX_ROWS, KernelPolicy
+    from justapi.model.quant import Int4Weight, Q4Unpacked, packed_linear
 
     if not cpp_kernels.int4_amx_available():
         pytest.skip("this CPU (or this build) has no AMX")
@@ -85,9 +86,9 @@ def test_int4_amx_matmul_equals_the_bf16_product_of_the_same_weights(cpp_kernels
     exact = x.double() @ dense.double().T
     assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-4).all()  # one bf16 rounding of the sum
     assert torch.equal(got, packed_linear(x, dense))  # at this width oneDNN sums in the same order, at every size
-    weight = Int4Weight(w, cpp_kernels)
-    assert weight.amx is not None
-    if INT4_MAX_ROWS <= rows <= AMX_MAX_ROWS:
+    weight = Int4Weight(w, KernelPolicy.make(torch.bfloat16, cpp_kernels))
+    assert weight.amx is not None and not hasattr(weight, "dense")  # no form that no route reads
+    if rows > TORCH_SMALL_MAX_ROWS:
         assert torch.equal(weight.matmul(x), got)
     with pytest.raises(RuntimeError, match="does not match"):
         cpp_kernels.int4_amx_matmul(x[:, :128].contiguous(), weight.amx, n)
@@ -123,6 +124,7 @@ def test_q8_amx_matmul_expands_q8_0_exactly_and_rounds_once(cpp_kernels, n, k):
     weight rounded to bf16, products summed in fp32, the result rounded once. At 576 inputs (SmolLM2's head)
     bit-identical to oneDNN's product of the bf16 copy up to 32 rows; within one bf16 rounding of the exact
     product at every size (passes of one block up to 64 rows, pairs of blocks above)."""
+    from justapi.model.kernel_policy import KernelPolicy
     from justapi.model.quant import Int8RowWeight, Q8Unpacked, packed_linear, prepack_linear
 
     if not cpp_kernels.int4_amx_available():
@@ -141,7 +143,8 @@ def test_q8_amx_matmul_expands_q8_0_exactly_and_rounds_once(cpp_kernels, n, k):
         assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-4).all()
         if rows <= 32:
             assert torch.equal(got, packed_linear(x, prepack_linear(dense)))
-    head = Int8RowWeight(w.dequantize(), w, cpp_kernels)  # the LM head: the 8-bit kernel for 6-64 rows
+    head = Int8RowWeight(w.dequantize().to(torch.bfloat16), w, KernelPolicy.make(torch.bfloat16, cpp_kernels))
+    # the LM head: the 8-bit kernel for 6-64 rows
     assert head.amx is not None
     x = torch.randn(8, k, generator=g).to(torch.bfloat16)
     assert torch.equal(head.matmul(x), cpp_kernels.q8_amx_matmul(x, packed, n))
@@ -167,7 +170,8 @@ def test_q_matmul_equals_the_dequantized_weight_times_the_rows_rounded_to_16_bit
     the fp32 product. The fp32 Int4Weight / Int8RowWeight of a model on a
     CPU without a bf16 matmul give the same numbers up to Q_MATMUL_MAX_ROWS rows. Shapes that do not fit are
     refused."""
-    from justapi.model.quant import Q_MATMUL_MAX_ROWS, Int4Weight, Int8RowWeight, Q4Unpacked, Q8Unpacked
+    from justapi.model.kernel_policy import Q_MATMUL_MAX_ROWS, KernelPolicy
+    from justapi.model.quant import Int4Weight, Int8RowWeight, Q4Unpacked, Q8Unpacked
 
     assert 37 <= Q_MATMUL_MAX_ROWS  # the largest batch below, which weight.matmul then sends to q_matmul
 
@@ -182,14 +186,15 @@ def test_q_matmul_equals_the_dequantized_weight_times_the_rows_rounded_to_16_bit
         offset = (zero - 8 * scale).repeat_interleave(32, 1).double()
         integer = q.double() * scale.repeat_interleave(32, 1).double()  # what the rows' integers multiply
         dense = (q.float() - 8) * scale.repeat_interleave(32, 1) + zero.repeat_interleave(32, 1)
-        weight = Int4Weight(Q4Unpacked(q, scale, zero, dense), cpp_kernels, torch.float32)
+        weight = Int4Weight(Q4Unpacked(q, scale, zero, dense), KernelPolicy.make(torch.float32, cpp_kernels))
         args = (weight.q_bytes, weight.q_scale, weight.q_offset, 4, n)
-        assert weight.packed is None  # no torch int4 layout
+        assert not hasattr(weight, "packed")  # no torch int4 layout: no route reads it
     else:
         q8 = Q8Unpacked(torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g), scale)
         dense = q8.dequantize()
         integer, offset = dense.double(), torch.zeros(n, k, dtype=torch.float64)
-        weight = Int8RowWeight(dense, q8, cpp_kernels)
+        weight = Int8RowWeight(dense, q8, KernelPolicy.make(torch.float32, cpp_kernels))
+        assert not hasattr(weight, "q")  # no int8 rows
         args = (weight.q_bytes, weight.q_scale, None, 8, n)
     for rows in list(range(1, 10)) + [13, 37]:
         x = torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 4

@@ -19,6 +19,7 @@ from ..core.outputs import EngineCoreOutput
 from ..core.scheduler import Scheduler, StaticScheduler
 from ..kernels import decode_kernels
 from ..model.chat_template import ChatTemplate
+from ..model.kernel_policy import KernelPolicy, kv_cache_dtype, resolve_dtype
 from ..model.gguf_loader import ModelLoadError, load_tensors, open_gguf, read_model_config
 from ..model.llama import LlamaModel
 from ..model.runner import ModelRunner, kv_bytes_per_block
@@ -29,33 +30,6 @@ from ..spec.draft import DraftProposer, check_same_vocabulary
 from .output_processor import OutputProcessor, RequestOutput
 
 log = logging.getLogger("justapi.engine")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(name: str, reader, gpu: bool) -> tuple[torch.dtype, bool]:
-    """The compute dtype for ``--dtype name`` and whether Q4 weights stay 4-bit (see config.DTYPES)."""
-    if name != "auto":
-        return _DTYPES[name], False
-    import gguf
-
-    from ..model.quant import cpu_has_bf16_matmul
-
-    matrices = [t for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2]
-    if all(t.tensor_type == gguf.GGMLQuantizationType.F32 for t in matrices):
-        return torch.float32, False
-    if gpu:
-        return torch.bfloat16, False
-    return (torch.bfloat16 if cpu_has_bf16_matmul() else torch.float32), True
-
-
-def resolve_kv_dtype(name: str, compute_dtype: torch.dtype, keep_q4: bool) -> torch.dtype:
-    """The KV cache's dtype for ``--kv-cache-dtype name`` (see config.KV_CACHE_DTYPES); ``keep_q4``: the model is
-    served by --dtype auto's quantized route (resolve_dtype)."""
-    if name == "auto":
-        return torch.bfloat16 if compute_dtype == torch.bfloat16 or keep_q4 else torch.float32
-    return _DTYPES[name]
-
 
 def check_token_ids(token_ids: list[int], vocab: int) -> None:
     bad = next((t for t in token_ids if not 0 <= t < vocab), None)
@@ -114,7 +88,11 @@ class EngineCore:
         kernels = decode_kernels() if config.cpu_kernels and not config.gpu else None
         self.draft_model = (self._load_draft(reader, dtype_name, kernels) if config.draft_model is not None
                             else None)
-        dtype, keep_q4 = resolve_dtype(dtype_name, reader, config.gpu)
+        dtype, keep_q4 = resolve_dtype(dtype_name, reader, config.gpu, kernels)
+        policy = KernelPolicy.make(dtype, kernels, config.disabled_kernels)
+        if tp_rank == 0:
+            for line in policy.describe():
+                log.info(line)
         select = None
         if plan is not None:
             from ..model.llama import shard_selection
@@ -123,7 +101,7 @@ class EngineCore:
         tensors = load_tensors(reader, config.model, dtype, config.show_progress and tp_rank == 0, keep_q4, select)
         del reader
         self.model = LlamaModel(self.model_config, tensors, config.device, config.batch_invariant, plan, comm,
-                                kv_dtype=resolve_kv_dtype(config.kv_cache_dtype, dtype, keep_q4), kernels=kernels,
+                                kv_dtype=kv_cache_dtype(config.kv_cache_dtype, dtype, keep_q4), policy=policy,
                                 huge_pages=config.huge_pages)
         self.max_model_len = self._max_model_len()
         num_blocks = self._num_blocks()
@@ -156,8 +134,8 @@ class EngineCore:
         self.outputs = OutputProcessor(self.tokenizer)
         self._seeds = random.Random(config.seed)
         log.info(
-            "KV cache pool: %d blocks of %d tokens = %d tokens (%.2f GiB); max model length %d",
-            num_blocks, config.block_size, num_blocks * config.block_size,
+            "weights: %.1f MiB; KV cache pool: %d blocks of %d tokens = %d tokens (%.2f GiB); max model length %d",
+            self.model.weight_bytes() / 2**20, num_blocks, config.block_size, num_blocks * config.block_size,
             num_blocks * self._kv_bytes_per_block() / 2**30, self.max_model_len,
         )
 
@@ -178,11 +156,12 @@ class EngineCore:
         draft_config = dataclasses.replace(
             draft_config, context_length=max(draft_config.context_length, self.model_config.context_length)
         )
-        dtype, keep_q4 = resolve_dtype(dtype_name, reader, self.config.gpu)
+        dtype, keep_q4 = resolve_dtype(dtype_name, reader, self.config.gpu, kernels)
         tensors = load_tensors(reader, path, dtype, self.config.show_progress, keep_q4)
+        policy = KernelPolicy.make(dtype, kernels, self.config.disabled_kernels)
         log.info("draft model %s: %d layers, hidden %d", path, draft_config.num_layers, draft_config.hidden_size)
         return LlamaModel(draft_config, tensors, self.config.device, self.config.batch_invariant,
-                          kv_dtype=resolve_kv_dtype(self.config.kv_cache_dtype, dtype, keep_q4), kernels=kernels,
+                          kv_dtype=kv_cache_dtype(self.config.kv_cache_dtype, dtype, keep_q4), policy=policy,
                           huge_pages=self.config.huge_pages)
 
     def _kv_bytes_per_block(self) -> int:

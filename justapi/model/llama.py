@@ -17,6 +17,7 @@ from .attention import AttentionMetadata, paged_attention, write_kv
 from .gguf_loader import Q8_SUFFIX, ModelLoadError
 from . import hugepages
 from .layers import RotaryEmbedding, linear, rms_norm
+from .kernel_policy import KernelPolicy
 from .quant import Int4Weight, Int8RowWeight, Q4Unpacked, cat_q4
 
 
@@ -33,21 +34,17 @@ class LayerWeights:
     down: torch.Tensor | Int4Weight
 
 
-# silu(gate) * up through the C++ kernel (bit-identical to the torch ops; 0.70x their time at 373 bf16 rows,
-# benchmarks/step_profile.py --off llama.FUSED_SILU=False measures it in the engine). Benchmarks turn it off.
-FUSED_SILU = True
-
-
 class LlamaModel:
     """Weights and the forward pass of a decoder-only Llama-family model."""
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], device: str, batch_invariant: bool,
-                 tp=None, comm=None, kv_dtype: torch.dtype = torch.float32, kernels=None, huge_pages: bool = False):
+                 tp=None, comm=None, kv_dtype: torch.dtype = torch.float32, policy: KernelPolicy | None = None,
+                 huge_pages: bool = False):
         """``tp``: a distributed.tp.TpPlan; ``tensors`` are then this rank's slices (loaded with
         ``shard_selection``) and ``comm`` (a TpComm) combines the ranks' partial results. ``config`` stays the
         whole model's. ``kv_dtype``: the element type of the KV cache this model's runner allocates (fp32 or
-        bf16); decode attention computes in fp32 either way, prefill attention in the cache's dtype. ``kernels``:
-        the compiled CPU kernels (justapi.kernels), or None for the pure-torch path. ``huge_pages``: on CPU, the
+        bf16); decode attention computes in fp32 either way, prefill attention in the cache's dtype. ``policy``:
+        which kernels serve which weights (model.kernel_policy); None: the pure-torch path. ``huge_pages``: on CPU, the
         weights and this model's KV cache on transparent huge pages where available (model.hugepages)."""
         if tp is not None:
             config = dataclasses.replace(config, num_heads=len(tp.q_heads), num_kv_heads=len(tp.kv_heads))
@@ -58,6 +55,7 @@ class LlamaModel:
         self.comm = comm
 
         dense_dtype = tensors["token_embd.weight"].dtype if "token_embd.weight" in tensors else torch.float32
+        policy = policy or KernelPolicy.make(dense_dtype, None)
 
         def take(name: str, required: bool = True) -> torch.Tensor | None:
             t = tensors.pop(name, None)
@@ -71,7 +69,7 @@ class LlamaModel:
             """The weights ``names`` stacked along the output dimension: 4-bit if all are, else dense."""
             parts = [take(n) for n in names]
             if all(isinstance(p, Q4Unpacked) for p in parts):
-                return Int4Weight(cat_q4(parts), kernels, dense_dtype)
+                return Int4Weight(cat_q4(parts), policy)
             dtype = next((p.dtype for p in parts if isinstance(p, torch.Tensor)), dense_dtype)
             dense = [p.dequantize().to(device, dtype) if isinstance(p, Q4Unpacked) else p for p in parts]
             return dense[0] if len(dense) == 1 else torch.cat(dense).contiguous()
@@ -106,12 +104,13 @@ class LlamaModel:
         self.lm_head = matrix("output.weight") if head == "output.weight" else self.embed
         if isinstance(self.lm_head, torch.Tensor) and any(isinstance(layer.down, Int4Weight) for layer in self.layers):
             # a 4-bit model's dense head: int8 rows for small batches, the Q8_0 weight on AMX for larger ones
-            self.lm_head = Int8RowWeight(self.lm_head, head_q8, kernels)
+            self.lm_head = Int8RowWeight(self.lm_head, head_q8, policy)
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.context_length, config.rope_style, device)
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim ** -0.5
-        self.kernels = kernels
+        self.policy = policy
+        self.kernels = policy.kernels
         self.huge_pages = huge_pages and device == "cpu"
         if self.huge_pages:
             self._weights_to_huge_pages()
@@ -119,15 +118,24 @@ class LlamaModel:
     def _weights_to_huge_pages(self) -> None:
         """Every plain weight tensor (the linears' packed and dense forms, norms, embedding) copied into one
         huge-page arena. oneDNN's prepacked bf16 copies are opaque tensors and stay where oneDNN put them."""
-        owners = [self] + self.layers
-        for owner in list(owners):
-            owners += [w for w in vars(owner).values() if isinstance(w, (Int4Weight, Int8RowWeight))]
-        slots = [(o, name) for o in owners for name, t in vars(o).items()
+        slots = [(o, name) for o in self._weight_owners() for name, t in vars(o).items()
                  if isinstance(t, torch.Tensor) and not t.is_mkldnn and t.device.type == "cpu"]
         unique = list({id(getattr(o, n)): getattr(o, n) for o, n in slots}.values())  # a tied head is the embedding
         placed = dict(zip(map(id, unique), hugepages.gather(unique)))
         for o, name in slots:
             setattr(o, name, placed[id(getattr(o, name))])
+
+    def _weight_owners(self) -> list:
+        """This model, its layers and their quantized weights: every object holding weight tensors."""
+        owners = [self] + self.layers
+        for owner in list(owners):
+            owners += [w for w in vars(owner).values() if isinstance(w, (Int4Weight, Int8RowWeight))]
+        return owners
+
+    def weight_bytes(self) -> int:
+        """Bytes of every weight tensor this model holds (each form of each weight; a tied head counted once)."""
+        tensors = {id(t): t for o in self._weight_owners() for t in vars(o).values() if isinstance(t, torch.Tensor)}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     @property
     def dtype(self) -> torch.dtype:
@@ -158,8 +166,8 @@ class LlamaModel:
         # the C++ layer ops (justapi.kernels.layer_ops): x += residual and the norm in one call, rotary and the
         # K/V store in another, silu(gate) * up in a third; the torch path below computes the same (rotary and
         # silu bit-identical, the norm's sum of squares in another order)
-        fused = self.kernels is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
-        fused_silu = fused and FUSED_SILU and self.kernels.silu_mul_available(x.dtype == torch.bfloat16)
+        fused = self.policy.layer_ops and x.device.type == "cpu"
+        fused_silu = fused and self.policy.uses("fused_silu")
         residual = None  # the last sublayer's output, not yet added to x
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             if fused:

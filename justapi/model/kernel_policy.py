@@ -1,0 +1,178 @@
+"""Which kernel multiplies each kind of weight at each batch size: decided once at load, logged, never at call time.
+
+In the spirit of ggml's per-type traits: a frozen ``KernelPolicy`` built from the CPU's capabilities (probed once)
+and the flags (``--dtype``, ``--no-cpu-kernels``, ``--disable-kernels``) holds, per weight type, a short table of
+routes, ``(max_rows, kernel)`` with the first route whose ``max_rows`` covers a batch serving it::
+
+    4-bit linear, bf16 model on AMX:     rows 1-5 torch_int4 | 6+ amx
+    4-bit linear, fp32 model on AVX2:    rows 1-64 q_matmul   | 65+ dense (fp32, prepacked for oneDNN)
+    8-bit head,   bf16 model on AMX:     rows 1-5 torch_int8 | 6-64 amx | 65+ dense (bf16, prepacked)
+
+A weight (model.quant) builds only the forms its routes read. docs/quantization.md has the whole table and what
+each form costs in memory; the row limits below were measured there.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ..config import OPTIONAL_KERNELS
+
+GROUP_SIZE = 32  # weights per GGUF Q4/Q8 block, and every kernel's group size
+ALL_ROWS = 1 << 62
+
+# torch's int4 (and int8) kernel dequantizes the weight again for every row of x, so its cost grows with the rows:
+# 2.5x faster than a bf16 matmul at 1 row and still at 4-8, 3.5x slower at 32 (SmolLM2's shapes)
+TORCH_SMALL_MAX_ROWS = 5
+# q_matmul (fp32 rows on AVX2) against the fp32 copy on oneDNN, all 30 layers of SmolLM2 on a Zen 3: 0.16x the
+# time at 1 row, 0.43x at 8, 0.64x at 28, 0.87x at 64, 0.94x at 128, 1.16x at 512
+Q_MATMUL_MAX_ROWS = 64
+# the 8-bit head on AMX (one pass over each block of outputs): 0.49-0.80x oneDNN's time at 6-64 rows, 1.5-1.9x at
+# 128-345 (SmolLM2's 49152 x 576 head)
+Q8_AMX_MAX_ROWS = 64
+PREPACK_ROWS_HINT = 32  # the batch size oneDNN picks a prepacked layout for; any number of rows works with it
+
+
+@dataclass(frozen=True)
+class Route:
+    """Batches of up to ``max_rows`` rows (not served by an earlier route) go to ``kernel``."""
+
+    max_rows: int
+    kernel: str  # "torch_int4", "torch_int8", "q_matmul", "amx" or "dense"
+
+
+def cpu_has_bf16_matmul() -> bool:
+    """Whether oneDNN has a bf16 matmul kernel for this CPU (AVX-512 or AMX). Without one (AVX2 only: AMD Zen 2/3)
+    a bf16 product is emulated and takes 5-8x the fp32 time (96.6 against 14.0 ms for a 512-row chunk through
+    SmolLM2's gate/up on a Zen 3), so --dtype auto computes in fp32 there."""
+    try:
+        return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    except (AttributeError, RuntimeError):
+        return False
+
+
+@dataclass(frozen=True)
+class CpuFeatures:
+    """What this CPU and the compiled kernels can run; probed once per process (``probe_cpu``)."""
+
+    bf16_matmul: bool  # oneDNN's bf16 matmul (AVX-512 BF16 or AMX)
+    amx: bool  # the C++ kernels' AMX tiles (built with AMX, permitted by the OS)
+    q_matmul: bool  # the C++ kernels' AVX2 integer matmul
+    silu_bf16: bool  # the C++ silu_mul on bf16 rows (AVX-512)
+    silu_fp32: bool  # ... on fp32 rows (AVX2 or AVX-512)
+    onednn: bool  # torch's oneDNN (prepacked weights)
+
+    def names(self) -> str:
+        flags = {"bf16-matmul": self.bf16_matmul, "amx": self.amx, "avx2-q_matmul": self.q_matmul}
+        return " ".join(k for k, v in flags.items() if v) or "none of bf16-matmul, amx, avx2"
+
+
+@functools.cache
+def _probe(kernels) -> CpuFeatures:
+    has = lambda name, *args: kernels is not None and getattr(kernels, name)(*args)  # noqa: E731
+    return CpuFeatures(cpu_has_bf16_matmul(), has("int4_amx_available"), has("q_matmul_available"),
+                       has("silu_mul_available", True), has("silu_mul_available", False),
+                       torch.backends.mkldnn.is_available())
+
+
+def probe_cpu(kernels) -> CpuFeatures:
+    """This CPU's features as the engine uses them (``kernels``: the compiled module or None)."""
+    return _probe(kernels)
+
+
+def compute_dtype(dtype_flag: str, all_f32: bool, gpu: bool, cpu: CpuFeatures) -> tuple[torch.dtype, bool]:
+    """The model's compute dtype for ``--dtype`` and whether Q4 weights stay 4-bit (see config.DTYPES)."""
+    if dtype_flag != "auto":
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_flag], False
+    if all_f32:
+        return torch.float32, False
+    if gpu:
+        return torch.bfloat16, False
+    return (torch.bfloat16 if cpu.bf16_matmul else torch.float32), True
+
+
+def resolve_dtype(dtype_flag: str, reader, gpu: bool, kernels) -> tuple[torch.dtype, bool]:
+    """``compute_dtype`` for a GGUF file (its ``reader``): a file whose matrices are all F32 runs in float32."""
+    import gguf
+
+    matrices = [t for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2]
+    all_f32 = all(t.tensor_type == gguf.GGMLQuantizationType.F32 for t in matrices)
+    return compute_dtype(dtype_flag, all_f32, gpu, probe_cpu(kernels))
+
+
+def kv_cache_dtype(kv_flag: str, dtype: torch.dtype, keep_q4: bool) -> torch.dtype:
+    """The KV cache's dtype for ``--kv-cache-dtype`` (see config.KV_CACHE_DTYPES)."""
+    if kv_flag == "auto":
+        return torch.bfloat16 if dtype == torch.bfloat16 or keep_q4 else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[kv_flag]
+
+
+@dataclass(frozen=True)
+class KernelPolicy:
+    """The kernel routes of one model, decided at load (see the module docstring)."""
+
+    dtype: torch.dtype  # the model's compute dtype
+    kernels: object | None  # the compiled C++ module (justapi.kernels), or None: the pure-torch path
+    cpu: CpuFeatures
+    enabled: frozenset[str]  # the optional kernels in use (config.OPTIONAL_KERNELS that this CPU runs)
+
+    @classmethod
+    def make(cls, dtype: torch.dtype, kernels, disabled: tuple[str, ...] = ()) -> KernelPolicy:
+        """The policy for a model computing in ``dtype``, less the ``disabled`` kernels (--disable-kernels)."""
+        cpu = probe_cpu(kernels)
+        runs = {"q_matmul": cpu.q_matmul and dtype == torch.float32, "amx": cpu.amx and dtype == torch.bfloat16,
+                "prepack": cpu.onednn and (dtype == torch.float32 or (dtype == torch.bfloat16 and cpu.bf16_matmul)),
+                "fused_silu": cpu.silu_bf16 if dtype == torch.bfloat16 else cpu.silu_fp32 and dtype == torch.float32}
+        assert set(runs) == set(OPTIONAL_KERNELS)
+        return cls(dtype, kernels, cpu, frozenset(k for k, ok in runs.items() if ok and k not in disabled))
+
+    def uses(self, kernel: str) -> bool:
+        return kernel in self.enabled
+
+    @property
+    def layer_ops(self) -> bool:
+        """The fused C++ layer ops (add_rms_norm, rope_write_kv) on this model's rows."""
+        return self.kernels is not None and self.dtype in (torch.float32, torch.bfloat16)
+
+    def q4_routes(self, shape: tuple[int, int]) -> tuple[Route, ...]:
+        """Routes of a 4-bit [out, in] linear."""
+        if self.uses("q_matmul") and shape[1] % GROUP_SIZE == 0:
+            return (Route(Q_MATMUL_MAX_ROWS, "q_matmul"), Route(ALL_ROWS, "dense"))
+        large = "amx" if self.uses("amx") and amx_fits(shape) else "dense"
+        return (Route(TORCH_SMALL_MAX_ROWS, "torch_int4"), Route(ALL_ROWS, large))
+
+    def head_routes(self, shape: tuple[int, int], has_q8: bool) -> tuple[Route, ...]:
+        """Routes of a 4-bit model's dense LM head (``has_q8``: the file stores it as Q8_0)."""
+        if has_q8 and self.uses("q_matmul") and shape[1] % GROUP_SIZE == 0:
+            return (Route(Q_MATMUL_MAX_ROWS, "q_matmul"), Route(ALL_ROWS, "dense"))
+        amx = (Route(Q8_AMX_MAX_ROWS, "amx"),) if has_q8 and self.uses("amx") and amx_fits(shape) else ()
+        return (Route(TORCH_SMALL_MAX_ROWS, "torch_int8"), *amx, Route(ALL_ROWS, "dense"))
+
+    def describe(self) -> list[str]:
+        """A few lines for the start-up log: the CPU, the dtype and each weight type's routes."""
+        shape = (16 * GROUP_SIZE, 16 * GROUP_SIZE)  # a shape every kernel takes
+        dense = f"dense {str(self.dtype).removeprefix('torch.')}" + (" (oneDNN prepacked)" if self.uses("prepack")
+                                                                     else "")
+        return [
+            f"kernels: CPU {self.cpu.names()}; compute {str(self.dtype).removeprefix('torch.')}; C++ kernels "
+            + ("off" if self.kernels is None else "on" + (", fused silu" if self.uses("fused_silu") else "")),
+            "  4-bit linears: " + describe_routes(self.q4_routes(shape)).replace("dense", dense),
+            "  8-bit LM head: " + describe_routes(self.head_routes(shape, True)).replace("dense", dense),
+        ]
+
+
+def amx_fits(shape: tuple[int, int]) -> bool:
+    """Whether the AMX kernels take an [out, in] weight (16 outputs a tile, groups of 32 inputs)."""
+    return shape[0] % 16 == 0 and shape[1] % GROUP_SIZE == 0
+
+
+def describe_routes(routes: tuple[Route, ...]) -> str:
+    """``rows 1-5 torch_int4, 6+ amx``."""
+    parts, low = [], 1
+    for r in routes:
+        parts.append(f"{low}+ {r.kernel}" if r.max_rows >= ALL_ROWS else f"{low}-{r.max_rows} {r.kernel}")
+        low = r.max_rows + 1
+    return "rows " + ", ".join(parts)
