@@ -1,20 +1,26 @@
-"""The engine's own CPU kernels, compiled from C++ on first use by torch's extension builder and cached.
+"""The engine's own CPU kernels, compiled from C++ when the package is installed (setup.py) and loaded here.
 
 One module: ``decode_attention`` (paged_attention.cpp), ``add_rms_norm`` and ``rope_write_kv`` (layer_ops.cpp),
 ``int4_amx_*`` (int4_matmul.cpp: 4-bit weights times batches of rows on AMX tiles, where the CPU has them),
 ``q_matmul`` (q_matmul.cpp: 4- and 8-bit weights times fp32 rows, rounded to 16 bits, with AVX2 integer products).
 ``decode_kernels()`` returns it, or None where it cannot be built (no compiler) or is turned off with
 ``JUSTAPI_KERNELS=0``; callers then take the pure-torch path, which computes the same thing more slowly.
-The build runs once per machine (about a minute) and lands in torch's extension cache (``TORCH_EXTENSIONS_DIR``,
-by default ~/.cache/torch_extensions).
+
+The installed build (``justapi.kernels._C``) is used where this CPU has every instruction set it was compiled for.
+Otherwise (a wheel built elsewhere, an install without a compiler) the same sources are compiled on first use by
+torch's extension builder (a few minutes on 2 cores, logged) into its cache (``TORCH_EXTENSIONS_DIR``, by default
+~/.cache/torch_extensions), once per machine.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import threading
 import time
+
+from .build_spec import CFLAGS, FLAGS_FILE, LDFLAGS, SOURCES, cpu_flags
 
 log = logging.getLogger("justapi.kernels")
 
@@ -24,36 +30,61 @@ _module = None
 
 
 def decode_kernels():
-    """The compiled paged decode-attention module, or None (see module docstring)."""
+    """The compiled kernels module, or None (see module docstring)."""
     global _loaded, _module
     with _lock:
-        if _loaded:
-            return _module
-        _loaded = True
-        if os.environ.get("JUSTAPI_KERNELS", "1") == "0":
-            return None
-        try:
-            from torch.utils import cpp_extension
-
-            here = os.path.dirname(__file__)
-            names = ("paged_attention.cpp", "layer_ops.cpp", "int4_matmul.cpp", "q_matmul.cpp")
-            sources = [os.path.join(here, name) for name in names]
-            _clear_stale_lock(cpp_extension._get_build_directory("justapi_paged_attention", False))
-            _module = cpp_extension.load(
-                name="justapi_paged_attention",
-                sources=sources,
-                # -fopenmp: at::parallel_for is inline OpenMP; without it every call runs on one thread.
-                # The module links libgomp by soname, so it shares the one torch has loaded (one thread pool).
-                # -ffp-contract=off: no fused multiply-adds where the source has none, so elementwise code rounds
-                # exactly as torch's separate ops do (layer_ops.cpp's rotary is bit-identical to the torch path).
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
-        except Exception as e:  # no compiler, no headers: the torch path still works
-            log.warning("C++ decode-attention kernel unavailable, using the torch path: %s", str(e).splitlines()[0])
-            _module = None
+        if not _loaded:
+            _loaded = True
+            _module = None if os.environ.get("JUSTAPI_KERNELS", "1") == "0" else (_installed() or _compiled_here())
         return _module
+
+
+def _installed():
+    """The kernels built at install time, where they fit this CPU; else None."""
+    here = os.path.dirname(__file__)
+    try:
+        with open(os.path.join(here, FLAGS_FILE)) as f:
+            built_for = set(f.read().split())
+    except OSError:
+        return None  # not built at install
+    missing = built_for - cpu_flags()
+    if missing:
+        log.warning("the installed C++ kernels were built for a CPU with %s, which this one lacks: compiling them "
+                    "for this CPU", " ".join(sorted(missing)[:6]))
+        return None
+    try:
+        import torch  # noqa: F401  the module links torch's libraries, which torch's import loads
+
+        return importlib.import_module("._C", __name__)
+    except ImportError as e:
+        log.warning("the installed C++ kernels do not load (%s): compiling them for this CPU", e)
+        return None
+
+
+def _compiled_here():
+    """The kernels compiled by torch's extension builder into its cache (once per machine), or None."""
+    try:
+        from torch.utils import cpp_extension
+
+        here = os.path.dirname(__file__)
+        build_dir = cpp_extension._get_build_directory("justapi_paged_attention", False)
+        _clear_stale_lock(build_dir)
+        if not os.path.exists(os.path.join(build_dir, "justapi_paged_attention.so")):
+            log.info("compiling the C++ kernels for this CPU into %s (once; a few minutes on 2 cores)", build_dir)
+        started = time.perf_counter()
+        module = cpp_extension.load(
+            name="justapi_paged_attention",
+            sources=[os.path.join(here, name) for name in SOURCES],
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=list(LDFLAGS),
+            verbose=False,
+        )
+        if time.perf_counter() - started > 5:
+            log.info("C++ kernels compiled in %.0f s", time.perf_counter() - started)
+        return module
+    except Exception as e:  # no compiler, no headers: the torch path still works
+        log.warning("C++ kernels unavailable, using the torch path: %s", str(e).splitlines()[0])
+        return None
 
 
 # torch's extension builder waits forever on a lock file that a process killed mid-build leaves behind; a build
