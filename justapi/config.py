@@ -6,6 +6,7 @@ number of KV blocks that fit, EOS ids) are returned by the code that learns them
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
@@ -37,6 +38,14 @@ DEFAULT_MAX_QUEUE = 1024
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_N = 16
 DEFAULT_SERVED_MODEL_NAME = None  # None: the model file's stem
+
+
+def cache_dir() -> str:
+    """Where JustAPI keeps what it derives from model files (converted tokenizers): $JUSTAPI_CACHE_DIR, else
+    $XDG_CACHE_HOME/justapi, else ~/.cache/justapi."""
+    if os.environ.get("JUSTAPI_CACHE_DIR"):
+        return os.environ["JUSTAPI_CACHE_DIR"]
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "justapi")
 
 
 @dataclass(frozen=True)

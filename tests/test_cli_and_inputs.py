@@ -175,3 +175,32 @@ def test_sentencepiece_vocabulary_from_gguf(tmp_path):
     assert "".join(detok.add([i]) for i in ids[1:]) == text
     out = llm.generate(text, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
     assert len(out.token_ids) == 5 and out.prompt_token_ids == ids
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_a_cached_tokenizer_encodes_and_decodes_as_the_one_converted_from_the_file(tmp_path, monkeypatch, kind):
+    """The first start converts the file's vocabulary (transformers' GGUF converter) and saves the result under the
+    cache directory; later starts load it without converting, and it must tokenize exactly the same."""
+    import transformers.modeling_gguf_pytorch_utils as hf_gguf
+
+    from justapi.model import tokenizer as T
+
+    monkeypatch.setenv("JUSTAPI_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_tiny_model(str(tmp_path / f"{kind}.gguf"), tokenizer=kind)
+    T._hf_tokenizer.cache_clear()
+    built = T.Tokenizer(path, open_gguf(path))
+    assert len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 1
+    T._hf_tokenizer.cache_clear()
+
+    def no_conversion(*a, **k):
+        raise AssertionError("the cached tokenizer was not used")
+
+    monkeypatch.setattr(hf_gguf, "load_gguf_checkpoint", no_conversion)
+    cached = T.Tokenizer(path, open_gguf(path))
+    T._hf_tokenizer.cache_clear()
+    texts = ["hello world, the cat sat é", "  two  spaces\nand a line", "über 42 ünïcode ✓", ""]
+    for text in texts + [built.bos_token + "hello" + built.eos_token]:
+        assert cached.encode(text) == built.encode(text)
+        ids = built.encode(text)
+        assert cached.decode(ids) == built.decode(ids) and cached.decode(ids, False) == built.decode(ids, False)
+    assert cached.special_ids == built.special_ids and cached.eos_token_ids == built.eos_token_ids

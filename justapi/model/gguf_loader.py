@@ -51,6 +51,26 @@ def open_gguf(path: str):
     return _read_gguf(os.path.abspath(path), st.st_mtime_ns, st.st_size, path)
 
 
+def _plain_reader_class():
+    import gguf
+
+    class PlainArrayReader(gguf.GGUFReader):
+        """gguf's reader over a plain ndarray view of the file's memory map instead of the ``np.memmap`` itself:
+        numpy's memmap subclass runs Python code on every slice, and the reader slices once per element of each
+        metadata array, about 2.5 million times for a 49k-token vocabulary (2.9 of the 3.0 s it took to parse
+        SmolLM2's file). The view shares the mapping and keeps it alive; nothing is read into memory."""
+
+        @property
+        def data(self):
+            return self._plain_data
+
+        @data.setter
+        def data(self, value):  # GGUFReader.__init__ assigns its memmap here
+            self._plain_data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+    return PlainArrayReader
+
+
 @functools.lru_cache(maxsize=4)
 def _read_gguf(abspath: str, mtime_ns: int, size: int, path: str):
     """The parsed file, kept while it is unchanged: parsing a 49k-token vocabulary's metadata takes seconds, and a
@@ -58,7 +78,7 @@ def _read_gguf(abspath: str, mtime_ns: int, size: int, path: str):
     import gguf
 
     try:
-        reader = gguf.GGUFReader(abspath, "r")
+        reader = _plain_reader_class()(abspath, "r")
     except Exception as e:  # the reader raises ValueError, IndexError, OverflowError... on damaged files
         raise ModelLoadError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {e})") from None
     for t in reader.tensors:

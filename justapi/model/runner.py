@@ -41,8 +41,8 @@ def new_kv_caches(model: LlamaModel, num_blocks: int, block_size: int, device: s
     cfg = model.config
     shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
     # zero-filled: padded decode rows read unused slots, and 0 * garbage could be NaN
-    if model.huge_pages and device == "cpu":
-        flat = hugepages.zeros([shape] * (2 * cfg.num_layers), model.kv_dtype)
+    if device == "cpu":  # untouched anonymous memory: zero without writing it (hugepages.untouched_zeros)
+        flat = hugepages.zeros([shape] * (2 * cfg.num_layers), model.kv_dtype, huge=model.huge_pages)
         return list(zip(flat[0::2], flat[1::2]))
     return [
         (torch.zeros(shape, dtype=model.kv_dtype, device=device), torch.zeros(shape, dtype=model.kv_dtype, device=device))

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
+import shutil
+import tempfile
 
+from ..config import cache_dir
 from .gguf_loader import ModelLoadError, field_value
 
 log = logging.getLogger(__name__)
@@ -13,19 +17,46 @@ log = logging.getLogger(__name__)
 
 @functools.lru_cache(maxsize=4)
 def _hf_tokenizer(abspath: str, mtime_ns: int, size: int, path: str):
-    """transformers' tokenizer for the file, kept while the file is unchanged (building it takes seconds); it is
-    only ever read, so engines in one process may share it."""
+    """transformers' tokenizer for the file, kept while the file is unchanged; it is only ever read, so engines in
+    one process may share it. Converting a GGUF vocabulary takes seconds (transformers parses the whole file again),
+    so the result is also saved under the cache directory and later starts load that."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import transformers
     from transformers import AutoTokenizer
 
     transformers.logging.set_verbosity_error()
+    key = hashlib.sha256(f"{abspath}:{size}:{mtime_ns}:{transformers.__version__}".encode()).hexdigest()[:32]
+    cached = os.path.join(cache_dir(), "tokenizers", key)
+    if os.path.isfile(os.path.join(cached, "tokenizer.json")):
+        try:
+            return AutoTokenizer.from_pretrained(cached, local_files_only=True)
+        except Exception as e:  # a damaged cache entry: build it again
+            log.warning("cached tokenizer %s unreadable (%s); rebuilding it", cached, e)
     try:
-        return AutoTokenizer.from_pretrained(
+        tok = AutoTokenizer.from_pretrained(
             os.path.dirname(abspath), gguf_file=os.path.basename(abspath), local_files_only=True
         )
     except Exception as e:
         raise ModelLoadError(f"{path}: the tokenizer cannot be built ({type(e).__name__}: {e})") from None
+    _save(tok, cached)
+    return tok
+
+
+def _save(tok, target: str) -> None:
+    """Save ``tok`` to ``target`` whole or not at all (written beside it, then renamed); a failure only logs."""
+    parent = os.path.dirname(target)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=parent)
+    except OSError as e:  # a read-only cache
+        log.debug("tokenizer not cached at %s: %s", target, e)
+        return
+    try:
+        tok.save_pretrained(tmp)
+        os.rename(tmp, target)
+    except OSError as e:  # another process saved it first
+        log.debug("tokenizer not cached at %s: %s", target, e)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 class Tokenizer:
