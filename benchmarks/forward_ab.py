@@ -50,13 +50,13 @@ def main() -> None:
     ap.add_argument("--disable", default=None, help="a kernel to turn off in the base, instead of a revision")
     args = ap.parse_args()
     new_forward = L.LlamaModel.forward
-    llm = LLM(default_model_path(), scheduled=True, pool_blocks=512, show_progress=False)
+    llm = LLM(default_model_path(), pool_blocks=512, show_progress=False)
     model = llm.engine.model
     new_rope, new_head, new_layers, new_policy = model.rope, model.lm_head, model.layers, model.policy
     old_policy = new_policy
     if args.disable:
         base_name = f"{args.disable} off"
-        off = LLM(default_model_path(), scheduled=True, pool_blocks=16, disabled_kernels=(args.disable,),
+        off = LLM(default_model_path(), pool_blocks=16, disabled_kernels=(args.disable,),
                   show_progress=False).engine.model
         old_forward, old_rope, old_head, old_layers, old_policy = new_forward, new_rope, off.lm_head, off.layers, off.policy
     else:

@@ -2,8 +2,8 @@
 # Colocated vs disaggregated serving (issue 9) on this machine, measured by one client in one run:
 #   benchmarks/pd_bench.sh
 # Two JustAPI servers on loopback, both SmolLM2-135M, --dtype auto:
-#   colocated      justapi serve --scheduled                    (one engine, torch uses both cores)
-#   disaggregated  justapi serve --scheduled --disaggregate     (1 prefill + 1 decode worker, one core each)
+#   colocated      justapi serve                    (one engine, torch uses both cores)
+#   disaggregated  justapi serve --disaggregate     (1 prefill + 1 decode worker, one core each)
 # Workload `burst`: steady requests (16-64-token prompts, OUT output tokens) at RATE per second, plus every EVERY s a
 # burst of SIZE prompts of 1024 tokens (as many output tokens as the minimum of OUT). Goodput targets, fixed before the first run: TTFT <= 2000 ms
 # and TPOT <= 100 ms. Defaults: the lighter load of docs/benchmarks.md; HEAVY=1 the overload run (1/s, 64-128 tokens,
@@ -24,9 +24,9 @@ wait_up() {
   done
   echo "server on port $1 did not start" >&2; return 1
 }
-"$J" serve --scheduled --port "$PORT_CO" > "$OUT/pd_colocated.log" 2>&1 &
+"$J" serve --port "$PORT_CO" > "$OUT/pd_colocated.log" 2>&1 &
 CO=$!
-"$J" serve --scheduled --disaggregate --port "$PORT_PD" > "$OUT/pd_disaggregated.log" 2>&1 &
+"$J" serve --disaggregate --port "$PORT_PD" > "$OUT/pd_disaggregated.log" 2>&1 &
 PD=$!
 trap 'kill $CO $PD 2>/dev/null; wait' EXIT
 wait_up "$PORT_CO" && wait_up "$PORT_PD" || exit 1

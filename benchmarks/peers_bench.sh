@@ -19,7 +19,7 @@ J=$ROOT/.venv/bin/justapi
 up() { curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$1/v1/models" 2>/dev/null | grep -q 200; }
 
 up "$PORT_JUSTAPI" || {
-  setsid "$J" serve --scheduled --port "$PORT_JUSTAPI" --served-model-name "$SERVED_NAME" \
+  setsid "$J" serve --port "$PORT_JUSTAPI" --served-model-name "$SERVED_NAME" \
     > "$PEERS/logs/justapi.log" 2>&1 < /dev/null &
   echo $! > "$PEERS/run/justapi.pid"
   "$STEER/wait_ready.sh" "$PORT_JUSTAPI" 300 "$PEERS/run/justapi.pid" "$PEERS/logs/justapi.log"; }

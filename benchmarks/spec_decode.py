@@ -50,7 +50,7 @@ def main() -> None:
     args = ap.parse_args()
     path = default_model_path()
     drafts = args.draft or [path]
-    opts = dict(scheduled=True, pool_blocks=2048, dtype=args.dtype, show_progress=False, spec_max_batch=64)
+    opts = dict(pool_blocks=2048, dtype=args.dtype, show_progress=False, spec_max_batch=64)
     plain = LLM(path, **{k: v for k, v in opts.items() if k != "spec_max_batch"})
     methods = [("ngram", dict(spec_method="ngram", gamma=args.gamma))]
     for d in drafts:

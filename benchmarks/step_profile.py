@@ -4,7 +4,7 @@ profiled (cProfile; the C++ kernels and oneDNN show as the built-in calls that r
 
 usage: python benchmarks/step_profile.py [--steps 10] [--base REV | --disable KERNEL]
 
-The server's defaults (--scheduled, --dtype auto). Each mixed step adds the prompt with max_tokens=1, so the request
+The server's defaults (continuous batching, --dtype auto). Each mixed step adds the prompt with max_tokens=1, so the request
 is prefilled, samples its one token and finishes within that step: every measured step has the same shape.
 
 With ``--base REV``: no profile; the C++ kernels as built at that git revision (justapi/kernels/*.cpp) against the
@@ -32,13 +32,13 @@ def main() -> None:
     ap.add_argument("--base", default=None, help="a git revision whose kernels are timed against the working tree's")
     ap.add_argument("--disable", default=None, help="a kernel (--disable-kernels) to time off against on")
     args = ap.parse_args()
-    engine = LLM(default_model_path(), scheduled=True, max_seqs=32, show_progress=False).engine
+    engine = LLM(default_model_path(), max_seqs=32, show_progress=False).engine
     decode, mixed = steps_of(engine)
     if args.base:
         compare_kernels(engine, args.base, args.steps, decode, mixed)
         return
     if args.disable:
-        off = LLM(default_model_path(), scheduled=True, max_seqs=32, disabled_kernels=(args.disable,),
+        off = LLM(default_model_path(), max_seqs=32, disabled_kernels=(args.disable,),
                   show_progress=False).engine
         compare({f"{args.disable} off": steps_of(off), "default": (decode, mixed)}, args.steps)
         return

@@ -51,7 +51,7 @@ def main() -> None:
     print(f"SmolLM2-135M, --dtype {args.dtype}, chunk 512, in process")
     print("case          tp  tok/s   ms/step  collective ms/step  collective KiB/step  MB/s  model ms/step")
     for tp in (int(x) for x in args.tp.split(",")):
-        llm = LLM(path, tp=tp, dtype=args.dtype, scheduled=True, pool_blocks=1024, show_progress=False)
+        llm = LLM(path, tp=tp, dtype=args.dtype, pool_blocks=1024, show_progress=False)
         bw = 0.0
         try:
             llm.generate(short[:1], SamplingParams(max_tokens=4))  # warm-up

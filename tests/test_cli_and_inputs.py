@@ -108,16 +108,48 @@ def test_bad_speculation_settings_fail_at_start_up_naming_the_flag(tiny_model, t
 
 
 def test_serve_help_documents_every_flag_with_defaults():
+    from justapi import config as C
+    from justapi.flags import cli_fields, flag_name
+
     out = run_cli("serve", "--help").stdout
-    for flag in ("--model", "--gpu", "--scheduled", "--max-seqs", "--max-prefill", "--max-decode", "--chunk-size",
-                 "--pool-blocks", "--gamma", "--branch", "--host", "--port", "--api-key", "--served-model-name",
-                 "--max-model-len", "--max-queue", "--no-prefix-cache", "--log-level"):
+    for cls in (C.EngineConfig, C.ServerConfig):
+        for f in cli_fields(cls):
+            assert flag_name(f) in out, flag_name(f)
+    for flag in ("--no-prefix-cache", "--static-batching", "--threads", "--disable-kernels", "--log-level"):
         assert flag in out, flag
     assert "default: 127.0.0.1" in out and "default: 8000" in out and "default: 32" in out and "default: 512" in out
 
 
+def test_the_readme_flags_table_is_generated_from_the_config():
+    """The README's flags table is flags.flags_table() verbatim: regenerate it with
+    python -c 'from justapi.flags import flags_table; print(flags_table())'"""
+    import pathlib
+
+    from justapi.flags import flags_table
+
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    assert flags_table() in readme, "README.md's flags table is stale: paste flags.flags_table()'s output"
+
+
+def test_flags_become_the_config_continuous_batching_by_default():
+    """Every flag lands in its config field; continuous batching unless --static-batching; --scheduled (the old
+    way to ask for continuous batching) is still accepted."""
+    from justapi.cli import build_parser, engine_config
+    from justapi.config import ServerConfig
+    from justapi.flags import config_from_args
+
+    args = build_parser().parse_args(["serve", "--model", "m.gguf", "--threads", "3", "--no-prefix-cache",
+                                      "--disable-kernels", "amx,prepack", "--port", "9000"])
+    cfg = engine_config(args)
+    assert not cfg.static_batching and cfg.num_threads == 3 and not cfg.prefix_cache
+    assert cfg.disabled_kernels == ("amx", "prepack") and cfg.model == "m.gguf"
+    assert config_from_args(ServerConfig, args).port == 9000
+    static = engine_config(build_parser().parse_args(["serve", "--model", "m.gguf", "--static-batching"]))
+    assert static.static_batching
+
+
 def test_generate_streams_a_completion(tiny_model):
-    proc = run_cli("generate", "--model", tiny_model, "--prompt", "the cat", "--max-tokens", "8", "--scheduled")
+    proc = run_cli("generate", "--model", tiny_model, "--prompt", "the cat", "--max-tokens", "8")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip()
 

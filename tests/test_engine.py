@@ -26,7 +26,7 @@ def tokens(results):
 @pytest.fixture(scope="module")
 def engines(tiny_model):
     def build(**kw):
-        opts = dict(pool_blocks=512, show_progress=False, batch_invariant=True, scheduled=True)
+        opts = dict(pool_blocks=512, show_progress=False, batch_invariant=True)
         opts.update(kw)
         return LLM(tiny_model, **opts)
 
@@ -45,7 +45,7 @@ def test_batching_never_changes_greedy_output(engines):
     small = engines(pool_blocks=40, block_size=4, max_seqs=32)
     assert tokens(small.generate(prompts, params)) == alone
     assert small.engine.scheduler.stats.num_preemptions > 10
-    static = engines(scheduled=False)
+    static = engines(static_batching=True)
     assert tokens(static.generate(prompts, params)) == alone
     assert static.engine.scheduler.stats.batch_utilizations
     for llm in (base, small, static):
@@ -235,13 +235,13 @@ def test_smollm2_batching_and_preemption_equivalence(real_model_path):
     prompts = ["The capital of France is", "List three fruits:", "def add(a, b):", "Roses are red,",
                "The meaning of life is", "In 1492, Columbus", "Water is made of", "My favourite book is"]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    base = LLM(real_model_path, pool_blocks=256, batch_invariant=True, show_progress=False, scheduled=True)
+    base = LLM(real_model_path, pool_blocks=256, batch_invariant=True, show_progress=False)
     alone = [base.generate([p], params)[0].token_ids for p in prompts]
     assert tokens(base.generate(prompts, params)) == alone
-    torch_path = LLM(real_model_path, pool_blocks=256, batch_invariant=True, show_progress=False, scheduled=True,
+    torch_path = LLM(real_model_path, pool_blocks=256, batch_invariant=True, show_progress=False,
                      cpu_kernels=False)
     assert tokens(torch_path.generate(prompts, params)) == alone  # the C++ kernels (attention, norm, rotary) change no token
     del base, torch_path
-    chunked = LLM(real_model_path, pool_blocks=12, block_size=4, chunk_size=3, batch_invariant=True, show_progress=False, scheduled=True)
+    chunked = LLM(real_model_path, pool_blocks=12, block_size=4, chunk_size=3, batch_invariant=True, show_progress=False)
     assert tokens(chunked.generate(prompts, params)) == alone
     assert chunked.engine.scheduler.stats.num_preemptions > 0

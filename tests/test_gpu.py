@@ -13,6 +13,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def test_gpu_greedy_matches_cpu(tiny_model):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = ["the cat sat", "hello world", "on the mat"]
-    cpu = LLM(tiny_model, pool_blocks=64, scheduled=True, show_progress=False).generate(prompts, params)
-    gpu = LLM(tiny_model, pool_blocks=64, scheduled=True, gpu=True, show_progress=False).generate(prompts, params)
+    cpu = LLM(tiny_model, pool_blocks=64, show_progress=False).generate(prompts, params)
+    gpu = LLM(tiny_model, pool_blocks=64, gpu=True, show_progress=False).generate(prompts, params)
     assert [r.token_ids for r in gpu] == [r.token_ids for r in cpu]

@@ -40,20 +40,20 @@ def test_routing_prefers_the_least_loaded_then_prefix_hits_and_handles_dead_work
 
 def test_bad_disaggregation_settings_fail_naming_the_flag(tiny_model):
     with pytest.raises(ValueError, match="--prefill-workers must be a positive integer"):
-        EngineConfig(tiny_model, scheduled=True, disaggregate=True, prefill_workers=0)
+        EngineConfig(tiny_model, disaggregate=True, prefill_workers=0)
     with pytest.raises(ValueError, match="--decode-workers needs --disaggregate"):
-        EngineConfig(tiny_model, scheduled=True, decode_workers=2)
-    with pytest.raises(ValueError, match="add --scheduled"):
-        EngineConfig(tiny_model, disaggregate=True)
+        EngineConfig(tiny_model, decode_workers=2)
+    with pytest.raises(ValueError, match="drop --static-batching"):
+        EngineConfig(tiny_model, disaggregate=True, static_batching=True)
     with pytest.raises(ValueError, match="speculative decoding"):
-        EngineConfig(tiny_model, scheduled=True, disaggregate=True, spec_method="ngram")
+        EngineConfig(tiny_model, disaggregate=True, spec_method="ngram")
     with pytest.raises(ValueError, match="--decode-tp needs --disaggregate"):
-        EngineConfig(tiny_model, scheduled=True, decode_tp=2)
+        EngineConfig(tiny_model, decode_tp=2)
     with pytest.raises(ValueError, match="--prefill-tp must be a positive integer"):
-        EngineConfig(tiny_model, scheduled=True, disaggregate=True, prefill_tp=0)
-    cfg = EngineConfig(tiny_model, scheduled=True, disaggregate=True)
+        EngineConfig(tiny_model, disaggregate=True, prefill_tp=0)
+    cfg = EngineConfig(tiny_model, disaggregate=True)
     assert (cfg.prefill_workers, cfg.decode_workers, cfg.prefill_tp, cfg.decode_tp) == (1, 1, 1, 1)
-    cfg = EngineConfig(tiny_model, scheduled=True, disaggregate=True, tp=2, decode_tp=3)
+    cfg = EngineConfig(tiny_model, disaggregate=True, tp=2, decode_tp=3)
     assert (cfg.prefill_tp, cfg.decode_tp) == (2, 3)
 
 
@@ -87,7 +87,7 @@ def run_all(engine, prompts, params, timeout_s=240):
 def test_greedy_output_identical_to_the_colocated_engine_and_no_leaked_blocks(tiny_model, prefill, decode):
     from justapi.engine.pd_engine import PdEngine
 
-    opts = dict(pool_blocks=256, batch_invariant=True, scheduled=True, chunk_size=64, show_progress=False)
+    opts = dict(pool_blocks=256, batch_invariant=True, chunk_size=64, show_progress=False)
     prompts, params = mixed_requests()
     want = LLM(tiny_model, **opts).generate(prompts, params)
     engine = PdEngine(EngineConfig(tiny_model, disaggregate=True, prefill_workers=prefill, decode_workers=decode,
@@ -119,7 +119,7 @@ def test_each_pool_with_its_own_tensor_parallel_size_gives_the_colocated_output(
     KV is gathered from one layout and spread over the other."""
     from justapi.engine.pd_engine import PdEngine
 
-    opts = dict(pool_blocks=256, batch_invariant=True, scheduled=True, chunk_size=64, show_progress=False)
+    opts = dict(pool_blocks=256, batch_invariant=True, chunk_size=64, show_progress=False)
     prompts, params = mixed_requests(8, seed=3)
     want = LLM(tiny_model, **opts).generate(prompts, params)
     engine = PdEngine(EngineConfig(tiny_model, disaggregate=True, prefill_tp=2, decode_tp=4, num_threads=1, **opts))
@@ -144,7 +144,7 @@ def test_each_pool_with_its_own_tensor_parallel_size_gives_the_colocated_output(
 def test_requests_routed_to_a_dead_prefill_worker_are_retried_on_another(tiny_model):
     from justapi.engine.pd_engine import PdEngine
 
-    opts = dict(pool_blocks=128, batch_invariant=True, scheduled=True, show_progress=False)
+    opts = dict(pool_blocks=128, batch_invariant=True, show_progress=False)
     prompts, params = mixed_requests(4, seed=2)
     want = LLM(tiny_model, **opts).generate(prompts, params)
     engine = PdEngine(EngineConfig(tiny_model, disaggregate=True, prefill_workers=2, decode_workers=1,
@@ -165,7 +165,7 @@ def test_a_decode_worker_killed_mid_stream_fails_its_requests_and_serving_goes_o
 
     from server_helpers import ServerProcess, metric
 
-    srv = ServerProcess(["--model", tiny_model, "--scheduled", "--pool-blocks", "256", "--disaggregate",
+    srv = ServerProcess(["--model", tiny_model, "--pool-blocks", "256", "--disaggregate",
                          "--prefill-workers", "1", "--decode-workers", "2", "--threads", "1"],
                         str(tmp_path / "pd.log"), timeout_s=300)
     try:

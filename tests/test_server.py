@@ -18,7 +18,7 @@ NAME = "tiny"
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "server.log"
-    srv = ServerProcess(["--model", tiny_model, "--scheduled", "--pool-blocks", "300", "--api-key", KEY,
+    srv = ServerProcess(["--model", tiny_model, "--pool-blocks", "300", "--api-key", KEY,
                          "--served-model-name", NAME, "--max-model-len", "512", "--max-n", "4",
                          "--threads", "1", "--batch-invariant"], str(log))
     yield srv
@@ -198,7 +198,7 @@ def test_metrics_parse_and_move(server, client):
 
 
 def test_full_queue_answers_429_then_recovers(tiny_model, tmp_path):
-    srv = ServerProcess(["--model", tiny_model, "--scheduled", "--max-seqs", "1", "--max-queue", "1",
+    srv = ServerProcess(["--model", tiny_model, "--max-seqs", "1", "--max-queue", "1",
                          "--pool-blocks", "200", "--threads", "1"], str(tmp_path / "q.log"))
     try:
         async def burst():

@@ -17,7 +17,7 @@ NAME = "smollm2-135m"
 @pytest.fixture(scope="module")
 def server(real_model_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "real.log"
-    srv = ServerProcess(["--model", real_model_path, "--scheduled", "--pool-blocks", "512", "--batch-invariant",
+    srv = ServerProcess(["--model", real_model_path, "--pool-blocks", "512", "--batch-invariant",
                          "--served-model-name", NAME], str(log))
     yield srv
     assert srv.stop() == 0

@@ -36,7 +36,7 @@ def copy_prompts(llm, n, seed=0):
 
 @pytest.fixture(scope="module")
 def pair(tiny_model):
-    opts = dict(pool_blocks=512, show_progress=False, batch_invariant=True, scheduled=True)
+    opts = dict(pool_blocks=512, show_progress=False, batch_invariant=True)
     return LLM(tiny_model, **opts), LLM(tiny_model, spec_method="ngram", gamma=4, spec_max_batch=64, **opts)
 
 
@@ -77,7 +77,7 @@ def test_preemption_and_prefix_cache_keep_output_and_blocks(tiny_model, pair):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     want = [r.token_ids for r in plain.generate(prompts, params)]
     small = LLM(tiny_model, pool_blocks=40, block_size=4, max_seqs=12, show_progress=False, batch_invariant=True,
-                scheduled=True, spec_method="ngram", gamma=5, spec_max_batch=64)
+                spec_method="ngram", gamma=5, spec_max_batch=64)
     assert [r.token_ids for r in small.generate(prompts + prompts[:3], params)] == want + want[:3]
     sched = small.engine.scheduler
     assert sched.stats.num_preemptions > 0 and sched.stats.spec_accepted_tokens > 0
@@ -86,7 +86,7 @@ def test_preemption_and_prefix_cache_keep_output_and_blocks(tiny_model, pair):
 
 
 def test_speculation_stays_off_above_the_batch_limit(tiny_model):
-    llm = LLM(tiny_model, pool_blocks=512, show_progress=False, scheduled=True, spec_method="ngram", spec_max_batch=2)
+    llm = LLM(tiny_model, pool_blocks=512, show_progress=False, spec_method="ngram", spec_max_batch=2)
     prompts = copy_prompts(llm, 8, seed=4)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     assert llm.engine.scheduler.stats.spec_draft_tokens == 0  # 8 decoding at once, limit 2: no drafts
@@ -197,7 +197,7 @@ def test_sampled_speculative_output_follows_the_model_distribution(tmp_path):
     from tiny_gguf import write_tiny_model
 
     path = write_tiny_model(str(tmp_path / "t.gguf"), "llama", weight_scale=0.2, seed=5)
-    opts = dict(pool_blocks=2048, show_progress=False, scheduled=True, max_seqs=64, max_decode=64)
+    opts = dict(pool_blocks=2048, show_progress=False, max_seqs=64, max_decode=64)
     plain = LLM(path, **opts)
     spec = LLM(path, spec_method="ngram", gamma=3, spec_max_batch=1000, **opts)
     own = plain.generate([[5, 6, 7]], SamplingParams(temperature=1.0, max_tokens=100, ignore_eos=True, seed=1))[0]
@@ -217,7 +217,7 @@ def test_server_exports_speculation_metrics(tiny_model, tmp_path):
 
     from server_helpers import ServerProcess, metric
 
-    srv = ServerProcess(["--model", tiny_model, "--scheduled", "--pool-blocks", "200", "--spec-method", "ngram",
+    srv = ServerProcess(["--model", tiny_model, "--pool-blocks", "200", "--spec-method", "ngram",
                          "--gamma", "3"], str(tmp_path / "spec.log"))
     try:
         prompt = [7, 8, 9, 10, 11] * 8

@@ -15,7 +15,7 @@ from justapi import LLM, SamplingParams
 from justapi.config import EngineConfig
 from tiny_gguf import write_tiny_model
 
-OPTS = dict(pool_blocks=512, show_progress=False, batch_invariant=True, scheduled=True)
+OPTS = dict(pool_blocks=512, show_progress=False, batch_invariant=True)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def test_preemption_prefix_cache_and_blocks_with_a_tree(tiny_model, plain):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     want = [r.token_ids for r in plain.generate(prompts, params)]
     small = LLM(tiny_model, draft_model=tiny_model, gamma=3, branch=2, spec_max_batch=64, pool_blocks=40,
-                block_size=4, max_seqs=12, show_progress=False, batch_invariant=True, scheduled=True)
+                block_size=4, max_seqs=12, show_progress=False, batch_invariant=True)
     assert [r.token_ids for r in small.generate(prompts, params)] == want
     sched = small.engine.scheduler
     assert sched.stats.num_preemptions > 0 and sched.stats.spec_accepted_tokens > 0
@@ -112,7 +112,7 @@ def test_sampled_output_with_a_draft_tree_follows_the_model_distribution(tmp_pat
     from stats_helpers import assert_same_token_distribution
 
     target = write_tiny_model(str(tmp_path / "t.gguf"), "llama", weight_scale=0.2, seed=5)
-    opts = dict(pool_blocks=2048, show_progress=False, scheduled=True, max_seqs=64, max_decode=64)
+    opts = dict(pool_blocks=2048, show_progress=False, max_seqs=64, max_decode=64)
     plain = LLM(target, **opts)
     spec = LLM(target, draft_model=target, gamma=2, branch=2, spec_max_batch=1000, **opts)
     n = 2500
@@ -169,7 +169,7 @@ def test_server_with_a_draft_tree_exports_metrics_and_honours_speculative_false(
 
     from server_helpers import ServerProcess, metric
 
-    srv = ServerProcess(["--model", tiny_model, "--scheduled", "--pool-blocks", "200", "--draft-model", tiny_model,
+    srv = ServerProcess(["--model", tiny_model, "--pool-blocks", "200", "--draft-model", tiny_model,
                          "--gamma", "3", "--branch", "2"], str(tmp_path / "draft.log"))
     try:
         body = {"prompt": [7, 8, 9, 10], "max_tokens": 24, "temperature": 0, "ignore_eos": True}

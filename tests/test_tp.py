@@ -47,7 +47,7 @@ def _prompts(n=8, seed=0):
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tiny_model_greedy_identical_and_logprobs_close(tiny_model, tp):
-    opts = dict(pool_blocks=256, scheduled=True, show_progress=False)
+    opts = dict(pool_blocks=256, show_progress=False)
     prompts = _prompts()
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=5)
     want = LLM(tiny_model, **opts).generate(prompts, params)
@@ -66,7 +66,7 @@ def test_tiny_model_greedy_identical_and_logprobs_close(tiny_model, tp):
 
 
 def test_tp_with_prefix_cache_and_draft_tree_speculation(tiny_model):
-    opts = dict(pool_blocks=256, scheduled=True, show_progress=False)
+    opts = dict(pool_blocks=256, show_progress=False)
     prompts = [list(range(10, 42)) + p for p in _prompts(6, seed=1)]  # a shared 32-token prefix: cache hits
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     want = [r.token_ids for r in LLM(tiny_model, **opts).generate(prompts, params)]
@@ -122,7 +122,7 @@ def test_4bit_weights_stay_4bit_under_tp(tmp_path):
     from justapi.model.quant import Int4Weight
 
     path = write_tiny_model(str(tmp_path / "q4.gguf"), hidden=128, intermediate=256, qtype="Q4_1", weight_scale=0.05)
-    opts = dict(pool_blocks=128, dtype="auto", scheduled=True, show_progress=False)
+    opts = dict(pool_blocks=128, dtype="auto", show_progress=False)
     prompts = _prompts(6, seed=4)
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
     want = LLM(path, **opts).generate(prompts, params)
@@ -144,7 +144,7 @@ def test_4bit_weights_stay_4bit_under_tp(tmp_path):
 @pytest.fixture(scope="module")
 def smollm2_one_rank(real_model_path, smollm2_copy_task):
     chats, params, _, _ = smollm2_copy_task
-    opts = dict(pool_blocks=512, dtype="float32", scheduled=True, show_progress=False)
+    opts = dict(pool_blocks=512, dtype="float32", show_progress=False)
     return chats[:4], params, [r.token_ids for r in LLM(real_model_path, **opts).generate(chats[:4], params)], opts
 
 
@@ -164,7 +164,7 @@ def test_a_dead_worker_fails_the_server_clearly(tiny_model, tmp_path):
 
     from server_helpers import ServerProcess
 
-    srv = ServerProcess(["--model", tiny_model, "--scheduled", "--pool-blocks", "128", "--tp", "2"],
+    srv = ServerProcess(["--model", tiny_model, "--pool-blocks", "128", "--tp", "2"],
                         str(tmp_path / "tp.log"), timeout_s=300)
     try:
         body = {"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0}

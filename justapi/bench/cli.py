@@ -213,20 +213,20 @@ def cmd_offline(args, engine_config) -> int:
     engine = None
     rows, names = [], []
     jobs = None
-    for scheduled in (False, True):
+    for static in (True, False):
         engine = None  # free the previous engine's KV pool before the next one allocates its own
-        engine = EngineCore(replace(base, scheduled=scheduled, show_progress=False))
+        engine = EngineCore(replace(base, static_batching=static, show_progress=False))
         if jobs is None:
             jobs = build(_spec(args), engine.tokenizer)
         results, elapsed = run_offline(engine, jobs, args.time_limit, args.temperature)
         figures = report.summarize(results, elapsed)
         utils = engine.scheduler.stats.batch_utilizations
-        if not scheduled:
+        if static:
             figures["static_batch_utilization_U"] = sum(utils) / len(utils) if utils else None
             figures["static_batches"] = len(utils)
         figures["engine_steps"] = engine.scheduler.stats.num_steps
         rows.append(figures)
-        names.append("continuous" if scheduled else "static")
+        names.append("static" if static else "continuous")
     print(report.table(names, rows))
     u = rows[0]["static_batch_utilization_U"]
     if u is not None:

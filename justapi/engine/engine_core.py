@@ -123,7 +123,7 @@ class EngineCore:
             branch=config.branch or DEFAULT_BRANCH,
             spec_max_batch=config.spec_max_batch,
         )
-        self.scheduler = (Scheduler if config.scheduled else StaticScheduler)(sched_config)
+        self.scheduler = (StaticScheduler if config.static_batching else Scheduler)(sched_config)
         proposer = None
         if self.draft_model is not None:
             proposer = DraftProposer(self.draft_model, num_blocks, config.block_size, config.device,
