@@ -149,12 +149,10 @@ def cmd_generate(args) -> int:
     except ValueError as e:
         raise CliError(str(e)) from None
     engine = EngineCore(cfg)
-    tok = engine.tokenizer
     if args.chat:
-        text = engine.chat_template.render([{"role": "user", "content": args.prompt}], True, tok.bos_token, tok.eos_token)
-        ids = tok.encode(text)
+        ids = engine.render_chat([{"role": "user", "content": args.prompt}], True)
     else:
-        ids = tok.encode(args.prompt)
+        ids = engine.tokenizer.encode(args.prompt)
     try:
         engine.add_request("generate", ids, params)
     except ValueError as e:

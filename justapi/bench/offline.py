@@ -36,7 +36,7 @@ def run_offline(engine, jobs: list[Job], time_limit: float, temperature: float =
             else:
                 messages = turn.messages if turn.messages is not None else (
                     histories[i] + [{"role": "user", "content": turn.user}])
-                ids = tok.encode(engine.chat_template.render(messages, True, tok.bos_token, tok.eos_token))
+                ids = engine.render_chat(messages, True)
             params = SamplingParams(max_tokens=turn.max_tokens, temperature=temperature, ignore_eos=True)
             res = RequestResult(ok=False, kind=job.kind, start=time.monotonic(), prompt_tokens=len(ids),
                                 usage_reported=True)

@@ -15,11 +15,14 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from ..core.scheduler import AdmissionError
+from ..core.stats import PdSnapshot, SchedulerSnapshot
 from ..sampling_params import SamplingParams
-from .engine_core import EngineCore
 from .output_processor import RequestOutput
+from .protocol import Engine
 
 log = logging.getLogger("justapi.engine")
+
+STATS_EVERY_S = 0.1  # how stale the stats snapshot may get while requests run (a copy costs ~0.1 ms)
 
 
 class QueueFullError(Exception):
@@ -43,7 +46,7 @@ class RequestTiming:
 class AsyncLLM:
     """Add a request, receive its outputs as they are produced, abort it."""
 
-    def __init__(self, engine: EngineCore, max_queue: int = 1024, stats_interval_s: float = 10.0,
+    def __init__(self, engine: Engine, max_queue: int = 1024, stats_interval_s: float = 10.0,
                  on_finish: Callable[[str, RequestOutput, RequestTiming], None] | None = None) -> None:
         self.engine = engine
         self.max_queue = max_queue
@@ -57,6 +60,8 @@ class AsyncLLM:
         self._thread = threading.Thread(target=self._run, name="justapi-engine", daemon=True)
         self._pending_adds = 0  # adds queued for the engine thread, guarded by _count_lock
         self._count_lock = threading.Lock()
+        self._stats = engine.stats()  # replaced whole by the engine thread, never changed in place
+        self._stats_taken = time.monotonic()
 
     def start(self) -> None:
         self._thread.start()
@@ -71,6 +76,12 @@ class AsyncLLM:
     def dead(self) -> BaseException | None:
         """The error that stopped the engine loop, or None while it runs."""
         return self._dead
+
+    @property
+    def stats(self) -> SchedulerSnapshot | PdSnapshot:
+        """The engine's state as the engine thread last copied it: after a step at most STATS_EVERY_S old, and
+        whenever the engine goes idle."""
+        return self._stats
 
     @property
     def num_waiting(self) -> int:
@@ -127,11 +138,13 @@ class AsyncLLM:
                 self._apply_commands()
                 if not self.engine.has_unfinished:
                     self.engine.idle()
+                    self._take_stats(time.monotonic(), force=True)
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
                 outputs = self.engine.step()
                 now = time.monotonic()
+                self._take_stats(now)
                 for out in outputs:
                     self._deliver(out, now)
                 for rid, error in self.engine.take_failures():
@@ -144,6 +157,10 @@ class AsyncLLM:
             self._dead = e
             for rid in list(self._streams):
                 self._fail(rid, EngineDeadError(f"the engine stopped: {type(e).__name__}: {e}"))
+
+    def _take_stats(self, now: float, force: bool = False) -> None:
+        if force or now - self._stats_taken >= STATS_EVERY_S:
+            self._stats, self._stats_taken = self.engine.stats(), now
 
     def _apply_commands(self) -> None:
         while self._commands:

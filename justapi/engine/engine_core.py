@@ -16,6 +16,7 @@ from ..config import (
     SchedulerConfig,
 )
 from ..core.outputs import EngineCoreOutput
+from ..core.stats import SchedulerSnapshot
 from ..core.scheduler import Scheduler, StaticScheduler
 from ..kernels import decode_kernels
 from ..model.chat_template import ChatTemplate
@@ -28,6 +29,7 @@ from ..request import RequestStatus
 from ..sampling_params import SamplingParams
 from ..spec.draft import DraftProposer, check_same_vocabulary
 from .output_processor import OutputProcessor, RequestOutput
+from .protocol import EngineLimits
 
 log = logging.getLogger("justapi.engine")
 
@@ -217,6 +219,14 @@ class EngineCore:
         return report
 
     @property
+    def limits(self) -> EngineLimits:
+        return EngineLimits(self.max_model_len, self.model_config.vocab_size)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        """Token ids of a conversation in the model's chat template (ChatTemplateError for a bad one)."""
+        return self.chat_template.encode(self.tokenizer, messages, add_generation_prompt)
+
+    @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
@@ -229,6 +239,14 @@ class EngineCore:
         return (f"{len(sched.running)} running, {len(sched.waiting)} waiting, KV blocks {sched.pool.num_used}/"
                 f"{sched.pool.num_blocks} used ({sched.num_cached_blocks} cached), {sched.stats.num_preemptions} "
                 f"preemptions, {sched.stats.last_step_tokens} tokens last step")
+
+    def health(self) -> tuple[bool, dict]:
+        """One process: serving whenever the engine loop runs."""
+        return True, {}
+
+    def stats(self) -> SchedulerSnapshot:
+        """A frozen copy of the scheduler's state (core.stats), taken on the engine thread."""
+        return SchedulerSnapshot.of(self.scheduler)
 
     def idle(self) -> None:
         """Called by the engine loop while nothing runs."""

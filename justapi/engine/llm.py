@@ -108,6 +108,4 @@ class LLM:
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation rendered with the model's template, ready for the assistant's turn."""
-        tok = self.tokenizer
-        text = self.engine.chat_template.render(messages, True, tok.bos_token, tok.eos_token)
-        return tok.encode(text)
+        return self.engine.render_chat(messages, True)

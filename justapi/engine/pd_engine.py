@@ -28,6 +28,7 @@ from ..config import EngineConfig, SchedulerConfig
 from ..core.outputs import EngineCoreOutput
 from ..core.pd_scheduler import PdScheduler, WorkerInfo
 from ..core.scheduler import Scheduler
+from ..core.stats import PdSnapshot
 from ..model.chat_template import ChatTemplate
 from ..model.gguf_loader import ModelLoadError, open_gguf, read_model_config
 from ..model.tokenizer import Tokenizer
@@ -36,6 +37,7 @@ from .async_llm import EngineDeadError
 from .engine_core import check_token_ids
 from .output_processor import OutputProcessor, RequestOutput
 from .pd_worker import WorkerSpec, follower_main, worker_main
+from .protocol import EngineLimits
 
 log = logging.getLogger("justapi.pd")
 
@@ -176,6 +178,18 @@ class PdEngine:
         if dead:
             detail["dead_workers"] = dead
         return serving, detail
+
+    def stats(self) -> PdSnapshot:
+        """A frozen copy of the workers' last reports and the transfer counters, taken on the engine thread."""
+        return PdSnapshot.of(self.pd)
+
+    @property
+    def limits(self) -> EngineLimits:
+        return EngineLimits(self.max_model_len, self.model_config.vocab_size)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        """Token ids of a conversation in the model's chat template (ChatTemplateError for a bad one)."""
+        return self.chat_template.encode(self.tokenizer, messages, add_generation_prompt)
 
     def check_integrity(self, timeout_s: float = 30.0) -> dict[int, tuple[str | None, dict]]:
         """Ask every live worker to check its KV pool; rank → (problem or None, what it holds)."""

@@ -55,10 +55,12 @@ def _installed():
     try:
         import torch  # noqa: F401  the module links torch's libraries, which torch's import loads
 
-        return importlib.import_module("._C", __name__)
+        module = importlib.import_module("._C", __name__)
     except ImportError as e:
         log.warning("the installed C++ kernels do not load (%s): compiling them for this CPU", e)
         return None
+    log.info("C++ kernels: %s", module.__file__)
+    return module
 
 
 def _compiled_here():

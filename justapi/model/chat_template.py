@@ -41,6 +41,11 @@ class ChatTemplate:
     def available(self) -> bool:
         return self._template is not None
 
+    def encode(self, tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation rendered with ``tokenizer``'s BOS and EOS strings and encoded by it."""
+        text = self.render(messages, add_generation_prompt, tokenizer.bos_token, tokenizer.eos_token)
+        return tokenizer.encode(text)
+
     def render(self, messages: list[dict], add_generation_prompt: bool = True, bos_token: str = "", eos_token: str = "") -> str:
         if self._template is None:
             raise ChatTemplateError("the model file has no chat template; use the completions endpoint")

@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import ServerConfig
 from ..engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
-from ..engine.engine_core import EngineCore
+from ..engine.protocol import Engine
 from ..model.chat_template import ChatTemplateError
 from .metrics import Metrics
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -44,7 +44,7 @@ class ServerState:
         self.config = config
         self.model_name = model_name
         self.metrics = Metrics()
-        self.engine: EngineCore | None = None
+        self.engine: Engine | None = None
         self.llm: AsyncLLM | None = None
         self.load_error: str | None = None
 
@@ -111,7 +111,7 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
             log.error(state.load_error)
             return
         llm = AsyncLLM(engine, config.max_queue, config.stats_interval_s, on_finish)
-        state.metrics.attach_engine(engine)
+        state.metrics.attach(lambda: llm.stats)
         llm.start()
         state.engine, state.llm = engine, llm
         log.info("ready: serving %s as %r", engine.config.model, model_name)
@@ -123,9 +123,8 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
         yield
         if state.llm is not None:
             state.llm.shutdown()
-        close = getattr(state.engine, "close", None)
-        if close is not None:
-            close()
+        if state.engine is not None:
+            state.engine.close()
 
     app = FastAPI(title="JustAPI", lifespan=lifespan)
     app.state.justapi = state
@@ -145,10 +144,7 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
             return error_response(503, state.load_error or "the model is loading", "service_unavailable")
         if state.llm.dead is not None:
             return error_response(503, f"the engine stopped: {state.llm.dead}", "service_unavailable")
-        health = getattr(state.engine, "health", None)
-        if health is None:
-            return {"status": "ok"}
-        serving, detail = health()
+        serving, detail = state.engine.health()
         if not serving:
             return error_response(503, f"no worker left in a pool: {detail}", "service_unavailable")
         return {"status": "degraded" if "dead_workers" in detail else "ok", **detail}
@@ -161,29 +157,29 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
     async def models():
         llm = state.ready_llm()  # 503 while loading: clients poll this route for readiness
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "justapi",
-                                              "max_model_len": llm.engine.max_model_len}]}
+                                              "max_model_len": state.engine.limits.max_model_len}]}
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         llm = state.ready_llm()
         _check_model(req.model)
-        tok = llm.engine.tokenizer
+        tok = state.engine.tokenizer
         if req.messages is not None:
-            ids = _chat_prompt(llm.engine, [m.model_dump() for m in req.messages], req.add_generation_prompt)
+            ids = _chat_prompt(state.engine, [m.model_dump() for m in req.messages], req.add_generation_prompt)
         elif req.prompt is not None:
             ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
             raise ApiError(400, "give prompt or messages", param="prompt")
-        return {"tokens": ids, "count": len(ids), "max_model_len": llm.engine.max_model_len}
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.engine.limits.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
         llm = state.ready_llm()
         _check_model(req.model)
-        vocab = llm.engine.model_config.vocab_size
+        vocab = state.engine.limits.vocab_size
         if any(not 0 <= t < vocab for t in req.tokens):
             raise ApiError(400, f"token ids must be in 0..{vocab - 1}", param="tokens")
-        return {"prompt": llm.engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+        return {"prompt": state.engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     def _check_model(name: str | None) -> None:
         if name is not None and name != model_name:
@@ -202,7 +198,7 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
     async def completions(req: CompletionRequest, raw: Request):
         llm = state.ready_llm()
         _common_checks(req)
-        tok = llm.engine.tokenizer
+        tok = state.engine.tokenizer
         prompts = req.prompt if isinstance(req.prompt, list) and not isinstance(req.prompt[0], int) else [req.prompt]
         ids_list = [tok.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         echo = [p if isinstance(p, str) else tok.decode(p) for p in prompts] if req.echo else None
@@ -226,7 +222,7 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
         llm = state.ready_llm()
         _common_checks(req)
         try:
-            ids = _chat_prompt(llm.engine, req.message_dicts(), req.add_generation_prompt)
+            ids = _chat_prompt(state.engine, req.message_dicts(), req.add_generation_prompt)
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -235,7 +231,7 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
         for c in choices:
             _validate(llm, c)
         rid = new_id("chatcmpl")
-        tok = llm.engine.tokenizer
+        tok = state.engine.tokenizer
         if req.stream:
             return _stream(raw, llm, rid, choices, req, _ChatChunks(rid, model_name, tok))
         await _collect(raw, llm, rid, choices)
@@ -277,13 +273,11 @@ def _validate(llm: AsyncLLM, choice: Choice) -> None:
         raise _engine_error(e) from None
 
 
-def _chat_prompt(engine: EngineCore, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-    tok = engine.tokenizer
+def _chat_prompt(engine: Engine, messages: list[dict], add_generation_prompt: bool) -> list[int]:
     try:
-        text = engine.chat_template.render(messages, add_generation_prompt, tok.bos_token, tok.eos_token)
+        return engine.render_chat(messages, add_generation_prompt)
     except ChatTemplateError as e:
         raise ApiError(400, str(e), param="messages") from None
-    return tok.encode(text)
 
 
 async def _collect(raw: Request, llm: AsyncLLM, rid: str, choices: list[Choice]) -> None:

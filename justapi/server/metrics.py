@@ -1,112 +1,109 @@
-"""Prometheus metrics: request latencies, token counters, and live scheduler / prefix-cache state."""
+"""Prometheus metrics: request latencies, token counters, and the scheduler / prefix-cache state of the engine's
+latest snapshot."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..core.stats import PdSnapshot, SchedulerSnapshot
 from ..engine.async_llm import RequestTiming
 from ..engine.output_processor import RequestOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
 
-class _SchedulerCollector:
-    """Reads the scheduler at scrape time. The prefix-cache names are the documented contract, kept exact."""
+class _SnapshotCollector:
+    """Renders the engine's latest stats snapshot (taken on the engine thread: core.stats), a SchedulerSnapshot or,
+    disaggregated, a PdSnapshot. The prefix-cache names are the documented contract, kept exact."""
 
-    def __init__(self, engine) -> None:
-        self.engine = engine
-
-    def collect(self):
-        sched = self.engine.scheduler
-        cache = sched.cache
-        hits = cache.hits if cache else 0
-        misses = cache.misses if cache else 0
-        # Plain gauges so the exposed names are exactly these (a Prometheus counter would gain "_total").
-        yield GaugeMetricFamily("prefix_cache_hits", "Prompt KV blocks found in the prefix cache", value=hits)
-        yield GaugeMetricFamily("prefix_cache_misses", "Prompt KV blocks looked up and not found", value=misses)
-        yield GaugeMetricFamily("prefix_cache_hit_ratio", "hits / (hits + misses)",
-                                value=hits / (hits + misses) if hits + misses else 0.0)
-        yield GaugeMetricFamily("prefix_cache_blocks", "KV blocks currently held by the prefix cache",
-                                value=sched.num_cached_blocks)
-        yield GaugeMetricFamily("justapi_requests_running", "Requests being computed", value=len(sched.running))
-        yield GaugeMetricFamily("justapi_requests_waiting", "Requests queued or preempted", value=len(sched.waiting))
-        yield GaugeMetricFamily("justapi_kv_blocks_used", "KV blocks in use (requests and cache)", value=sched.pool.num_used)
-        yield GaugeMetricFamily("justapi_kv_blocks_total", "KV blocks in the pool", value=sched.pool.num_blocks)
-        yield GaugeMetricFamily("justapi_kv_blocks_used_by_requests", "KV blocks owned by running requests",
-                                value=len({b for r in list(sched.running) for b in r.block_ids}))
-        yield CounterMetricFamily("justapi_preemptions", "Requests preempted for lack of KV blocks",
-                                  value=sched.stats.num_preemptions)
-        yield CounterMetricFamily("justapi_engine_steps", "Engine iterations", value=sched.stats.num_steps)
-        yield GaugeMetricFamily("justapi_step_tokens", "Tokens computed in the last step", value=sched.stats.last_step_tokens)
-        yield CounterMetricFamily("justapi_scheduled_tokens", "Tokens computed over all steps",
-                                  value=sched.stats.num_scheduled_tokens_total)
-        st = sched.stats
-        yield CounterMetricFamily("justapi_spec_draft_tokens", "Draft tokens verified by the target",
-                                  value=st.spec_draft_tokens)
-        yield CounterMetricFamily("justapi_spec_accepted_tokens", "Draft tokens accepted", value=st.spec_accepted_tokens)
-        yield GaugeMetricFamily("justapi_spec_acceptance_rate", "Accepted / verified draft tokens",
-                                value=st.spec_acceptance_rate)
-        yield GaugeMetricFamily("justapi_spec_mean_accepted_length",
-                                "Tokens emitted per speculative step (accepted drafts + the target's token)",
-                                value=st.spec_mean_accepted_length)
-        per_pos = GaugeMetricFamily("justapi_spec_acceptance_rate_by_position",
-                                    "Acceptance rate of the k-th draft token (0 = first), when it was verified",
-                                    labels=["position"])
-        for k, (acc, prop) in enumerate(zip(list(st.spec_accepted_at), list(st.spec_proposed_at))):
-            per_pos.add_metric([str(k)], acc / prop if prop else 0.0)
-        yield per_pos
-        utils = sched.stats.batch_utilizations
-        if utils:
-            yield GaugeMetricFamily("justapi_static_batch_utilization", "U of the last static batch", value=utils[-1])
-
-
-class _PdCollector:
-    """Disaggregated serving: the workers' last reports and the KV transfers, read from the PdScheduler."""
-
-    def __init__(self, pd) -> None:
-        self.pd = pd
+    def __init__(self, latest) -> None:
+        self.latest = latest  # () -> SchedulerSnapshot | PdSnapshot | None
 
     def collect(self):
-        workers = list(self.pd.workers.values())
-        prefill = [w for w in workers if w.role == "prefill"]
-        hits, misses = sum(w.cache_hits for w in prefill), sum(w.cache_misses for w in prefill)
-        # the prefix cache that matters is the prefill workers' (prompts are computed there)
-        yield GaugeMetricFamily("prefix_cache_hits", "Prompt KV blocks found in the prefill workers' prefix caches",
-                                value=hits)
-        yield GaugeMetricFamily("prefix_cache_misses", "Prompt KV blocks looked up and not found", value=misses)
-        yield GaugeMetricFamily("prefix_cache_hit_ratio", "hits / (hits + misses)",
-                                value=hits / (hits + misses) if hits + misses else 0.0)
-        yield GaugeMetricFamily("prefix_cache_blocks", "KV blocks held by the prefill workers' prefix caches",
-                                value=sum(w.cached_blocks for w in prefill))
-        st = self.pd.stats
-        yield CounterMetricFamily("justapi_pd_kv_transfers", "Requests whose KV moved to a decode worker",
-                                  value=st.kv_transfers)
-        yield CounterMetricFamily("justapi_pd_kv_transfer_bytes", "KV bytes moved prefill → decode", value=st.kv_bytes)
-        yield CounterMetricFamily("justapi_pd_kv_transfer_blocks", "KV blocks moved prefill → decode", value=st.kv_blocks)
-        yield CounterMetricFamily("justapi_pd_kv_transfer_seconds", "Time from posting a KV send to its completion",
-                                  value=st.kv_seconds)
-        yield CounterMetricFamily("justapi_pd_requests_retried", "Requests moved to another prefill worker after a "
-                                  "worker died", value=st.retried)
-        yield CounterMetricFamily("justapi_pd_requests_failed", "Requests failed because a worker died",
-                                  value=st.failed)
-        for name, help_text, attr in (
-            ("justapi_pd_queue_length", "Requests waiting in a pool (sum of its workers' queues)", "waiting"),
-            ("justapi_pd_running", "Requests being computed in a pool", "running"),
-        ):
-            g = GaugeMetricFamily(name, help_text, labels=["pool"])
-            for role in ("prefill", "decode"):
-                g.add_metric([role], sum(getattr(w, attr) for w in workers if w.role == role and w.alive))
-            yield g
-        util = GaugeMetricFamily("justapi_pd_utilization", "Share of wall time a pool's live workers spent in engine "
-                                 "steps (mean over the workers, last report)", labels=["pool"])
-        alive = GaugeMetricFamily("justapi_pd_workers_alive", "Live workers per pool", labels=["pool"])
+        snap = self.latest()
+        if isinstance(snap, SchedulerSnapshot):
+            yield from _scheduler_metrics(snap)
+        elif isinstance(snap, PdSnapshot):
+            yield from _pd_metrics(snap)
+
+
+def _prefix_cache_metrics(hits: int, misses: int, blocks: int, where: str):
+    # plain gauges so the exposed names are exactly these (a Prometheus counter would gain "_total")
+    yield GaugeMetricFamily("prefix_cache_hits", f"Prompt KV blocks found in {where}", value=hits)
+    yield GaugeMetricFamily("prefix_cache_misses", "Prompt KV blocks looked up and not found", value=misses)
+    yield GaugeMetricFamily("prefix_cache_hit_ratio", "hits / (hits + misses)",
+                            value=hits / (hits + misses) if hits + misses else 0.0)
+    yield GaugeMetricFamily("prefix_cache_blocks", f"KV blocks currently held by {where}", value=blocks)
+
+
+def _scheduler_metrics(snap: SchedulerSnapshot):
+    yield from _prefix_cache_metrics(snap.prefix_cache_hits, snap.prefix_cache_misses, snap.prefix_cache_blocks,
+                                     "the prefix cache")
+    yield GaugeMetricFamily("justapi_requests_running", "Requests being computed", value=snap.num_running)
+    yield GaugeMetricFamily("justapi_requests_waiting", "Requests queued or preempted", value=snap.num_waiting)
+    yield GaugeMetricFamily("justapi_kv_blocks_used", "KV blocks in use (requests and cache)", value=snap.kv_blocks_used)
+    yield GaugeMetricFamily("justapi_kv_blocks_total", "KV blocks in the pool", value=snap.kv_blocks_total)
+    yield GaugeMetricFamily("justapi_kv_blocks_used_by_requests", "KV blocks owned by running requests",
+                            value=snap.kv_blocks_used_by_requests)
+    st = snap.counters
+    yield CounterMetricFamily("justapi_preemptions", "Requests preempted for lack of KV blocks", value=st.num_preemptions)
+    yield CounterMetricFamily("justapi_engine_steps", "Engine iterations", value=st.num_steps)
+    yield GaugeMetricFamily("justapi_step_tokens", "Tokens computed in the last step", value=st.last_step_tokens)
+    yield CounterMetricFamily("justapi_scheduled_tokens", "Tokens computed over all steps",
+                              value=st.num_scheduled_tokens_total)
+    yield CounterMetricFamily("justapi_spec_draft_tokens", "Draft tokens verified by the target",
+                              value=st.spec_draft_tokens)
+    yield CounterMetricFamily("justapi_spec_accepted_tokens", "Draft tokens accepted", value=st.spec_accepted_tokens)
+    yield GaugeMetricFamily("justapi_spec_acceptance_rate", "Accepted / verified draft tokens",
+                            value=st.spec_acceptance_rate)
+    yield GaugeMetricFamily("justapi_spec_mean_accepted_length",
+                            "Tokens emitted per speculative step (accepted drafts + the target's token)",
+                            value=st.spec_mean_accepted_length)
+    per_pos = GaugeMetricFamily("justapi_spec_acceptance_rate_by_position",
+                                "Acceptance rate of the k-th draft token (0 = first), when it was verified",
+                                labels=["position"])
+    for k, (acc, prop) in enumerate(zip(st.spec_accepted_at, st.spec_proposed_at)):
+        per_pos.add_metric([str(k)], acc / prop if prop else 0.0)
+    yield per_pos
+    if st.batch_utilizations:
+        yield GaugeMetricFamily("justapi_static_batch_utilization", "U of the last static batch",
+                                value=st.batch_utilizations[-1])
+
+
+def _pd_metrics(snap: PdSnapshot):
+    """Disaggregated serving: the workers' last reports and the KV transfers."""
+    prefill = [w for w in snap.workers if w.role == "prefill"]
+    # the prefix cache that matters is the prefill workers' (prompts are computed there)
+    yield from _prefix_cache_metrics(sum(w.cache_hits for w in prefill), sum(w.cache_misses for w in prefill),
+                                     sum(w.cached_blocks for w in prefill), "the prefill workers' prefix caches")
+    st = snap.counters
+    yield CounterMetricFamily("justapi_pd_kv_transfers", "Requests whose KV moved to a decode worker",
+                              value=st.kv_transfers)
+    yield CounterMetricFamily("justapi_pd_kv_transfer_bytes", "KV bytes moved prefill → decode", value=st.kv_bytes)
+    yield CounterMetricFamily("justapi_pd_kv_transfer_blocks", "KV blocks moved prefill → decode", value=st.kv_blocks)
+    yield CounterMetricFamily("justapi_pd_kv_transfer_seconds", "Time from posting a KV send to its completion",
+                              value=st.kv_seconds)
+    yield CounterMetricFamily("justapi_pd_requests_retried", "Requests moved to another prefill worker after a "
+                              "worker died", value=st.retried)
+    yield CounterMetricFamily("justapi_pd_requests_failed", "Requests failed because a worker died", value=st.failed)
+    for name, help_text, attr in (
+        ("justapi_pd_queue_length", "Requests waiting in a pool (sum of its workers' queues)", "waiting"),
+        ("justapi_pd_running", "Requests being computed in a pool", "running"),
+    ):
+        g = GaugeMetricFamily(name, help_text, labels=["pool"])
         for role in ("prefill", "decode"):
-            live = [w for w in workers if w.role == role and w.alive]
-            util.add_metric([role], sum(w.busy_fraction for w in live) / len(live) if live else 0.0)
-            alive.add_metric([role], len(live))
-        yield util
-        yield alive
+            g.add_metric([role], sum(getattr(w, attr) for w in snap.pool(role)))
+        yield g
+    util = GaugeMetricFamily("justapi_pd_utilization", "Share of wall time a pool's live workers spent in engine "
+                             "steps (mean over the workers, last report)", labels=["pool"])
+    alive = GaugeMetricFamily("justapi_pd_workers_alive", "Live workers per pool", labels=["pool"])
+    for role in ("prefill", "decode"):
+        live = snap.pool(role)
+        util.add_metric([role], sum(w.busy_fraction for w in live) / len(live) if live else 0.0)
+        alive.add_metric([role], len(live))
+    yield util
+    yield alive
 
 
 class Metrics:
@@ -126,9 +123,9 @@ class Metrics:
         self.generation_tokens = Counter("justapi_generation_tokens", "Tokens generated", registry=r)
         self.finished = Counter("justapi_requests_finished", "Requests finished", ["finish_reason"], registry=r)
 
-    def attach_engine(self, engine) -> None:
-        pd = getattr(engine, "pd", None)
-        self.registry.register(_PdCollector(pd) if pd is not None else _SchedulerCollector(engine))
+    def attach(self, latest_stats) -> None:
+        """Export the engine's state from ``latest_stats()``, its newest snapshot (AsyncLLM.stats)."""
+        self.registry.register(_SnapshotCollector(latest_stats))
 
     def observe(self, out: RequestOutput, timing: RequestTiming) -> None:
         """Record one finished request (called from the engine thread)."""

@@ -1,0 +1,70 @@
+"""The engine interface that AsyncLLM and the server use, implemented by EngineCore (one process) and PdEngine
+(prefill and decode worker processes): requests and steps, tokenizing and chat rendering, limits, health, and a
+stats snapshot. Everything here but ``tokenizer``, ``render_chat``, ``limits`` and ``check_request`` (which read
+only what never changes, or a count) is called on the engine thread alone."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..config import EngineConfig
+from ..core.stats import PdSnapshot, SchedulerSnapshot
+from ..model.tokenizer import Tokenizer
+from ..sampling_params import SamplingParams
+from .output_processor import RequestOutput
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What a request may ask of this engine."""
+
+    max_model_len: int  # prompt + output tokens
+    vocab_size: int  # token ids are in 0..vocab_size - 1
+
+
+class Engine(Protocol):
+    """What AsyncLLM and the server may use of an engine."""
+
+    config: EngineConfig
+    tokenizer: Tokenizer
+
+    @property
+    def limits(self) -> EngineLimits: ...
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        """Token ids of a conversation in the model's chat template (ChatTemplateError for a bad one)."""
+
+    def new_seed(self) -> int: ...
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Raise ValueError for a request that can never be served; its max_tokens."""
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
+
+    def abort_request(self, request_id: str) -> RequestOutput | None: ...
+
+    @property
+    def has_unfinished(self) -> bool: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: what each request produced."""
+
+    def idle(self) -> None:
+        """Called by the engine loop while nothing runs."""
+
+    def take_failures(self) -> list[tuple[str, BaseException]]:
+        """Requests that failed for a reason outside them (a dead worker)."""
+
+    def health(self) -> tuple[bool, dict]:
+        """(serving, details)."""
+
+    def stats(self) -> SchedulerSnapshot | PdSnapshot:
+        """A frozen copy of the engine's state (core.stats), for other threads to read."""
+
+    def stats_line(self) -> str: ...
+
+    def close(self) -> None: ...
