@@ -11,18 +11,9 @@ from __future__ import annotations
 
 import threading
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-
-
-def init_process_group(rank: int, world_size: int, init_method: str | None, timeout_s: float, backend: str) -> None:
-    """Join the workers' group. ``init_method`` None: the environment's MASTER_ADDR / MASTER_PORT (env://)."""
-    dist.init_process_group(
-        backend, init_method=init_method or "env://", rank=rank, world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
 
 
 class Transfer:

@@ -21,7 +21,6 @@ import multiprocessing
 import multiprocessing.connection as mp_connection
 import os
 import random
-import socket
 import time
 
 from ..config import EngineConfig, SchedulerConfig
@@ -29,6 +28,7 @@ from ..core.outputs import EngineCoreOutput
 from ..core.pd_scheduler import PdScheduler, WorkerInfo
 from ..core.scheduler import Scheduler
 from ..core.stats import PdSnapshot
+from ..distributed.group import describe, rendezvous
 from ..model.chat_template import ChatTemplate
 from ..model.gguf_loader import ModelLoadError, open_gguf, read_model_config
 from ..model.tokenizer import Tokenizer
@@ -41,14 +41,7 @@ from .protocol import EngineLimits
 
 log = logging.getLogger("justapi.pd")
 
-START_TIMEOUT_S = 900.0  # loading a model and building the C++ kernel on a cold machine
-GROUP_TIMEOUT_S = 120.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+START_TIMEOUT_S = 900.0  # loading a model (and compiling the C++ kernels where the installed ones do not fit)
 
 
 class PdEngine:
@@ -85,10 +78,7 @@ class PdEngine:
         self._dist_rank = [ranks[0] for ranks in layout]  # where a worker's KV is sent from / to
         world = start
         threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // world)
-        if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
-            init_method = None
-        else:
-            init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = rendezvous()
         ctx = multiprocessing.get_context("spawn")
         # one pipe per worker to the server, not one shared queue: a worker killed while writing to a shared
         # queue would leave its lock taken (and a half-written message in it), and every other worker would block
@@ -102,7 +92,7 @@ class PdEngine:
                 cfg, disaggregate=False, prefill_workers=None, decode_workers=None, prefill_tp=None, decode_tp=None,
                 tp=n, num_threads=threads, show_progress=False, kv_memory_fraction=cfg.kv_memory_fraction / workers,
             )
-            spec = WorkerSpec(rank, world, role, worker_config, init_method, GROUP_TIMEOUT_S, threads, tuple(layout))
+            spec = WorkerSpec(rank, world, role, worker_config, init_method, threads, tuple(layout))
             inbox = ctx.Queue()
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=worker_main, args=(spec, inbox, writer), name=f"justapi-{role}-{rank}",
@@ -120,7 +110,7 @@ class PdEngine:
                 self.followers[rank].append(f)
         log.info("started %d prefill (tp %d) and %d decode (tp %d) workers, %d processes of %d threads, "
                  "rendezvous %s", p, cfg.prefill_tp, d, cfg.decode_tp, world, threads,
-                 init_method or "env:// (MASTER_ADDR/MASTER_PORT)")
+                 describe(init_method))
         ready: dict[int, tuple[int, int]] = {}
         self._pids: dict[int, int] = {}
         deadline = time.monotonic() + START_TIMEOUT_S

@@ -33,7 +33,6 @@ class WorkerSpec:
     role: str  # "prefill" | "decode"
     config: EngineConfig  # config.tp: this worker's tensor-parallel size
     init_method: str | None  # None: env:// (MASTER_ADDR / MASTER_PORT)
-    timeout_s: float
     threads: int
     layout: tuple[tuple[int, ...], ...]  # each worker's global ranks, its leader first
     tp_rank: int = 0  # this process's rank within its worker; 0 leads (talks to the server), others follow
@@ -44,26 +43,24 @@ class WorkerSpec:
 
 
 def _join(spec: WorkerSpec):
-    """Join the world, form every worker's tensor-parallel sub-group (each process must create every group, in the
-    same order) and load the engine; the engine's rank ``spec.tp_rank`` of its worker."""
+    """Join the world and form every worker's tensor-parallel sub-group (each process must create every group, in
+    the same order); this worker's sub-group, or None for a worker of one process."""
     import torch
     import torch.distributed as dist
 
-    from ..distributed.kv_transfer import init_process_group
-    from .engine_core import EngineCore
+    from ..distributed.group import init_process_group
 
     torch.set_num_threads(spec.threads)
     if spec.config.gpu:
         torch.cuda.set_device(spec.dist_rank % torch.cuda.device_count())
-    init_process_group(spec.dist_rank, spec.world_size, spec.init_method, spec.timeout_s,
-                       "nccl" if spec.config.gpu else "gloo")
+    init_process_group(spec.dist_rank, spec.world_size, spec.init_method, spec.config.gpu)
     group = None
     for i, ranks in enumerate(spec.layout):
         if len(ranks) > 1:
             g = dist.new_group(list(ranks))
             if i == spec.rank:
                 group = g
-    return EngineCore(spec.config, tp_rank=spec.tp_rank, tp_group=group)
+    return group
 
 
 class _Outbox:
@@ -81,7 +78,9 @@ def worker_main(spec: WorkerSpec, inbox, conn) -> None:
     outbox = _Outbox(conn)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {spec.role}-worker-{spec.rank}: %(message)s")
     try:
-        engine = _join(spec)
+        from .engine_core import EngineCore
+
+        engine = EngineCore(spec.config, tp_group=_join(spec))
         engine.scheduler.hand_off_after_prefill = spec.role == "prefill"
         outbox.put(("ready", spec.rank, engine.scheduler.pool.num_blocks, engine.config.block_size, os.getpid()))
     except BaseException as e:  # noqa: BLE001 - reported to the server, which names the worker
@@ -100,9 +99,11 @@ def follower_main(spec: WorkerSpec) -> None:
     """Entry point of a worker's tensor-parallel rank > 0: its shard, then the steps its leader broadcasts."""
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s {spec.role}-worker-{spec.rank}-tp{spec.tp_rank}: %(message)s")
-    from .tp_worker import follow
+    from ..model.gguf_loader import open_gguf, read_model_config
+    from .executor import follow
 
-    follow(_join(spec))
+    group = _join(spec)
+    follow(spec.config, read_model_config(open_gguf(spec.config.model), spec.config.model), spec.tp_rank, group)
 
 
 class _Worker:

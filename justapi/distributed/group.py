@@ -1,0 +1,37 @@
+"""Process groups: where tensor-parallel ranks and disaggregated workers meet, and how long a collective may wait.
+
+One rendezvous for every kind of process group: MASTER_ADDR / MASTER_PORT when both are set (env://, as on several
+hosts), otherwise a free loopback port. One timeout for every group's collectives.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch.distributed as dist
+
+# a collective waits this long for its slowest rank: the first ones run after every rank loaded its weights
+GROUP_TIMEOUT_S = 300.0
+
+
+def rendezvous() -> str | None:
+    """The init method the group's processes are given: None for env://, else a free loopback port."""
+    if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+        return None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def describe(init_method: str | None) -> str:
+    return init_method or "env:// (MASTER_ADDR/MASTER_PORT)"
+
+
+def init_process_group(rank: int, world_size: int, init_method: str | None, gpu: bool) -> None:
+    """Join the group (gloo on CPU, NCCL on GPU) at ``init_method`` (None: env://)."""
+    dist.init_process_group(
+        "nccl" if gpu else "gloo", init_method=init_method or "env://", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=GROUP_TIMEOUT_S),
+    )

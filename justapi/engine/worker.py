@@ -1,0 +1,92 @@
+"""A worker: one rank's model (all of it, or a tensor-parallel shard), its draft model, its KV cache and its
+runner. It executes what the engine scheduled and never decides; the executor (engine.executor) drives it, in this
+process or in another."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from ..config import EngineConfig, ModelConfig
+from ..core.outputs import RunnerOutput, SchedulerOutput
+from ..kernels import decode_kernels
+from ..model.gguf_loader import ModelLoadError, load_tensors, open_gguf, read_model_config
+from ..model.kernel_policy import KernelPolicy, kv_cache_dtype, resolve_dtype
+from ..model.llama import LlamaModel, shard_selection
+from ..model.runner import ModelRunner, kv_bytes_per_block
+from ..spec.draft import DraftProposer, check_same_vocabulary
+
+log = logging.getLogger("justapi.engine")
+
+
+class Worker:
+    """One rank's weights, then (``allocate``) its KV pool and runner."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, plan=None, comm=None) -> None:
+        """``plan``, ``comm``: this rank's distributed.tp TpPlan and TpComm, or None for the whole model."""
+        self.config = config
+        self.lead = plan is None or plan.rank == 0  # logs and shows progress for the engine
+        dtype_name = "float32" if config.batch_invariant else config.dtype
+        kernels = decode_kernels() if config.cpu_kernels and not config.gpu else None
+        reader = open_gguf(config.model)
+        self.draft_model = self._load_draft(model_config, dtype_name, kernels) if config.draft_model else None
+        dtype, keep_q4 = resolve_dtype(dtype_name, reader, config.gpu, kernels)
+        policy = KernelPolicy.make(dtype, kernels, config.disabled_kernels)
+        if self.lead:
+            for line in policy.describe():
+                log.info(line)
+        select = None
+        if plan is not None:
+            select = lambda name: shard_selection(name, plan, model_config.head_dim)  # noqa: E731
+        tensors = load_tensors(reader, config.model, dtype, config.show_progress and self.lead, keep_q4, select)
+        self.model = LlamaModel(model_config, tensors, config.device, config.batch_invariant, plan, comm,
+                                kv_dtype=kv_cache_dtype(config.kv_cache_dtype, dtype, keep_q4), policy=policy,
+                                huge_pages=config.huge_pages)
+        self.runner: ModelRunner | None = None
+
+    def _load_draft(self, target: ModelConfig, dtype_name: str, kernels) -> LlamaModel:
+        """The --draft-model: same vocabulary as the target (checked first), weights in the target's dtype policy."""
+        path = self.config.draft_model
+        try:
+            reader = open_gguf(path)
+            draft_config = read_model_config(reader, path)
+        except ModelLoadError as e:
+            raise ModelLoadError(f"--draft-model: {e}") from None
+        check_same_vocabulary(open_gguf(self.config.model), self.config.model, reader, path)
+        if draft_config.vocab_size != target.vocab_size:
+            raise ModelLoadError(f"--draft-model {path}: its embedding has {draft_config.vocab_size} rows, the "
+                                 f"target's {target.vocab_size}")
+        # the draft sees the target's positions: give its rotary table room for them (a draft trained on a
+        # shorter context only drafts worse there; verification keeps the output exact)
+        draft_config = dataclasses.replace(draft_config,
+                                           context_length=max(draft_config.context_length, target.context_length))
+        dtype, keep_q4 = resolve_dtype(dtype_name, reader, self.config.gpu, kernels)
+        tensors = load_tensors(reader, path, dtype, self.config.show_progress, keep_q4)
+        policy = KernelPolicy.make(dtype, kernels, self.config.disabled_kernels)
+        log.info("draft model %s: %d layers, hidden %d", path, draft_config.num_layers, draft_config.hidden_size)
+        return LlamaModel(draft_config, tensors, self.config.device, self.config.batch_invariant,
+                          kv_dtype=kv_cache_dtype(self.config.kv_cache_dtype, dtype, keep_q4), policy=policy,
+                          huge_pages=self.config.huge_pages)
+
+    def kv_bytes_per_block(self) -> int:
+        """KV bytes of one block: the model's, plus the draft's own cache at the same block ids."""
+        total = kv_bytes_per_block(self.model, self.config.block_size)
+        if self.draft_model is not None:
+            total += kv_bytes_per_block(self.draft_model, self.config.block_size)
+        return total
+
+    def allocate(self, num_blocks: int, branch: int) -> None:
+        """The KV pool of ``num_blocks`` blocks and the runner over it (``branch``: the draft tree's fan-out)."""
+        proposer = None
+        if self.draft_model is not None:
+            proposer = DraftProposer(self.draft_model, num_blocks, self.config.block_size, self.config.device, branch)
+        self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.config.device, proposer)
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        return self.runner.execute(sched)
+
+    def export_kv(self, block_ids: list[int]) -> torch.Tensor:
+        """This rank's K/V of ``block_ids`` (see ModelRunner.export_kv)."""
+        return self.runner.export_kv(block_ids)
