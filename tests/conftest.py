@@ -34,6 +34,18 @@ def tiny_model(tiny_dir) -> str:
     return write_tiny_model(str(tiny_dir / "tiny-llama.gguf"), "llama", context_length=1024)
 
 
+TINY_EXACT = dict(pool_blocks=512, show_progress=False, batch_invariant=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_exact(tiny_model):
+    """The tiny model on the exact float32 path (--batch-invariant) with 512 blocks, loaded once: the reference
+    engine the tiny equivalence tests compare with (options ``TINY_EXACT``)."""
+    from justapi import LLM
+
+    return LLM(tiny_model, **TINY_EXACT)
+
+
 @pytest.fixture(scope="session")
 def tiny_llm(tiny_model):
     from justapi import LLM
@@ -58,20 +70,32 @@ def real_llm(real_model_path):
     return LLM(real_model_path, dtype="float32", pool_blocks=1024, show_progress=False)
 
 
+SMOLLM2_EXACT = dict(pool_blocks=512, batch_invariant=True, show_progress=False)
+
+
 @pytest.fixture(scope="session")
-def smollm2_copy_task(real_model_path):
+def smollm2_exact(real_model_path):
+    """SmolLM2 on the exact float32 path (--batch-invariant) with 512 blocks, loaded once: the reference engine the
+    SmolLM2 equivalence tests compare with (options ``SMOLLM2_EXACT``)."""
+    from justapi import LLM
+
+    return LLM(real_model_path, **SMOLLM2_EXACT)
+
+
+@pytest.fixture(scope="session")
+def smollm2_copy_task(smollm2_exact):
     """16 chat prompts asking SmolLM2 to copy a text with one change, and its greedy answers without speculation.
 
     Returns (prompts, params, answers, engine options); the speculative tests must reproduce the answers exactly.
     """
-    from justapi import LLM, SamplingParams
+    from justapi import SamplingParams
 
     text = ("The committee met on Tuesday to review the budget for the new library. After a long discussion, "
             "the members agreed to fund the children's reading room and postpone the roof repairs until spring.")
     questions = [f"Rewrite this text exactly, but change {w}:\n\n{text}" for w in
                  ("Tuesday to Friday", "library to museum", "spring to autumn", "budget to plan")]
-    opts = dict(pool_blocks=512, batch_invariant=True, show_progress=False)
-    base = LLM(real_model_path, **opts)
+    opts = dict(SMOLLM2_EXACT)
+    base = smollm2_exact
     chats = [base.apply_chat_template([{"role": "user", "content": q}]) for q in questions] * 4  # a batch of 16
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     want = [r.token_ids for r in base.generate(chats, params)]

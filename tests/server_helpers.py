@@ -1,4 +1,6 @@
-"""Start and stop real ``justapi serve`` processes on loopback ports for the server tests."""
+"""``justapi serve`` for the server tests, on loopback ports: in this process (InProcessServer, the CLI's own flags,
+engine and app, served by uvicorn from a thread) or as a real child process (ServerProcess, for the end-to-end test).
+"""
 
 from __future__ import annotations
 
@@ -61,6 +63,105 @@ class ServerProcess:
                 self.proc.wait()
         self.log.close()
         return self.proc.returncode
+
+
+class InProcessServer:
+    """``justapi serve ARGS`` run inside the test process: the same flag parsing, engine, app and HTTP stack as the
+    command, without a new interpreter importing torch and loading the kernels again.
+
+    ``on_engine(engine)`` runs on the loaded engine before it serves (to instrument it). The server's log lines go
+    to ``log_path``. ``stop()`` shuts it down as SIGTERM would and answers 0 when it ended cleanly.
+    """
+
+    def __init__(self, args: list[str], log_path: str, timeout_s: float = 120, on_engine=None) -> None:
+        import dataclasses
+        import logging
+        import threading
+
+        import torch
+        import uvicorn
+
+        from justapi import cli
+        from justapi.config import ServerConfig
+        from justapi.engine.engine_core import EngineCore
+        from justapi.server.api import build_app
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        parsed = cli.build_parser().parse_args(["serve", "--port", str(self.port), *args])
+        cfg = cli.engine_config(parsed)
+        server_cfg = ServerConfig(**{f.name: getattr(parsed, f.name) for f in dataclasses.fields(ServerConfig)
+                                     if hasattr(parsed, f.name)})
+        cli.check_model_file(cfg.model, cfg.draft_model, cli.tp_sizes(cfg))
+        name = server_cfg.served_model_name or os.path.splitext(os.path.basename(cfg.model))[0]
+        self.engine = None
+
+        def load():
+            engine = EngineCore(cfg)
+            if on_engine is not None:
+                on_engine(engine)
+            self.engine = engine
+            return engine
+
+        self._threads = torch.get_num_threads()  # --threads sets the process-wide count: restored on stop
+        self._logger = logging.getLogger("justapi")
+        self._level = self._logger.level
+        self._handler = logging.FileHandler(log_path)
+        self._handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        self._logger.addHandler(self._handler)
+        self._logger.setLevel(logging.INFO)
+        app = build_app(server_cfg, name, load)
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, access_log=False,
+                                                    log_config=None, log_level="warning",
+                                                    timeout_graceful_shutdown=5))
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._serve, name=f"justapi-serve-{self.port}", daemon=True)
+        self.thread.start()
+        self.health_statuses: set[int] = set()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.thread.is_alive():
+                self.stop()
+                raise RuntimeError(f"server ended ({self.error!r}):\n{self.read_log()}")
+            try:
+                health = httpx.get(self.url + "/health", timeout=2)
+            except httpx.HTTPError:
+                time.sleep(0.05)
+                continue
+            self.health_statuses.add(health.status_code)
+            if health.status_code == 200:
+                return
+            if "failed to load" in health.text:
+                self.stop()
+                raise RuntimeError(f"{health.json()['error']['message']}:\n{self.read_log()}")
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"server not ready after {timeout_s} s:\n{self.read_log()}")
+
+    def _serve(self) -> None:
+        try:
+            self.server.run()
+        except BaseException as e:  # reported by stop() and the start-up wait
+            self.error = e
+
+    def read_log(self) -> str:
+        self._handler.flush()
+        with open(self.log_path) as f:
+            return f.read()
+
+    def stop(self, timeout_s: float = 30) -> int:
+        """Shut down (close connections, stop the engine loop); 0 when the server thread ended cleanly."""
+        import torch
+
+        self.server.should_exit = True
+        self.thread.join(timeout=timeout_s)
+        if self._handler in self._logger.handlers:
+            self._logger.removeHandler(self._handler)
+            self._handler.close()
+            self._logger.setLevel(self._level)
+            torch.set_num_threads(self._threads)
+        return 0 if not self.thread.is_alive() and self.error is None and self.server.started else 1
 
 
 def metric(text: str, name: str) -> float:

@@ -1,13 +1,13 @@
-"""`justapi bench` against a real `justapi serve` on loopback, a failing server, and in process."""
+"""`justapi bench` against `justapi serve` on loopback, a failing server, and in process (the command's ``main``
+runs in the test process; so does the server, see server_helpers.InProcessServer)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -15,7 +15,7 @@ import pytest
 from justapi.bench.workloads import WorkloadError, WorkloadSpec, arrival_times, build
 from justapi.model.gguf_loader import open_gguf
 from justapi.model.tokenizer import Tokenizer
-from server_helpers import ServerProcess, metric
+from server_helpers import InProcessServer, metric
 
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 
@@ -23,7 +23,7 @@ LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "bench-server.log"
-    srv = ServerProcess(["--model", tiny_model, "--pool-blocks", "400"], str(log))
+    srv = InProcessServer(["--model", tiny_model, "--pool-blocks", "400"], str(log))
     yield srv
     assert srv.stop() == 0
 
@@ -33,9 +33,21 @@ def tokenizer(tiny_model):
     return Tokenizer(tiny_model, open_gguf(tiny_model))
 
 
-def bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "justapi.cli", "bench", *args], capture_output=True, text=True,
-                          timeout=timeout)
+@pytest.fixture
+def bench(capsys):
+    """``justapi bench ARGS`` through the command's own ``main``: its exit status and what it printed."""
+    from justapi.cli import main
+
+    def run(*args: str) -> SimpleNamespace:
+        capsys.readouterr()
+        try:
+            status = main(["bench", *args])
+        except SystemExit as e:  # argparse's own errors
+            status = e.code
+        out, err = capsys.readouterr()
+        return SimpleNamespace(returncode=status, stdout=out, stderr=err)
+
+    return run
 
 
 def counters(url: str) -> dict[str, float]:
@@ -44,7 +56,7 @@ def counters(url: str) -> dict[str, float]:
                                       "prefix_cache_hits")}
 
 
-def test_serve_counts_add_up_against_a_real_server(server, tiny_model, tmp_path):
+def test_serve_counts_add_up_against_a_real_server(bench, server, tiny_model, tmp_path):
     before = counters(server.url)
     out = tmp_path / "run.json"
     p = bench("serve", "--base-url", server.url, "--base-url", server.url, "--name", "first", "--name", "again",
@@ -68,7 +80,7 @@ def test_serve_counts_add_up_against_a_real_server(server, tiny_model, tmp_path)
     assert data["servers"][1]["ratio_to_first"]["completed"] == 1.0
 
 
-def test_multi_turn_conversations_extend_each_other(server, tiny_model, tmp_path):
+def test_multi_turn_conversations_extend_each_other(bench, server, tiny_model, tmp_path):
     before = counters(server.url)
     out = tmp_path / "mt.json"
     p = bench("serve", "--base-url", server.url, "--workload", "multi-turn", "--num-requests", "3", "--turns", "3",
@@ -80,7 +92,7 @@ def test_multi_turn_conversations_extend_each_other(server, tiny_model, tmp_path
     assert counters(server.url)["prefix_cache_hits"] > before["prefix_cache_hits"]
 
 
-def test_sweep_writes_json_and_png(server, tiny_model, tmp_path):
+def test_sweep_writes_json_and_png(bench, server, tiny_model, tmp_path):
     out = tmp_path / "sweep"
     p = bench("sweep", "--base-url", server.url, "--name", "justapi", "--rates", "4,inf", "--workload",
               "shared-prefix", "--num-prefixes", "2", "--suffixes-per-prefix", "3", "--prefix-len", "30",
@@ -112,7 +124,7 @@ class _Failing(BaseHTTPRequestHandler):
         pass
 
 
-def test_errors_are_reported_as_failures_not_crashes(server, tiny_model, tmp_path):
+def test_errors_are_reported_as_failures_not_crashes(bench, server, tiny_model, tmp_path):
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Failing)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     bad = f"http://127.0.0.1:{httpd.server_address[1]}"
@@ -131,7 +143,7 @@ def test_errors_are_reported_as_failures_not_crashes(server, tiny_model, tmp_pat
     assert "HTTP 500" in p.stdout
 
 
-def test_time_limit_stops_the_run(server, tiny_model, tmp_path):
+def test_time_limit_stops_the_run(bench, server, tiny_model, tmp_path):
     out = tmp_path / "limit.json"
     t0 = time.monotonic()
     p = bench("serve", "--base-url", server.url, "--num-requests", "6", "--request-rate", "0.5", "--arrival", "fixed",
@@ -143,7 +155,7 @@ def test_time_limit_stops_the_run(server, tiny_model, tmp_path):
     assert f["completed"] + f["failed"] == 6 and f["errors"].get("time limit", 0) >= 4  # arrivals at 0, 2, 4.. s
 
 
-def test_bad_options_are_clear_errors(tiny_model, tmp_path):
+def test_bad_options_are_clear_errors(bench, tiny_model, tmp_path):
     p = bench("serve", "--base-url", "127.0.0.1:8000", "--tokenizer", tiny_model)
     assert p.returncode == 2 and "must start with http://" in p.stderr
     p = bench("serve", "--base-url", "http://127.0.0.1:9", "--workload", "jsonl", "--tokenizer", tiny_model)
@@ -181,7 +193,7 @@ def test_workloads_are_seeded_and_shaped(tokenizer, tmp_path):
         build(WorkloadSpec("jsonl", path=str(ds)), tokenizer)
 
 
-def test_offline_reports_static_utilisation_next_to_continuous(tiny_model, tmp_path):
+def test_offline_reports_static_utilisation_next_to_continuous(bench, tiny_model, tmp_path):
     out = tmp_path / "offline.json"
     p = bench("offline", "--model", tiny_model, "--pool-blocks", "300", "--num-requests", "8", "--input-len", "8:30",
               "--output-len", "2:40", "--json", str(out))

@@ -24,11 +24,20 @@ def tokens(results):
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_model):
+def engines(tiny_model, tiny_exact):
+    """``engines(**options)``: an engine on the tiny model, one per set of options, shared by the module's tests
+    (the default options are the session's ``tiny_exact``)."""
+    from conftest import TINY_EXACT
+
+    built = {tuple(sorted(TINY_EXACT.items())): tiny_exact}
+
     def build(**kw):
-        opts = dict(pool_blocks=512, show_progress=False, batch_invariant=True)
+        opts = dict(TINY_EXACT)
         opts.update(kw)
-        return LLM(tiny_model, **opts)
+        key = tuple(sorted(opts.items()))
+        if key not in built:
+            built[key] = LLM(tiny_model, **opts)
+        return built[key]
 
     return build
 
@@ -231,17 +240,17 @@ def test_n_completions_and_token_prompts(engines):
 
 
 @pytest.mark.real_model
-def test_smollm2_batching_and_preemption_equivalence(real_model_path):
+def test_smollm2_batching_and_preemption_equivalence(real_model_path, smollm2_exact):
     prompts = ["The capital of France is", "List three fruits:", "def add(a, b):", "Roses are red,",
                "The meaning of life is", "In 1492, Columbus", "Water is made of", "My favourite book is"]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    base = LLM(real_model_path, pool_blocks=256, batch_invariant=True, show_progress=False)
+    base = smollm2_exact
     alone = [base.generate([p], params)[0].token_ids for p in prompts]
     assert tokens(base.generate(prompts, params)) == alone
     torch_path = LLM(real_model_path, pool_blocks=256, batch_invariant=True, show_progress=False,
                      cpu_kernels=False)
     assert tokens(torch_path.generate(prompts, params)) == alone  # the C++ kernels (attention, norm, rotary) change no token
-    del base, torch_path
+    del torch_path
     chunked = LLM(real_model_path, pool_blocks=12, block_size=4, chunk_size=3, batch_invariant=True, show_progress=False)
     assert tokens(chunked.generate(prompts, params)) == alone
     assert chunked.engine.scheduler.stats.num_preemptions > 0

@@ -1,15 +1,21 @@
-"""A real ``justapi serve`` process on loopback, driven by the official openai client and raw HTTP."""
+"""``justapi serve`` (in process, on loopback) driven by the official openai client and raw HTTP.
+
+The one test of the command as a child process, signals and all, is in test_server_real.py.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
+import uuid
 
 import httpx
 import openai
 import pytest
 
-from server_helpers import ServerProcess, metric
+from server_helpers import InProcessServer, metric
 
 KEY = "test-key"
 NAME = "tiny"
@@ -18,11 +24,11 @@ NAME = "tiny"
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "server.log"
-    srv = ServerProcess(["--model", tiny_model, "--pool-blocks", "300", "--api-key", KEY,
-                         "--served-model-name", NAME, "--max-model-len", "512", "--max-n", "4",
-                         "--threads", "1", "--batch-invariant"], str(log))
+    srv = InProcessServer(["--model", tiny_model, "--pool-blocks", "300", "--api-key", KEY,
+                           "--served-model-name", NAME, "--max-model-len", "512", "--max-n", "4",
+                           "--threads", "1", "--batch-invariant"], str(log))
     yield srv
-    assert srv.stop() == 0, "SIGTERM should end the server cleanly"
+    assert srv.stop() == 0, "the server should shut down cleanly"
     assert "request cmpl-" in srv.read_log()  # one INFO line per request
 
 
@@ -72,6 +78,33 @@ def test_streamed_text_equals_non_streamed(client):
     streamed = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
         model=NAME, messages=msgs, max_tokens=15, temperature=0, stream=True) if ch.choices)
     assert streamed == whole
+
+
+def test_usage_reports_cached_prompt_tokens_and_streamed_chat_usage(client):
+    """``usage.prompt_tokens_details.cached_tokens``: 0 for a new prompt, all its full 16-token blocks when it comes
+    again; a chat stream with ``include_usage`` ends with one usage chunk whose counts are the non-streamed ones."""
+    prompt = f"{uuid.uuid4().hex} " + "a long prompt that the prefix cache keeps for the next time " * 6
+    first = client.completions.create(model=NAME, prompt=prompt, max_tokens=4, temperature=0)
+    again = client.completions.create(model=NAME, prompt=prompt, max_tokens=4, temperature=0)
+    n = first.usage.prompt_tokens
+    assert n > 100 and again.usage.prompt_tokens == n
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert n - 16 <= again.usage.prompt_tokens_details.cached_tokens < n  # the last token is always computed
+    assert again.choices[0].text == first.choices[0].text
+
+    msgs = [{"role": "user", "content": f"{uuid.uuid4().hex} tell me about the prefix cache " * 4}]
+    kw = dict(model=NAME, messages=msgs, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert [c.usage is not None for c in chunks].count(True) == 1 and chunks[-1].usage is not None
+    assert chunks[-1].choices == []
+    u, w = chunks[-1].usage, whole.usage
+    assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (w.prompt_tokens, 12, w.prompt_tokens + 12)
+    assert w.completion_tokens == 12 and w.total_tokens == w.prompt_tokens + 12
+    assert w.prompt_tokens_details.cached_tokens == 0
+    assert u.prompt_tokens_details.cached_tokens >= u.prompt_tokens - 16  # the same chat again: found in the cache
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert all(c.usage is None for c in client.chat.completions.create(stream=True, **kw))  # not asked: no usage
 
 
 def test_32_concurrent_streaming_clients_each_get_their_own_text(server, client):
@@ -198,8 +231,20 @@ def test_metrics_parse_and_move(server, client):
 
 
 def test_full_queue_answers_429_then_recovers(tiny_model, tmp_path):
-    srv = ServerProcess(["--model", tiny_model, "--max-seqs", "1", "--max-queue", "1",
-                         "--pool-blocks", "200", "--threads", "1"], str(tmp_path / "q.log"))
+    slow = threading.Event()
+
+    def slow_steps(engine):  # while ``slow`` is set each step takes 20 ms more: a full queue stays full meanwhile
+        step = engine.step
+
+        def slowed():
+            if slow.is_set():
+                time.sleep(0.02)
+            return step()
+
+        engine.step = slowed
+
+    srv = InProcessServer(["--model", tiny_model, "--max-seqs", "1", "--max-queue", "1",
+                           "--pool-blocks", "200"], str(tmp_path / "q.log"), on_engine=slow_steps)
     try:
         async def burst():
             async with httpx.AsyncClient(timeout=120) as c:
@@ -209,24 +254,35 @@ def test_full_queue_answers_429_then_recovers(tiny_model, tmp_path):
         statuses = [r.status_code for r in asyncio.run(burst())]
         assert 429 in statuses and 200 in statuses
 
+        async def until(c, want):
+            deadline = time.monotonic() + 30
+            while True:
+                m = (await c.get(srv.url + "/metrics")).text
+                state = metric(m, "justapi_requests_running"), metric(m, "justapi_requests_waiting")
+                if state == want:
+                    return
+                if time.monotonic() > deadline:
+                    pytest.fail(f"(running, waiting) never reached {want} in 30 s: it is {state}")
+                await asyncio.sleep(0.01)
+
         async def stream_while_full():
             async with httpx.AsyncClient(timeout=120) as c:
-                body = {"prompt": "x", "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
-                busy = []
-                for gauge in ("justapi_requests_running", "justapi_requests_waiting"):  # one runs, then one waits
-                    busy.append(asyncio.create_task(c.post(srv.url + "/v1/completions", json=body)))
-                    for _ in range(300):
-                        if metric((await c.get(srv.url + "/metrics")).text, gauge) == 1:
-                            break
-                        await asyncio.sleep(0.01)
+                body = {"prompt": "x", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+                slow.set()
+                busy = [asyncio.create_task(c.post(srv.url + "/v1/completions", json=body))]
+                await until(c, (1, 0))  # it runs (--max-seqs 1)
+                busy.append(asyncio.create_task(c.post(srv.url + "/v1/completions", json=body)))
+                await until(c, (1, 1))  # it waits (--max-queue 1): the queue is full
                 streamed = await c.post(srv.url + "/v1/completions", json=dict(body, stream=True))
-                await asyncio.gather(*busy)
-                return streamed
+                slow.clear()
+                return streamed, await asyncio.gather(*busy)
 
-        streamed = asyncio.run(stream_while_full())
+        streamed, busy = asyncio.run(stream_while_full())
         assert streamed.status_code == 429  # refused before the stream starts, not inside it
         assert "busy" in streamed.json()["error"]["message"]
+        assert [r.status_code for r in busy] == [200, 200]  # the requests already taken run to the end
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "y", "max_tokens": 2}, timeout=60)
         assert r.status_code == 200
     finally:
+        slow.clear()
         assert srv.stop() == 0

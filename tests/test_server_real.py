@@ -1,4 +1,6 @@
-"""``justapi serve`` on the real SmolLM2 GGUF: loading state, streaming equivalence, disconnects."""
+"""``justapi serve`` as a child process on the real SmolLM2 GGUF: loading state, streaming equivalence, disconnects,
+the request log and a clean exit on SIGTERM. The server tests' one run of the command itself; the others serve
+the same app in process (server_helpers.InProcessServer)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ def server(real_model_path, tmp_path_factory):
     srv = ServerProcess(["--model", real_model_path, "--pool-blocks", "512", "--batch-invariant",
                          "--served-model-name", NAME], str(log))
     yield srv
-    assert srv.stop() == 0
+    assert srv.stop() == 0, "SIGTERM should end the server cleanly"
+    assert "request cmpl-" in srv.read_log()  # one INFO line per request
 
 
 def test_health_is_503_while_the_model_loads(server):

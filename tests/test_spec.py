@@ -5,6 +5,7 @@ Draft-model chains and trees are in test_spec_draft.py; the verification rule it
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -14,6 +15,7 @@ from justapi import LLM, SamplingParams
 from justapi.model.sampler import SampleRow, processed_probs, row_generator
 from justapi.spec.ngram import propose_ngram
 from justapi.spec.tree import DraftTree, spec_decode_tree
+from spec_helpers import run_counting_passes
 
 
 def test_ngram_proposes_the_continuation_of_the_latest_match():
@@ -35,9 +37,10 @@ def copy_prompts(llm, n, seed=0):
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_model):
-    opts = dict(pool_blocks=512, show_progress=False, batch_invariant=True)
-    return LLM(tiny_model, **opts), LLM(tiny_model, spec_method="ngram", gamma=4, spec_max_batch=64, **opts)
+def pair(tiny_model, tiny_exact):
+    from conftest import TINY_EXACT
+
+    return tiny_exact, LLM(tiny_model, spec_method="ngram", gamma=4, spec_max_batch=64, **TINY_EXACT)
 
 
 def test_greedy_output_is_identical_alone_and_in_a_batch_of_16(pair):
@@ -92,8 +95,55 @@ def test_speculation_stays_off_above_the_batch_limit(tiny_model):
     assert llm.engine.scheduler.stats.spec_draft_tokens == 0  # 8 decoding at once, limit 2: no drafts
 
 
+def test_one_target_pass_per_speculative_step(pair):
+    """Every engine step runs the target model once, whether it verifies drafts or not. A lone request (its prompt
+    in one chunk) therefore takes exactly as many passes as it emits tokens less the drafts accepted; a batch of 4
+    also runs one pass a step."""
+    plain, spec = pair
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = copy_prompts(plain, 4, seed=11)
+    want = [r.token_ids for r in plain.generate(prompts, params)]
+    lone = run_counting_passes(spec, prompts[:1], params)
+    assert lone.token_ids == want[:1]
+    assert lone.spec_steps > 5 and lone.accepted_tokens > 5  # it speculated, and that saved passes
+    assert lone.target_passes == [1] * (40 - lone.accepted_tokens)
+    batch = run_counting_passes(spec, prompts, params)
+    assert batch.token_ids == want
+    assert batch.spec_steps > 20 and set(batch.target_passes) == {1}
+
+
+def test_requests_asking_for_logprobs_never_speculate(pair):
+    """Logprobs are reported per sampled token, so such a request decodes one token a step: alone, it verifies no
+    draft and takes one pass per token; next to a request without logprobs, it adds nothing to the drafts."""
+    plain, spec = pair
+    prompts = copy_prompts(plain, 2, seed=11)
+    with_lp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2)
+    without = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    same_without = run_counting_passes(spec, prompts[:1], without)
+    assert same_without.accepted_tokens > 0  # the same request without logprobs speculates
+    alone = run_counting_passes(spec, prompts[:1], with_lp)
+    assert alone.spec_steps == alone.draft_tokens == 0
+    assert alone.target_passes == [1] * 30 and alone.token_ids == same_without.token_ids
+    assert [lp.token_id for lp in alone.logprobs[0]] == alone.token_ids[0]
+    other_alone = run_counting_passes(spec, prompts[1:], without)
+    mixed = run_counting_passes(spec, prompts, [with_lp, without])
+    assert mixed.token_ids == alone.token_ids + other_alone.token_ids
+    moved = lambda run: (run.spec_steps, run.draft_tokens, run.accepted_tokens)  # noqa: E731
+    assert moved(mixed) == moved(other_alone) and mixed.spec_steps > 0  # all of them the other request's
+
+
 def _chi_square(counts: dict[int, int], probs: torch.Tensor, n: int) -> float:
     return sum((counts.get(t, 0) - n * float(p)) ** 2 / (n * float(p)) for t, p in enumerate(probs) if p > 0)
+
+
+def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """softmax(logits / temperature) in float64, worked out here: the analytic target the draws are held to (the
+    sampler's own processed_probs must agree with it, or a bug there would hide on both sides of the test)."""
+    z = [float(x) / temperature for x in logits]
+    e = [math.exp(x - max(z)) for x in z]
+    p = torch.tensor([x / sum(e) for x in e], dtype=torch.float64)
+    assert torch.allclose(processed_probs(logits, SamplingParams(temperature=temperature)).double(), p, atol=1e-6)
+    return p
 
 
 def test_verification_keeps_the_target_distribution_chi_square():
@@ -104,7 +154,7 @@ def test_verification_keeps_the_target_distribution_chi_square():
     """
     logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, 3.0])
     params = SamplingParams(temperature=0.8, top_k=0, max_tokens=4)
-    p = processed_probs(logits, params)
+    p = _tempered(logits, 0.8)
     draft = 7  # the most likely token: accepted often, but not always
     n = 20000
     right: dict[int, int] = {}
@@ -129,7 +179,7 @@ def test_tree_verification_with_several_candidates_keeps_the_distribution_chi_sq
     """
     logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, 3.0])
     params = SamplingParams(temperature=0.8, max_tokens=4)
-    p = processed_probs(logits, params)
+    p = _tempered(logits, 0.8)
     tree = DraftTree()
     for tok in (7, 0, 2):
         tree.add(tok, -1)
@@ -166,7 +216,7 @@ def test_tree_verification_walks_to_the_accepted_child_chi_square():
         tree.add(2, node)
     rows = torch.stack([base.roll(r) for r in range(len(tree) + 1)])
     params = SamplingParams(temperature=1.0, max_tokens=8)
-    probs = [processed_probs(r, params) for r in rows]
+    probs = [_tempered(r, 1.0) for r in rows]
     expected = {}
     for x in range(8):
         if x in (7, 0):
@@ -191,9 +241,11 @@ def test_sampled_speculative_output_follows_the_model_distribution(tmp_path):
 
     The prompt is the model's own sampled text, so prompt lookup proposes tokens the model finds plausible: some
     drafts are accepted, most are rejected and resampled. Two-sample chi-square over tokens seen at least 20 times
-    in total, against the 99.9% quantile.
+    in total, against the 99.9% quantile; then each sample alone, tokens 1-4, against the exact distribution it
+    was drawn from.
     """
-    from stats_helpers import assert_same_token_distribution
+    from stats_helpers import (assert_follows_model, assert_rejects_model, assert_same_token_distribution,
+                               model_next_token_logits, tempered)
     from tiny_gguf import write_tiny_model
 
     path = write_tiny_model(str(tmp_path / "t.gguf"), "llama", weight_scale=0.2, seed=5)
@@ -210,15 +262,21 @@ def test_sampled_speculative_output_follows_the_model_distribution(tmp_path):
     st = spec.engine.scheduler.stats
     assert st.spec_accepted_tokens > 100 and st.spec_draft_tokens - st.spec_accepted_tokens > 1000  # both paths ran
     assert_same_token_distribution(a, b)
+    # the analytic control: both samples against the model's own distribution given each draw's earlier tokens
+    # (transformers runs the model), so a fault both paths share, such as the temperature, is caught too
+    assert_follows_model(a, tempered(model_next_token_logits(path, prompt, a, (0, 1, 2, 3)), 3.0))
+    logits_b = model_next_token_logits(path, prompt, b, (0, 1, 2, 3))
+    assert_follows_model(b, tempered(logits_b, 3.0))
+    assert_rejects_model(b, tempered({1: logits_b[1]}, 2.5))  # the control tells temperature 2.5 from 3
 
 
 def test_server_exports_speculation_metrics(tiny_model, tmp_path):
     import httpx
 
-    from server_helpers import ServerProcess, metric
+    from server_helpers import InProcessServer, metric
 
-    srv = ServerProcess(["--model", tiny_model, "--pool-blocks", "200", "--spec-method", "ngram",
-                         "--gamma", "3"], str(tmp_path / "spec.log"))
+    srv = InProcessServer(["--model", tiny_model, "--pool-blocks", "200", "--spec-method", "ngram",
+                           "--gamma", "3"], str(tmp_path / "spec.log"))
     try:
         prompt = [7, 8, 9, 10, 11] * 8
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 40, "temperature": 0,
@@ -230,6 +288,12 @@ def test_server_exports_speculation_metrics(tiny_model, tmp_path):
         assert metric(m, "justapi_spec_acceptance_rate") == pytest.approx(accepted / drafts)
         assert metric(m, "justapi_spec_mean_accepted_length") >= 1.0
         assert 'justapi_spec_acceptance_rate_by_position{position="0"}' in m
+        # a request asking for logprobs decodes one token a step: no drafts, and one logprob per token
+        lp = httpx.post(srv.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 40, "temperature": 0,
+                                                            "ignore_eos": True, "logprobs": 1}, timeout=60)
+        assert lp.status_code == 200 and lp.json()["choices"][0]["text"] == r.json()["choices"][0]["text"]
+        assert len(lp.json()["choices"][0]["logprobs"]["token_logprobs"]) == 40
+        assert metric(httpx.get(srv.url + "/metrics").text, "justapi_spec_draft_tokens_total") == drafts
     finally:
         assert srv.stop() == 0
 

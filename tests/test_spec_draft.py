@@ -13,6 +13,7 @@ import pytest
 
 from justapi import LLM, SamplingParams
 from justapi.config import EngineConfig
+from spec_helpers import run_counting_passes
 from tiny_gguf import write_tiny_model
 
 OPTS = dict(pool_blocks=512, show_progress=False, batch_invariant=True)
@@ -25,8 +26,30 @@ def random_draft(tiny_dir) -> str:
 
 
 @pytest.fixture(scope="module")
-def plain(tiny_model):
-    return LLM(tiny_model, **OPTS)
+def smollm2_random_draft(real_model_path, tmp_path_factory) -> str:
+    """One layer, hidden 64, random weights, SmolLM2's vocabulary."""
+    return write_tiny_model(str(tmp_path_factory.mktemp("draft") / "smol-draft.gguf"), "llama", num_layers=1,
+                            hidden=64, vocab_from=real_model_path, context_length=2048, seed=3)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_exact):
+    return tiny_exact
+
+
+@pytest.fixture(scope="module")
+def spec_llm(tiny_model):
+    """``spec_llm(draft_path, gamma, branch)``: a speculating engine on the tiny target, one per setting, shared by
+    the module's tests (every counter they check holds over all the runs of one setting)."""
+    built = {}
+
+    def build(draft: str, gamma: int, branch: int) -> LLM:
+        if (draft, gamma, branch) not in built:
+            built[draft, gamma, branch] = LLM(tiny_model, draft_model=draft, gamma=gamma, branch=branch,
+                                              spec_max_batch=64, **OPTS)
+        return built[draft, gamma, branch]
+
+    return build
 
 
 def prompts_and_params(n=16, seed=1):
@@ -39,11 +62,11 @@ def prompts_and_params(n=16, seed=1):
 @pytest.mark.parametrize("draft,gamma,branch", [
     ("self", 4, 1), ("self", 4, 2), ("random", 4, 1), ("random", 3, 3),
 ], ids=["self-chain", "self-tree", "random-chain", "random-tree"])
-def test_greedy_output_is_identical_alone_and_in_a_batch_of_16(tiny_model, random_draft, plain, draft, gamma, branch):
+def test_greedy_output_is_identical_alone_and_in_a_batch_of_16(tiny_model, random_draft, plain, spec_llm, draft, gamma,
+                                                               branch):
     prompts, params = prompts_and_params()
     want = [r.token_ids for r in plain.generate(prompts, params)]
-    spec = LLM(tiny_model, draft_model=tiny_model if draft == "self" else random_draft, gamma=gamma, branch=branch,
-               spec_max_batch=64, **OPTS)
+    spec = spec_llm(tiny_model if draft == "self" else random_draft, gamma, branch)
     assert [spec.generate([p], q)[0].token_ids for p, q in zip(prompts[:3], params[:3])] == want[:3]
     assert [r.token_ids for r in spec.generate(prompts, params)] == want
     st = spec.engine.scheduler.stats
@@ -100,6 +123,29 @@ def test_speculation_off_per_request_and_above_the_batch_limit(tiny_model):
     assert 0 < st.spec_steps - before <= 16  # only the first request speculated
 
 
+@pytest.mark.parametrize("branch", [1, 2], ids=["chain", "tree"])
+def test_one_target_pass_per_speculative_step(tiny_model, plain, spec_llm, branch):
+    """Per step: the draft runs once per level it drafts (gamma 4), the target once to verify them all. A lone
+    request's target passes are its tokens less the accepted drafts; a batch of 4 is verified in one pass a step.
+    A request asking for logprobs never speculates: no draft pass, one target pass per token."""
+    spec = spec_llm(tiny_model, 4, branch)
+    prompts, _ = prompts_and_params(4, seed=6)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    want = [r.token_ids for r in plain.generate(prompts, params)]
+    lone = run_counting_passes(spec, prompts[:1], params)
+    assert lone.token_ids == want[:1]
+    assert lone.accepted_tokens > 15  # the draft is the target: most levels accepted
+    assert lone.target_passes == [1] * (30 - lone.accepted_tokens)
+    assert sum(lone.draft_passes) == lone.proposed_levels and max(lone.draft_passes) == 4
+    batch = run_counting_passes(spec, prompts, params)
+    assert batch.token_ids == want and batch.spec_steps > 10
+    assert set(batch.target_passes) == {1} and max(batch.draft_passes) == 4
+    logprobs = run_counting_passes(spec, prompts[:1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                                                      logprobs=1))
+    assert logprobs.token_ids == want[:1] and len(logprobs.logprobs[0]) == 30
+    assert logprobs.spec_steps == 0 and set(logprobs.draft_passes) == {0} and logprobs.target_passes == [1] * 30
+
+
 def test_sampled_output_with_a_draft_tree_follows_the_model_distribution(tmp_path):
     """Sampled tokens 1-3 with and without speculation (gamma 2, branch 2), 2500 seeds each.
 
@@ -108,8 +154,10 @@ def test_sampled_output_with_a_draft_tree_follows_the_model_distribution(tmp_pat
     candidate out of p before the next try or the resample scores 2-3x the threshold (measured). Two-sample
     chi-square over tokens seen at least 20 times in total, against the 99.9% quantile. (A draft that is almost
     never accepted would not catch that: its resample then draws from the same random stream as plain sampling.)
+    Then each sample alone, tokens 1-4, against the exact distribution it was drawn from.
     """
-    from stats_helpers import assert_same_token_distribution
+    from stats_helpers import (assert_follows_model, assert_rejects_model, assert_same_token_distribution,
+                               model_next_token_logits, tempered)
 
     target = write_tiny_model(str(tmp_path / "t.gguf"), "llama", weight_scale=0.2, seed=5)
     opts = dict(pool_blocks=2048, show_progress=False, max_seqs=64, max_decode=64)
@@ -122,6 +170,11 @@ def test_sampled_output_with_a_draft_tree_follows_the_model_distribution(tmp_pat
     st = spec.engine.scheduler.stats
     assert st.spec_accepted_at[0] > 1000 and st.spec_steps - st.spec_accepted_at[0] > 200  # both paths ran
     assert_same_token_distribution(a, b)
+    # the analytic control: both samples against the model's own distribution given each draw's earlier tokens
+    assert_follows_model(a, tempered(model_next_token_logits(target, [5, 6, 7], a, (0, 1, 2, 3)), 1.5))
+    logits_b = model_next_token_logits(target, [5, 6, 7], b, (0, 1, 2, 3))
+    assert_follows_model(b, tempered(logits_b, 1.5))
+    assert_rejects_model(b, tempered({1: logits_b[1]}, 1.2))  # the control tells temperature 1.2 from 1.5
 
 
 def test_engine_config_refuses_bad_speculation_settings(tiny_model):
@@ -145,14 +198,10 @@ def test_engine_config_refuses_bad_speculation_settings(tiny_model):
 @pytest.mark.real_model
 @pytest.mark.parametrize("draft,gamma,branch", [("self", 4, 1), ("self", 2, 2), ("random", 2, 1), ("random", 2, 2)],
                          ids=["self-chain", "self-tree", "random-chain", "random-tree"])
-def test_smollm2_greedy_identical_with_draft_models(real_model_path, tmp_path_factory, smollm2_copy_task, draft, gamma,
-                                                    branch):
+def test_smollm2_greedy_identical_with_draft_models(real_model_path, smollm2_random_draft, smollm2_copy_task, draft,
+                                                    gamma, branch):
     chats, params, want, opts = smollm2_copy_task
-    if draft == "self":
-        path = real_model_path
-    else:
-        path = write_tiny_model(str(tmp_path_factory.mktemp("draft") / "smol-draft.gguf"), "llama", num_layers=1,
-                                hidden=64, vocab_from=real_model_path, context_length=2048, seed=3)
+    path = real_model_path if draft == "self" else smollm2_random_draft
     spec = LLM(real_model_path, draft_model=path, gamma=gamma, branch=branch, spec_max_batch=16, **opts)
     if branch == 1:  # alone (the tree variants run the same code paths, only in the batch here, to save time)
         assert spec.generate([chats[0]], params)[0].token_ids == want[0]
@@ -167,10 +216,10 @@ def test_smollm2_greedy_identical_with_draft_models(real_model_path, tmp_path_fa
 def test_server_with_a_draft_tree_exports_metrics_and_honours_speculative_false(tiny_model, tmp_path):
     import httpx
 
-    from server_helpers import ServerProcess, metric
+    from server_helpers import InProcessServer, metric
 
-    srv = ServerProcess(["--model", tiny_model, "--pool-blocks", "200", "--draft-model", tiny_model,
-                         "--gamma", "3", "--branch", "2"], str(tmp_path / "draft.log"))
+    srv = InProcessServer(["--model", tiny_model, "--pool-blocks", "200", "--draft-model", tiny_model,
+                           "--gamma", "3", "--branch", "2"], str(tmp_path / "draft.log"))
     try:
         body = {"prompt": [7, 8, 9, 10], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
         r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
@@ -182,6 +231,9 @@ def test_server_with_a_draft_tree_exports_metrics_and_honours_speculative_false(
         assert 'justapi_spec_acceptance_rate_by_position{position="2"}' in m
         off = httpx.post(srv.url + "/v1/completions", json={**body, "speculative": False}, timeout=60)
         assert off.status_code == 200 and off.json()["choices"][0]["text"] == r.json()["choices"][0]["text"]
+        assert metric(httpx.get(srv.url + "/metrics").text, "justapi_spec_draft_tokens_total") == drafts
+        lp = httpx.post(srv.url + "/v1/completions", json={**body, "logprobs": 2}, timeout=60)  # logprobs: no drafts
+        assert lp.status_code == 200 and lp.json()["choices"][0]["text"] == r.json()["choices"][0]["text"]
         assert metric(httpx.get(srv.url + "/metrics").text, "justapi_spec_draft_tokens_total") == drafts
         bad = httpx.post(srv.url + "/v1/completions", json={**body, "speculative": "sometimes"}, timeout=60)
         assert bad.status_code == 400 and "speculative" in bad.text

@@ -1,0 +1,87 @@
+"""The sampler's filters on settings where they matter: top-k 5, top-p 0.9, min-p 0.1, and three at once.
+
+Each setting draws 6,000 tokens from one fixed row of logits, every draw with its own (seed, position) key, and
+compares the counts with the filtered distribution worked out here from the logits in float64, independently of
+the sampler: tokens the filter removes must never appear, and the kept ones must follow the renormalised
+probabilities (chi-square, 99.9% quantile). The logits are chosen so that every filter removes 8-16% of the mass
+and no cut falls within 1% of a threshold, and the same draws against the temperature-1 distribution must fail.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from justapi import SamplingParams
+from justapi.model.sampler import SampleRow, sample
+
+# tempered at 0.8: 0.339 0.205 0.141 0.091 0.067 0.046 0.031 0.025 0.017 ..., in a shuffled order of token ids
+SORTED_LOGITS = [3.1, 2.7, 2.4, 2.05, 1.8, 1.5, 1.2, 1.0, 0.7, 0.45, 0.2, -0.1, -0.4, -0.7, -1.0, -1.3]
+ORDER = [11, 3, 14, 0, 7, 9, 1, 12, 5, 15, 2, 8, 13, 6, 10, 4]  # token id of the k-th most likely token
+LOGITS = [0.0] * len(ORDER)
+for rank, tok in enumerate(ORDER):
+    LOGITS[tok] = SORTED_LOGITS[rank]
+N = 6000
+
+
+def filtered(temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> dict[int, float]:
+    """The distribution the OpenAI/vLLM filters leave, in float64: temperature, then top-k, then top-p (the smallest
+    set of most likely tokens whose mass reaches top_p), then min-p (tokens at least min_p times the most likely),
+    renormalised."""
+    z = [float(torch.tensor(x, dtype=torch.float32)) / temperature for x in LOGITS]
+    keep = sorted(range(len(z)), key=lambda t: -z[t])
+    if top_k:
+        keep = keep[:top_k]
+    m = max(z[t] for t in keep)
+    total = sum(math.exp(z[t] - m) for t in keep)
+    probs = {t: math.exp(z[t] - m) / total for t in keep}
+    mass, nucleus = 0.0, {}
+    for t in keep:  # most likely first
+        if mass < top_p:
+            nucleus[t] = probs[t]
+        mass += probs[t]
+    top = max(probs.values())
+    kept = {t: p for t, p in nucleus.items() if p >= min_p * top}
+    total = sum(kept.values())
+    return {t: p / total for t, p in kept.items()}
+
+
+def chi_square(counts: dict[int, int], expected: dict[int, float], n: int) -> float:
+    if any(t not in expected for t in counts):
+        return math.inf  # a token the distribution cannot draw
+    return sum((counts.get(t, 0) - n * p) ** 2 / (n * p) for t, p in expected.items())
+
+
+SETTINGS = {
+    "top-k 5": dict(top_k=5),
+    "top-p 0.9": dict(top_p=0.9),
+    "min-p 0.1": dict(min_p=0.1),
+    "top-k 8, top-p 0.95, min-p 0.1": dict(top_k=8, top_p=0.95, min_p=0.1),
+}
+
+
+@pytest.mark.parametrize("filters", SETTINGS.values(), ids=SETTINGS.keys())
+def test_filters_sample_the_exact_renormalised_distribution(filters):
+    from scipy.stats import chi2
+
+    want = filtered(0.8, **filters)
+    full = filtered(0.8)
+    removed = 1 - sum(full[t] for t in want)
+    assert len(want) >= 5 and removed > 0.07, (len(want), removed)  # the filter matters here
+    if len(filters) == 3:  # each of the three removes something the others keep
+        assert len(filtered(0.8, top_k=8)) > len(filtered(0.8, top_k=8, top_p=0.95)) > len(want)
+    params = SamplingParams(temperature=0.8, **filters)
+    logits = torch.tensor([LOGITS], dtype=torch.float32).expand(500, -1)
+    counts: dict[int, int] = {}
+    for start in range(0, N, 500):  # 500 rows a call, as a batch of 500 requests; positions 0-6
+        rows = [SampleRow(params, 7919 * i + 13, [ORDER[0]] * (i % 7)) for i in range(start, start + 500)]
+        for tok in sample(logits, rows)[0]:
+            counts[tok] = counts.get(tok, 0) + 1
+    outside = {t: c for t, c in counts.items() if t not in want}
+    assert not outside, f"tokens the filter removes were drawn: {outside}"
+    threshold = chi2.ppf(0.999, len(want) - 1)
+    assert chi_square(counts, want, N) < threshold, (counts, want)
+    # the draws tell temperature 0.8 from 1.0: a sampler that dropped the temperature would fail above
+    assert chi_square(counts, filtered(1.0, **filters), N) > threshold
