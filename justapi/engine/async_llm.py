@@ -79,7 +79,8 @@ class AsyncLLM:
 
     @property
     def stats(self) -> SchedulerSnapshot | PdSnapshot:
-        """The engine's state as the engine thread last copied it: after a step at most STATS_EVERY_S old, and
+        """The engine's state as the engine thread last copied it: after a step at most STATS_EVERY_S old, after
+        every step in which a request finished (so a client that got its last token sees that step counted), and
         whenever the engine goes idle."""
         return self._stats
 
@@ -144,7 +145,7 @@ class AsyncLLM:
                     continue
                 outputs = self.engine.step()
                 now = time.monotonic()
-                self._take_stats(now)
+                self._take_stats(now, force=any(out.finished for out in outputs))  # before any client sees it end
                 for out in outputs:
                     self._deliver(out, now)
                 for rid, error in self.engine.take_failures():
