@@ -6,53 +6,25 @@ A step gives every running request that has caught up one decode token, then spe
 slots. A prefix-cache hit simply starts a request with ``num_computed_tokens > 0``; a preempted request
 restarts at 0 and recomputes (cheaply, since its blocks went into the prefix cache).
 
-``StaticScheduler`` is the static-batching baseline: a batch is admitted only when the previous one drained.
+The blocks themselves are kept by ``KvBlocks``; ``StaticScheduler`` (static_scheduler.py) is the baseline.
 """
 
 from __future__ import annotations
 
 from collections import Counter, deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from ..config import SchedulerConfig, tree_size
 from ..request import Request, RequestStatus
 from ..sampling_params import SamplingParams
 from ..spec.ngram import propose_ngram
-from .block_pool import BlockPool
+from .kv_blocks import KvBlocks
 from .outputs import CachedRequestData, EngineCoreOutput, NewRequestData, RunnerOutput, SchedulerOutput
-from .radix_cache import RadixPrefixCache
+from .stats import SchedulerStats
 
 
 class AdmissionError(ValueError):
     """A request that can never be served with this configuration (too long for the context or the pool)."""
-
-
-@dataclass
-class SchedulerStats:
-    """Counters a server exports."""
-
-    num_steps: int = 0
-    num_preemptions: int = 0
-    num_preempted_tokens: int = 0  # computed tokens whose KV preemption gave up
-    num_resumed_cached_tokens: int = 0  # of those, found again in the prefix cache on resumption
-    num_scheduled_tokens_total: int = 0
-    last_step_tokens: int = 0
-    batch_utilizations: list[float] = field(default_factory=list)  # static batching: U per finished batch
-    # speculative decoding
-    spec_steps: int = 0  # request-steps that verified at least one draft token
-    spec_draft_tokens: int = 0  # draft tokens (tree nodes) verified
-    spec_accepted_tokens: int = 0  # of those, accepted (at most one per tree level)
-    spec_accepted_at: list[int] = field(default_factory=list)  # steps that accepted a draft at position k (0: first)
-    spec_proposed_at: list[int] = field(default_factory=list)  # steps that proposed drafts at position k
-
-    @property
-    def spec_acceptance_rate(self) -> float:
-        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
-
-    @property
-    def spec_mean_accepted_length(self) -> float:
-        """Tokens emitted per speculative request-step: accepted drafts plus the target's own token."""
-        return (self.spec_accepted_tokens + self.spec_steps) / self.spec_steps if self.spec_steps else 0.0
 
 
 class Scheduler:
@@ -61,8 +33,9 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.block_size = config.block_size
-        self.pool = BlockPool(config.num_blocks)
-        self.cache = RadixPrefixCache(self.pool, config.block_size) if config.prefix_cache else None
+        self.kv = KvBlocks(config.num_blocks, config.block_size, config.prefix_cache)
+        self.pool = self.kv.pool  # read by the engine, stats and tests
+        self.cache = self.kv.cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
         self.requests: dict[str, Request] = {}
@@ -92,7 +65,7 @@ class Scheduler:
                 f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds the maximum context length of "
                 f"{limit} tokens"
             )
-        capacity = self.pool.num_blocks * self.block_size
+        capacity = self.kv.capacity_tokens
         if n + max_tokens > capacity:
             raise AdmissionError(
                 f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds the KV cache pool of {capacity} "
@@ -135,7 +108,7 @@ class Scheduler:
         """A handed-off request's KV has been shipped (or the transfer was given up): free its blocks."""
         req = self.handoffs.pop(request_id, None)
         if req is not None:
-            self._release(req)
+            self.kv.release(req)
             del self.requests[request_id]
 
     def abort_request(self, request_id: str) -> EngineCoreOutput | None:
@@ -195,14 +168,14 @@ class Scheduler:
                     i += 1
                     continue
                 n = min(remaining, budget[0])
-            new_blocks = self._grow(req, req.num_computed_tokens + n)
+            new_blocks = self.kv.grow(req, req.num_computed_tokens + n)
             while new_blocks is None:  # out of blocks: preempt the most recently admitted request
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
                     break
-                new_blocks = self._grow(req, req.num_computed_tokens + n)
+                new_blocks = self.kv.grow(req, req.num_computed_tokens + n)
             if new_blocks is None:
                 break  # req itself was preempted; it was the last one
             if remaining == 1:
@@ -224,7 +197,7 @@ class Scheduler:
         slots = self._spec_slots(req)
         if req.status is not RequestStatus.RUNNING:
             return
-        new_blocks = self._grow(req, req.num_computed_tokens + 1 + slots)
+        new_blocks = self.kv.grow(req, req.num_computed_tokens + 1 + slots)
         if new_blocks is None:
             req.spec_token_ids = []
             req.spec_depth = 0
@@ -279,7 +252,7 @@ class Scheduler:
             if req.imported_kv is not None:
                 req.num_computed_tokens = req.num_prompt_tokens  # its prompt's KV arrives with it
             else:
-                self._match_prefix(req)
+                self.kv.match_prefix(req)
             remaining = req.num_tokens - req.num_computed_tokens
             is_decode = remaining == 1
             if is_decode and counts["decode"] >= self.config.max_decode:
@@ -288,14 +261,9 @@ class Scheduler:
                 new_blocks = None
             else:
                 n = 1 if is_decode else min(remaining, budget[0])
-                new_blocks = self._grow(req, req.num_computed_tokens + n)
+                new_blocks = self.kv.grow(req, req.num_computed_tokens + n)
             if new_blocks is None:
-                if req.imported_kv is not None:
-                    req.num_computed_tokens = 0
-                    self.pool.decref(req.block_ids)
-                    req.block_ids = []
-                else:
-                    self._unmatch_prefix(req)
+                self.kv.unmatch(req)
                 break  # first come first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             self._admit(req)
@@ -312,9 +280,7 @@ class Scheduler:
         self._new_ids.add(req.request_id)
         if req.num_cached_tokens < 0:  # first admission: count the prompt lookup
             req.num_cached_tokens = req.num_computed_tokens
-            if self.cache is not None:
-                lookup_blocks = (req.num_tokens - 1) // self.block_size
-                self.cache.record_lookup(lookup_blocks, req.num_computed_tokens // self.block_size)
+            self.kv.record_lookup(req)
 
     def _may_admit(self) -> bool:
         return True
@@ -364,7 +330,7 @@ class Scheduler:
                     new_ids = new_ids[: k + 1]
                     break
             if self.cache is not None and was_prefilling and req.num_computed_tokens >= req.num_prompt_tokens:
-                self._cache_blocks(req)  # share the prompt with requests arriving while this one decodes
+                self.kv.cache_computed(req)  # share the prompt with requests arriving while this one decodes
             if status is not None:
                 self._finish(req, status)
             elif self.hand_off_after_prefill and was_prefilling and new_ids:
@@ -392,60 +358,6 @@ class Scheduler:
             req.request_id, list(new_ids), logprobs, reason, req.num_prompt_tokens, max(req.num_cached_tokens, 0)
         )
 
-    # --- blocks ---------------------------------------------------------------------------------------------
-    def _grow(self, req: Request, num_tokens: int) -> list[int] | None:
-        """Give ``req`` enough blocks for ``num_tokens`` tokens; the new block ids, or None if the pool is full."""
-        need = -(-num_tokens // self.block_size) - len(req.block_ids)
-        if need <= 0:
-            return []
-        if self.pool.num_free < need and self.cache is not None:
-            self.cache.evict(need - self.pool.num_free)
-        if self.pool.num_free < need:
-            return None
-        new = self.pool.allocate(need)
-        req.block_ids.extend(new)
-        return new
-
-    def _match_prefix(self, req: Request) -> None:
-        """Start ``req`` from the longest cached prefix of its tokens (always leaving one token to compute)."""
-        assert req.num_computed_tokens == 0 and not req.block_ids
-        if self.cache is None:
-            return
-        node, block_ids = self.cache.match(req.all_token_ids[: req.num_tokens - 1])
-        self.cache.lock(node)
-        req.cache_node = node
-        self.pool.incref(block_ids)
-        req.block_ids = list(block_ids)
-        req.num_computed_tokens = len(block_ids) * self.block_size
-
-    def _unmatch_prefix(self, req: Request) -> None:
-        """Undo ``_match_prefix`` for a request that stays in the queue (waiting requests hold nothing)."""
-        if req.cache_node is not None:
-            self.cache.unlock(req.cache_node)
-            req.cache_node = None
-        self.pool.decref(req.block_ids)
-        req.block_ids = []
-        req.num_computed_tokens = 0
-
-    def _cache_blocks(self, req: Request) -> None:
-        """Insert the request's computed whole blocks into the prefix cache and hold the new path locked."""
-        node = self.cache.insert(req.all_token_ids[: req.num_computed_tokens], req.block_ids)
-        self.cache.lock(node)
-        if req.cache_node is not None:
-            self.cache.unlock(req.cache_node)
-        req.cache_node = node
-
-    def _release(self, req: Request) -> None:
-        """Give back everything ``req`` holds: its blocks (whole ones go to the prefix cache) and its lock."""
-        if self.cache is not None:
-            if req.num_computed_tokens >= self.block_size:
-                self._cache_blocks(req)
-            if req.cache_node is not None:
-                self.cache.unlock(req.cache_node)
-        req.cache_node = None
-        self.pool.decref(req.block_ids)
-        req.block_ids = []
-
     def _hand_off(self, req: Request) -> None:
         """Out of the batch with its blocks kept: its KV is about to be shipped to a decode worker."""
         self.running.remove(req)
@@ -458,7 +370,7 @@ class Scheduler:
         req.spec_token_ids = []
         req.spec_depth = 0
         self.stats.num_preempted_tokens += req.num_computed_tokens
-        self._release(req)
+        self.kv.release(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
@@ -472,7 +384,7 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self._release(req)
+        self.kv.release(req)
         req.status = status
         del self.requests[req.request_id]
         self._finished_ids.add(req.request_id)
@@ -484,56 +396,9 @@ class Scheduler:
 
     # --- checks and figures ----------------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Assert every block is free, cached or owned by a running request, with matching reference counts."""
-        owners = Counter()
-        locks = Counter()
-        for req in self.running:
-            owners.update(req.block_ids)
-            assert len(req.block_ids) * self.block_size >= req.num_computed_tokens
-            if req.cache_node is not None:
-                locks[req.cache_node] += 1
-        for req in self.handoffs.values():
-            owners.update(req.block_ids)
-            if req.cache_node is not None:
-                locks[req.cache_node] += 1
-        for req in self.waiting:
-            assert not req.block_ids and req.cache_node is None, "a waiting request holds blocks"
-        if self.cache is not None:
-            owners.update(self.cache.block_owners())
-            self.cache.check_integrity(locks)
-        self.pool.check_integrity(owners)
+        """Assert every block is free, cached or held by a running or handed-off request."""
+        self.kv.check_integrity([*self.running, *self.handoffs.values()], self.waiting)
 
     @property
     def num_cached_blocks(self) -> int:
-        return self.cache.num_blocks if self.cache is not None else 0
-
-
-class StaticScheduler(Scheduler):
-    """The static-batching baseline: gather up to ``max_seqs`` requests, run them all to the end, repeat."""
-
-    def __init__(self, config: SchedulerConfig) -> None:
-        super().__init__(config)
-        self._batch: list[Request] = []
-
-    def _may_admit(self) -> bool:
-        return False
-
-    def _admit_batch(self) -> None:
-        if self.running:
-            return
-        while self.waiting and len(self.running) < self.config.max_seqs:
-            req = self.waiting.popleft()
-            self._match_prefix(req)
-            self._admit(req)
-            self._batch.append(req)
-
-    def _preempt(self, req: Request) -> None:
-        super()._preempt(req)
-        self._batch.remove(req)  # it rejoins in a later batch
-
-    def _on_finished(self, req: Request) -> None:
-        if not self.running and self._batch:
-            lengths = [r.num_output_tokens for r in self._batch]
-            if max(lengths) > 0:
-                self.stats.batch_utilizations.append(sum(lengths) / (len(lengths) * max(lengths)))
-            self._batch = []
+        return self.kv.num_cached_blocks

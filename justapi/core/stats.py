@@ -4,10 +4,41 @@ to read: the live scheduler changes under them between steps (vLLM's make_stats 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .pd_scheduler import PdScheduler, PdStats
-from .scheduler import Scheduler, SchedulerStats
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+
+
+@dataclass
+class SchedulerStats:
+    """A scheduler's running counters (live, engine thread only; snapshots copy them)."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_preempted_tokens: int = 0  # computed tokens whose KV preemption gave up
+    num_resumed_cached_tokens: int = 0  # of those, found again in the prefix cache on resumption
+    num_scheduled_tokens_total: int = 0
+    last_step_tokens: int = 0
+    batch_utilizations: list[float] = field(default_factory=list)  # static batching: U per finished batch
+    # speculative decoding
+    spec_steps: int = 0  # request-steps that verified at least one draft token
+    spec_draft_tokens: int = 0  # draft tokens (tree nodes) verified
+    spec_accepted_tokens: int = 0  # of those, accepted (at most one per tree level)
+    spec_accepted_at: list[int] = field(default_factory=list)  # steps that accepted a draft at position k (0: first)
+    spec_proposed_at: list[int] = field(default_factory=list)  # steps that proposed drafts at position k
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens emitted per speculative request-step: accepted drafts plus the target's own token."""
+        return (self.spec_accepted_tokens + self.spec_steps) / self.spec_steps if self.spec_steps else 0.0
 
 
 @dataclass(frozen=True)

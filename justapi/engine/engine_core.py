@@ -9,7 +9,8 @@ import torch
 
 from ..config import DEFAULT_BRANCH, DEFAULT_GAMMA, DEFAULT_MAX_POOL_TOKENS, EngineConfig, SchedulerConfig
 from ..core.outputs import EngineCoreOutput
-from ..core.scheduler import Scheduler, StaticScheduler
+from ..core.scheduler import Scheduler
+from ..core.static_scheduler import StaticScheduler
 from ..core.stats import SchedulerSnapshot
 from ..model.chat_template import ChatTemplate
 from ..model.gguf_loader import ModelLoadError, open_gguf, read_model_config

@@ -1,0 +1,110 @@
+"""The KV blocks of the requests a scheduler serves: the pool, the prefix cache, and what each request holds.
+
+The scheduler decides who runs; this decides nothing, it only keeps the books (vLLM V1's KVCacheManager): a request
+grows block by block, starts from the longest cached prefix, and gives back what it holds, whole blocks going into
+the prefix cache so that a preempted or later request finds them again. Pure Python.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+from ..request import Request
+from .block_pool import BlockPool
+from .radix_cache import RadixPrefixCache
+
+
+class KvBlocks:
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.cache = RadixPrefixCache(self.pool, block_size) if prefix_cache else None
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.num_blocks * self.block_size
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.cache.num_blocks if self.cache is not None else 0
+
+    def grow(self, req: Request, num_tokens: int) -> list[int] | None:
+        """Give ``req`` enough blocks for ``num_tokens`` tokens; the new block ids, or None if the pool is full
+        even after evicting unlocked cached blocks."""
+        need = -(-num_tokens // self.block_size) - len(req.block_ids)
+        if need <= 0:
+            return []
+        if self.pool.num_free < need and self.cache is not None:
+            self.cache.evict(need - self.pool.num_free)
+        if self.pool.num_free < need:
+            return None
+        new = self.pool.allocate(need)
+        req.block_ids.extend(new)
+        return new
+
+    def match_prefix(self, req: Request) -> None:
+        """Start ``req`` from the longest cached prefix of its tokens (always leaving one token to compute)."""
+        assert req.num_computed_tokens == 0 and not req.block_ids
+        if self.cache is None:
+            return
+        node, block_ids = self.cache.match(req.all_token_ids[: req.num_tokens - 1])
+        self.cache.lock(node)
+        req.cache_node = node
+        self.pool.incref(block_ids)
+        req.block_ids = list(block_ids)
+        req.num_computed_tokens = len(block_ids) * self.block_size
+
+    def record_lookup(self, req: Request) -> None:
+        """Count a request's first admission in the cache's hit ratio (blocks found of blocks looked up)."""
+        if self.cache is not None:
+            lookup_blocks = (req.num_tokens - 1) // self.block_size
+            self.cache.record_lookup(lookup_blocks, req.num_computed_tokens // self.block_size)
+
+    def unmatch(self, req: Request) -> None:
+        """Undo ``match_prefix`` (or an imported prompt's blocks) for a request that stays in the queue: waiting
+        requests hold nothing."""
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+            req.cache_node = None
+        self.pool.decref(req.block_ids)
+        req.block_ids = []
+        req.num_computed_tokens = 0
+
+    def cache_computed(self, req: Request) -> None:
+        """Insert the request's computed whole blocks into the prefix cache and hold the new path locked."""
+        if self.cache is None:
+            return
+        node = self.cache.insert(req.all_token_ids[: req.num_computed_tokens], req.block_ids)
+        self.cache.lock(node)
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        req.cache_node = node
+
+    def release(self, req: Request) -> None:
+        """Give back everything ``req`` holds: its blocks (whole ones go to the prefix cache) and its lock."""
+        if self.cache is not None:
+            if req.num_computed_tokens >= self.block_size:
+                self.cache_computed(req)
+            if req.cache_node is not None:
+                self.cache.unlock(req.cache_node)
+        req.cache_node = None
+        self.pool.decref(req.block_ids)
+        req.block_ids = []
+
+    def check_integrity(self, holders: Iterable[Request], waiting: Iterable[Request]) -> None:
+        """Assert every block is free, cached or held by one of ``holders``, with matching reference counts and
+        locks, and that no waiting request holds anything."""
+        owners = Counter()
+        locks = Counter()
+        for req in holders:
+            owners.update(req.block_ids)
+            assert len(req.block_ids) * self.block_size >= req.num_computed_tokens
+            if req.cache_node is not None:
+                locks[req.cache_node] += 1
+        for req in waiting:
+            assert not req.block_ids and req.cache_node is None, "a waiting request holds blocks"
+        if self.cache is not None:
+            owners.update(self.cache.block_owners())
+            self.cache.check_integrity(locks)
+        self.pool.check_integrity(owners)
