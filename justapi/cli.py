@@ -85,10 +85,18 @@ def check_model_file(path: str, draft_path: str | None = None, tps: dict[str, in
 def cmd_serve(args) -> int:
     import uvicorn
 
-    from .engine.engine_core import EngineCore
-    from .server.api import build_app
+    app, server_cfg = serve_app(args)
+    server = _uvicorn_server_class()(uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port, access_log=False,
+                                                    log_level=server_cfg.log_level.lower(),
+                                                    timeout_graceful_shutdown=5))
+    server.run()
+    return 0 if server.started else 1
 
-    _Server = _uvicorn_server_class()
+
+def serve_app(args, on_engine=None):
+    """``justapi serve``'s checked configuration and FastAPI app (the engine loads when the app starts), and the
+    server settings. ``on_engine(engine)`` runs on the loaded engine before it serves (tests instrument it)."""
+    from .server.api import build_app
 
     cfg = engine_config(args)
     try:
@@ -105,16 +113,21 @@ def cmd_serve(args) -> int:
     name = server_cfg.served_model_name or os.path.splitext(os.path.basename(cfg.model))[0]
     mode = "static batching (--static-batching)" if cfg.static_batching else "continuous batching"
     logging.getLogger("justapi").info("loading %s; scheduler: %s", cfg.model, mode)
-    if cfg.disaggregate:
-        from .engine.pd_engine import PdEngine
 
-        app = build_app(server_cfg, name, lambda: PdEngine(cfg))
-    else:
-        app = build_app(server_cfg, name, lambda: EngineCore(cfg))
-    server = _Server(uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port, access_log=False,
-                                    log_level=server_cfg.log_level.lower(), timeout_graceful_shutdown=5))
-    server.run()
-    return 0 if server.started else 1
+    def load_engine():
+        if cfg.disaggregate:
+            from .engine.pd_engine import PdEngine
+
+            engine = PdEngine(cfg)
+        else:
+            from .engine.engine_core import EngineCore
+
+            engine = EngineCore(cfg)
+        if on_engine is not None:
+            on_engine(engine)
+        return engine
+
+    return build_app(server_cfg, name, load_engine), server_cfg
 
 
 def _uvicorn_server_class():

@@ -74,7 +74,6 @@ class InProcessServer:
     """
 
     def __init__(self, args: list[str], log_path: str, timeout_s: float = 120, on_engine=None) -> None:
-        import dataclasses
         import logging
         import threading
 
@@ -82,27 +81,16 @@ class InProcessServer:
         import uvicorn
 
         from justapi import cli
-        from justapi.config import ServerConfig
-        from justapi.engine.engine_core import EngineCore
-        from justapi.server.api import build_app
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        parsed = cli.build_parser().parse_args(["serve", "--port", str(self.port), *args])
-        cfg = cli.engine_config(parsed)
-        server_cfg = ServerConfig(**{f.name: getattr(parsed, f.name) for f in dataclasses.fields(ServerConfig)
-                                     if hasattr(parsed, f.name)})
-        cli.check_model_file(cfg.model, cfg.draft_model, cli.tp_sizes(cfg))
-        name = server_cfg.served_model_name or os.path.splitext(os.path.basename(cfg.model))[0]
         self.engine = None
 
-        def load():
-            engine = EngineCore(cfg)
+        def keep(engine):
             if on_engine is not None:
                 on_engine(engine)
             self.engine = engine
-            return engine
 
         self._threads = torch.get_num_threads()  # --threads sets the process-wide count: restored on stop
         self._logger = logging.getLogger("justapi")
@@ -111,7 +99,8 @@ class InProcessServer:
         self._handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         self._logger.addHandler(self._handler)
         self._logger.setLevel(logging.INFO)
-        app = build_app(server_cfg, name, load)
+        parsed = cli.build_parser().parse_args(["serve", "--port", str(self.port), *args])
+        app, _ = cli.serve_app(parsed, on_engine=keep)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, access_log=False,
                                                     log_config=None, log_level="warning",
                                                     timeout_graceful_shutdown=5))

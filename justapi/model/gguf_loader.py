@@ -75,8 +75,6 @@ def _plain_reader_class():
 def _read_gguf(abspath: str, mtime_ns: int, size: int, path: str):
     """The parsed file, kept while it is unchanged: parsing a 49k-token vocabulary's metadata takes seconds, and a
     start-up reads the same file more than once (the CLI's check, the engine, a draft model's vocabulary check)."""
-    import gguf
-
     try:
         reader = _plain_reader_class()(abspath, "r")
     except Exception as e:  # the reader raises ValueError, IndexError, OverflowError... on damaged files

@@ -1,4 +1,4 @@
-"""The HTTP server: OpenAI-compatible routes, SSE streaming, /metrics, and OpenAI-style errors."""
+"""The HTTP server: OpenAI-compatible routes, SSE streaming, /health and /metrics (errors: errors.py)."""
 
 from __future__ import annotations
 
@@ -9,32 +9,19 @@ from contextlib import asynccontextmanager
 from typing import Callable
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi.responses import Response, StreamingResponse
 
 from ..config import ServerConfig
 from ..engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from ..engine.protocol import Engine
 from ..model.chat_template import ChatTemplateError
+from .chunks import ChatChunks, CompletionChunks
+from .errors import ApiError, BodyLimit, engine_error, error_response, install_error_handlers
 from .metrics import Metrics
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from .serving import (Choice, chat_logprobs, completion_logprobs, make_choices, new_id, now, run_choices, sse,
-                      usage)
+from .serving import Choice, chat_logprobs, completion_logprobs, make_choices, new_id, now, run_choices, sse, usage
 
 log = logging.getLogger("justapi.server")
-
-
-class ApiError(Exception):
-    """An error answered as OpenAI's ``{"error": {...}}`` with an HTTP status."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type_, param
-
-
-def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}}, status_code=status)
 
 
 class ServerState:
@@ -54,45 +41,7 @@ class ServerState:
         return self.llm
 
 
-class BodyLimit:
-    """ASGI middleware: refuse request bodies over ``max_bytes`` with 413, streamed or not."""
-
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope.get("headers") or []).get(b"content-length")
-        too_big = length is not None and length.isdigit() and int(length) > self.max_bytes
-        seen = 0
-
-        async def limited_receive():
-            nonlocal seen, too_big
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                too_big = True
-                raise _BodyTooLarge()
-            return message
-
-        if too_big:
-            return await self._reject(scope, receive, send)
-        try:
-            await self.app(scope, limited_receive, send)
-        except _BodyTooLarge:
-            await self._reject(scope, receive, send)
-
-    async def _reject(self, scope, receive, send):
-        resp = error_response(413, f"the request body exceeds the limit of {self.max_bytes} bytes")
-        await resp(scope, receive, send)
-
-
-class _BodyTooLarge(Exception):
-    pass
-
-
-def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], EngineCore]) -> FastAPI:
+def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], Engine]) -> FastAPI:
     """The FastAPI app; ``load_engine`` runs in a thread at start-up while /health answers 503."""
     state = ServerState(config, model_name)
 
@@ -128,7 +77,7 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
 
     app = FastAPI(title="JustAPI", lifespan=lifespan)
     app.state.justapi = state
-    _install_error_handlers(app)
+    install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
 
     @app.middleware("http")
@@ -155,13 +104,13 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
 
     @app.get("/v1/models")
     async def models():
-        llm = state.ready_llm()  # 503 while loading: clients poll this route for readiness
+        state.ready_llm()  # 503 while loading: clients poll this route for readiness
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "justapi",
                                               "max_model_len": state.engine.limits.max_model_len}]}
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
-        llm = state.ready_llm()
+        state.ready_llm()
         _check_model(req.model)
         tok = state.engine.tokenizer
         if req.messages is not None:
@@ -174,7 +123,7 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
-        llm = state.ready_llm()
+        state.ready_llm()
         _check_model(req.model)
         vocab = state.engine.limits.vocab_size
         if any(not 0 <= t < vocab for t in req.tokens):
@@ -208,7 +157,7 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
             _validate(llm, c)
         rid = new_id("cmpl")
         if req.stream:
-            return _stream(raw, llm, rid, choices, req, _CompletionChunks(rid, model_name, tok))
+            return _stream(raw, llm, rid, choices, req, CompletionChunks(rid, model_name, tok))
         await _collect(raw, llm, rid, choices)
         return {"id": rid, "object": "text_completion", "created": now(), "model": model_name,
                 "choices": [{"index": c.index, "text": c.prefix + c.final.text,
@@ -233,7 +182,7 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
         rid = new_id("chatcmpl")
         tok = state.engine.tokenizer
         if req.stream:
-            return _stream(raw, llm, rid, choices, req, _ChatChunks(rid, model_name, tok))
+            return _stream(raw, llm, rid, choices, req, ChatChunks(rid, model_name, tok))
         await _collect(raw, llm, rid, choices)
         return {"id": rid, "object": "chat.completion", "created": now(), "model": model_name,
                 "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.final.text},
@@ -254,23 +203,12 @@ def _params(req, max_tokens, logprobs):
         raise ApiError(400, str(e)) from None
 
 
-def _engine_error(exc: BaseException) -> ApiError | None:
-    """The HTTP answer for an error the engine front raised about a request; None for anything else (a bug)."""
-    if isinstance(exc, QueueFullError):
-        return ApiError(429, str(exc), "rate_limit_error")
-    if isinstance(exc, EngineDeadError):
-        return ApiError(500, str(exc), "server_error")
-    if isinstance(exc, ValueError):  # AdmissionError included
-        return ApiError(400, str(exc), param="prompt")
-    return None
-
-
 def _validate(llm: AsyncLLM, choice: Choice) -> None:
     try:
         llm.validate(choice.prompt_ids, choice.params)
         llm.check_queue()  # before a stream starts: once it has, errors can only travel inside it
     except (QueueFullError, ValueError) as e:
-        raise _engine_error(e) from None
+        raise engine_error(e) from None
 
 
 def _chat_prompt(engine: Engine, messages: list[dict], add_generation_prompt: bool) -> list[int]:
@@ -305,7 +243,7 @@ async def _collect(raw: Request, llm: AsyncLLM, rid: str, choices: list[Choice])
         raise ApiError(499, "client disconnected")
     exc = work.exception()
     if exc is not None:
-        raise _engine_error(exc) or exc
+        raise engine_error(exc) or exc
 
 
 def _stream(raw: Request, llm: AsyncLLM, rid: str, choices: list[Choice], req, chunk) -> StreamingResponse:
@@ -325,7 +263,7 @@ def _stream(raw: Request, llm: AsyncLLM, rid: str, choices: list[Choice], req, c
                 yield sse(chunk.usage(usage(choices)))
             yield sse("[DONE]")
         except (QueueFullError, ValueError, EngineDeadError) as e:
-            err = _engine_error(e)
+            err = engine_error(e)
             yield sse({"error": {"message": err.message, "type": err.type, "code": err.status}})
             yield sse("[DONE]")
         finally:
@@ -334,82 +272,3 @@ def _stream(raw: Request, llm: AsyncLLM, rid: str, choices: list[Choice], req, c
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-class _CompletionChunks:
-    """SSE payloads of /v1/completions: text deltas with their logprobs and text offsets."""
-
-    def __init__(self, rid: str, model: str, tok) -> None:
-        self.base = {"id": rid, "object": "text_completion", "created": now(), "model": model}
-        self.tok = tok
-        self.offsets: dict[int, int] = {}
-
-    def start(self, c: Choice):
-        self.offsets[c.index] = len(c.prefix)
-        if c.prefix:
-            return dict(self.base, choices=[{"index": c.index, "text": c.prefix, "logprobs": None, "finish_reason": None}])
-        return None
-
-    def delta(self, c: Choice, out):
-        if not out.new_text and not out.finished and not out.new_logprobs:
-            return []
-        lps = completion_logprobs(self.tok, out.new_logprobs, self.offsets[c.index])
-        self.offsets[c.index] += len(out.new_text)
-        return [dict(self.base, choices=[{"index": c.index, "text": out.new_text, "logprobs": lps,
-                                          "finish_reason": out.finish_reason}])]
-
-    def usage(self, u: dict):
-        return dict(self.base, choices=[], usage=u)
-
-
-class _ChatChunks:
-    """SSE payloads of /v1/chat/completions: a role chunk, content deltas, a finish chunk per choice."""
-
-    def __init__(self, rid: str, model: str, tok) -> None:
-        self.base = {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model}
-        self.tok = tok
-
-    def start(self, c: Choice):
-        return dict(self.base, choices=[{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                         "logprobs": None, "finish_reason": None}])
-
-    def delta(self, c: Choice, out):
-        chunks = []
-        if out.new_text or out.new_logprobs:
-            chunks.append(dict(self.base, choices=[{"index": c.index, "delta": {"content": out.new_text},
-                                                    "logprobs": chat_logprobs(self.tok, out.new_logprobs),
-                                                    "finish_reason": None}]))
-        if out.finished:
-            chunks.append(dict(self.base, choices=[{"index": c.index, "delta": {}, "logprobs": None,
-                                                    "finish_reason": out.finish_reason}]))
-        return chunks
-
-    def usage(self, u: dict):
-        return dict(self.base, choices=[], usage=u)
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(ApiError)
-    async def _api_error(request, exc: ApiError):
-        return error_response(exc.status, exc.message, exc.type, exc.param)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request, exc: RequestValidationError):
-        problems = []
-        for err in exc.errors():
-            loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-            if err.get("type") == "json_invalid":
-                problems.append("the request body is not valid JSON")
-            else:
-                problems.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
-        param = None
-        errs = exc.errors()
-        if errs:
-            loc = [str(x) for x in errs[0].get("loc", ()) if x != "body"]
-            param = loc[0] if loc else None
-        return error_response(400, "; ".join(problems[:5]), param=param)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request, exc: StarletteHTTPException):
-        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
-        if exc.status_code == 400 and "parsing the body" in message:
-            message = "the request body could not be parsed (it must be UTF-8 JSON)"
-        return error_response(exc.status_code, message)

@@ -1,0 +1,101 @@
+"""OpenAI-style errors: ``{"error": {...}}`` with an HTTP status, for the routes' own checks, validation failures,
+engine refusals and over-large bodies. Nothing a client sends may end in a traceback or a 500."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..engine.async_llm import EngineDeadError, QueueFullError
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's ``{"error": {...}}`` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}}, status_code=status)
+
+
+def engine_error(exc: BaseException) -> ApiError | None:
+    """The HTTP answer for an error the engine front raised about a request; None for anything else (a bug)."""
+    if isinstance(exc, QueueFullError):
+        return ApiError(429, str(exc), "rate_limit_error")
+    if isinstance(exc, EngineDeadError):
+        return ApiError(500, str(exc), "server_error")
+    if isinstance(exc, ValueError):  # AdmissionError included
+        return ApiError(400, str(exc), param="prompt")
+    return None
+
+
+class BodyLimit:
+    """ASGI middleware: refuse request bodies over ``max_bytes`` with 413, streamed or not."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        too_big = length is not None and length.isdigit() and int(length) > self.max_bytes
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen, too_big
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                too_big = True
+                raise _BodyTooLarge()
+            return message
+
+        if too_big:
+            return await self._reject(scope, receive, send)
+        try:
+            await self.app(scope, limited_receive, send)
+        except _BodyTooLarge:
+            await self._reject(scope, receive, send)
+
+    async def _reject(self, scope, receive, send):
+        resp = error_response(413, f"the request body exceeds the limit of {self.max_bytes} bytes")
+        await resp(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(request, exc: ApiError):
+        return error_response(exc.status, exc.message, exc.type, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request, exc: RequestValidationError):
+        problems = []
+        for err in exc.errors():
+            loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+            if err.get("type") == "json_invalid":
+                problems.append("the request body is not valid JSON")
+            else:
+                problems.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+        param = None
+        errs = exc.errors()
+        if errs:
+            loc = [str(x) for x in errs[0].get("loc", ()) if x != "body"]
+            param = loc[0] if loc else None
+        return error_response(400, "; ".join(problems[:5]), param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, exc: StarletteHTTPException):
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 400 and "parsing the body" in message:
+            message = "the request body could not be parsed (it must be UTF-8 JSON)"
+        return error_response(exc.status_code, message)
