@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import random
 
 import torch
 
@@ -12,21 +11,14 @@ from ..core.outputs import EngineCoreOutput
 from ..core.scheduler import Scheduler
 from ..core.static_scheduler import StaticScheduler
 from ..core.stats import SchedulerSnapshot
-from ..model.chat_template import ChatTemplate
-from ..model.gguf_loader import ModelLoadError, open_gguf, read_model_config
-from ..model.tokenizer import Tokenizer
+from ..model.gguf_loader import ModelLoadError
 from ..request import RequestStatus
 from ..sampling_params import SamplingParams
 from .executor import make_executor, set_threads
+from .model_front import ModelFront
 from .output_processor import OutputProcessor, RequestOutput
-from .protocol import EngineLimits
 
 log = logging.getLogger("justapi.engine")
-
-def check_token_ids(token_ids: list[int], vocab: int) -> None:
-    bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
 
 
 def available_memory_bytes() -> int:
@@ -41,26 +33,20 @@ def available_memory_bytes() -> int:
     return 4 << 30
 
 
-class EngineCore:
+class EngineCore(ModelFront):
     """A loaded model with its scheduler and executor; ``step()`` runs one iteration of continuous batching."""
 
     def __init__(self, config: EngineConfig, tp_group=None) -> None:
         """``tp_group``: with ``config.tp`` > 1, the sub-group this engine's ranks already form in a disaggregated
         engine's world; None: the executor starts the ranks itself (engine.executor)."""
-        self.config = config
         if config.gpu and not torch.cuda.is_available():
             raise ModelLoadError("--gpu was given but torch sees no CUDA device (torch.cuda.is_available() is False)")
         set_threads(config)
-        reader = open_gguf(config.model)
-        self.model_config = read_model_config(reader, config.model)
-        self.tokenizer = Tokenizer(config.model, reader)
-        self.chat_template = ChatTemplate(self.tokenizer.chat_template)
-        self.max_model_len = self._max_model_len()
+        super().__init__(config)
         self.executor = make_executor(config, self.model_config, tp_group)
         num_blocks = self.executor.size_pool(self._num_blocks(), config.branch or DEFAULT_BRANCH)
         self.scheduler = (StaticScheduler if config.static_batching else Scheduler)(self._scheduler_config(num_blocks))
         self.outputs = OutputProcessor(self.tokenizer)
-        self._seeds = random.Random(config.seed)
         log.info(
             "weights: %.1f MiB; KV cache pool: %d blocks of %d tokens = %d tokens (%.2f GiB); max model length %d",
             self.model.weight_bytes() / 2**20, num_blocks, config.block_size, num_blocks * config.block_size,
@@ -94,14 +80,6 @@ class EngineCore:
             spec_max_batch=config.spec_max_batch,
         )
 
-    def _max_model_len(self) -> int:
-        ctx = self.model_config.context_length
-        if self.config.max_model_len is None:
-            return ctx
-        if self.config.max_model_len > ctx:
-            raise ValueError(f"--max-model-len {self.config.max_model_len} exceeds the model's context length {ctx}")
-        return self.config.max_model_len
-
     def _num_blocks(self) -> int:
         if self.config.pool_blocks is not None:
             return self.config.pool_blocks
@@ -116,12 +94,9 @@ class EngineCore:
         return max(1, min(budget // per_block, cap))
 
     # --- requests ---------------------------------------------------------------------------------------------
-    def new_seed(self) -> int:
-        return self._seeds.getrandbits(62)
-
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Raise ValueError (AdmissionError) for a request that can never be served; its max_tokens. Reads state only."""
-        check_token_ids(prompt_token_ids, self.model_config.vocab_size)
+        self.check_token_ids(prompt_token_ids)
         return self.scheduler.check_admissible(len(prompt_token_ids), params.max_tokens)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -138,14 +113,6 @@ class EngineCore:
             return None
         report, _ = self.outputs.process(core_out)
         return report
-
-    @property
-    def limits(self) -> EngineLimits:
-        return EngineLimits(self.max_model_len, self.model_config.vocab_size)
-
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        """Token ids of a conversation in the model's chat template (ChatTemplateError for a bad one)."""
-        return self.chat_template.encode(self.tokenizer, messages, add_generation_prompt)
 
     @property
     def has_unfinished(self) -> bool:

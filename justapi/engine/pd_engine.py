@@ -20,7 +20,6 @@ import logging
 import multiprocessing
 import multiprocessing.connection as mp_connection
 import os
-import random
 import time
 
 from ..config import EngineConfig, SchedulerConfig
@@ -29,36 +28,26 @@ from ..core.pd_scheduler import PdScheduler, WorkerInfo
 from ..core.scheduler import Scheduler
 from ..core.stats import PdSnapshot
 from ..distributed.group import describe, rendezvous
-from ..model.chat_template import ChatTemplate
-from ..model.gguf_loader import ModelLoadError, open_gguf, read_model_config
-from ..model.tokenizer import Tokenizer
+from ..model.gguf_loader import ModelLoadError
 from ..sampling_params import SamplingParams
 from .async_llm import EngineDeadError
-from .engine_core import check_token_ids
+from .model_front import ModelFront
 from .output_processor import OutputProcessor, RequestOutput
+from .pd_messages import (AbortRequest, AddRequest, CheckIntegrity, Checked, Failed, Load, Outputs, Prefilled,
+                          PrefilledRequest, Ready, Received, RecvKv, RequestFailed, SendKv, Sent, Stop)
 from .pd_worker import WorkerSpec, follower_main, worker_main
-from .protocol import EngineLimits
 
 log = logging.getLogger("justapi.pd")
 
 START_TIMEOUT_S = 900.0  # loading a model (and compiling the C++ kernels where the installed ones do not fit)
 
 
-class PdEngine:
+class PdEngine(ModelFront):
     """EngineCore's interface over worker processes: prefill on some, decode on others, KV shipped between."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        reader = open_gguf(config.model)
-        self.model_config = read_model_config(reader, config.model)
-        self.tokenizer = Tokenizer(config.model, reader)
-        self.chat_template = ChatTemplate(self.tokenizer.chat_template)
-        ctx = self.model_config.context_length
-        if config.max_model_len is not None and config.max_model_len > ctx:
-            raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's context length {ctx}")
-        self.max_model_len = config.max_model_len or ctx
+        super().__init__(config)
         self.outputs = OutputProcessor(self.tokenizer)
-        self._seeds = random.Random(config.seed)
         self._failures: list[tuple[str, BaseException]] = []
         self._first: dict[str, tuple[list[int], int, SamplingParams, int]] = {}  # rid → prompt, first token, ...
         self._tag = 0
@@ -127,12 +116,13 @@ class PdEngine:
                     raise ModelLoadError(f"--disaggregate: {why} while loading the model")
                 continue
             msg = pending.pop(0)
-            if msg[0] == "failed":
+            if isinstance(msg, Failed):
                 self.close()
-                raise ModelLoadError(f"--disaggregate: {roles[msg[1]]} worker {msg[1]} failed to start: {msg[2]}")
-            if msg[0] == "ready":
-                ready[msg[1]] = (msg[2], msg[3])
-                self._pids[msg[1]] = msg[4]
+                raise ModelLoadError(f"--disaggregate: {roles[msg.rank]} worker {msg.rank} failed to start: "
+                                     f"{msg.error}")
+            if isinstance(msg, Ready):
+                ready[msg.rank] = (msg.num_blocks, msg.block_size)
+                self._pids[msg.rank] = msg.pid
         self.pd = PdScheduler([WorkerInfo(r, roles[r], num_blocks=ready[r][0], block_size=ready[r][1],
                                           free_blocks=ready[r][0]) for r in range(workers)])
         smallest = min(n for n, _ in ready.values())
@@ -148,7 +138,7 @@ class PdEngine:
         self._closed = True
         for inbox, proc in zip(self.inboxes, self.procs):
             if proc.is_alive():
-                inbox.put(("stop",))
+                inbox.put(Stop())
         deadline = time.monotonic() + 5
         for proc in self.procs + [f for fs in self.followers for f in fs]:  # leaders release their followers
             proc.join(timeout=max(0.1, deadline - time.monotonic()))
@@ -173,36 +163,25 @@ class PdEngine:
         """A frozen copy of the workers' last reports and the transfer counters, taken on the engine thread."""
         return PdSnapshot.of(self.pd)
 
-    @property
-    def limits(self) -> EngineLimits:
-        return EngineLimits(self.max_model_len, self.model_config.vocab_size)
-
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        """Token ids of a conversation in the model's chat template (ChatTemplateError for a bad one)."""
-        return self.chat_template.encode(self.tokenizer, messages, add_generation_prompt)
-
     def check_integrity(self, timeout_s: float = 30.0) -> dict[int, tuple[str | None, dict]]:
         """Ask every live worker to check its KV pool; rank → (problem or None, what it holds)."""
         alive = [r for r, w in self.pd.workers.items() if w.alive]
         for r in alive:
-            self.inboxes[r].put(("check",))
+            self.inboxes[r].put(CheckIntegrity())
         answers: dict[int, tuple[str | None, dict]] = {}
         deadline = time.monotonic() + timeout_s
         while len(answers) < len(alive) and time.monotonic() < deadline:
             for msg in self._receive(0.1):
-                if msg[0] == "checked":
-                    answers[msg[1]] = (msg[2], msg[3])
+                if isinstance(msg, Checked):
+                    answers[msg.rank] = (msg.problem, msg.held)
                 else:
                     self._handle(msg, [])
         return answers
 
     # --- requests -----------------------------------------------------------------------------------------------
-    def new_seed(self) -> int:
-        return self._seeds.getrandbits(62)
-
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """As EngineCore.check_request, against the smallest worker pool."""
-        check_token_ids(prompt_token_ids, self.model_config.vocab_size)
+        self.check_token_ids(prompt_token_ids)
         return self._admission.check_admissible(len(prompt_token_ids), params.max_tokens)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -217,7 +196,7 @@ class PdEngine:
             raise EngineDeadError(str(e)) from None
         self._first[request_id] = (list(prompt_token_ids), -1, params, seed)
         self.outputs.add_request(request_id, prompt_token_ids, params)
-        self.inboxes[rank].put(("add", request_id, list(prompt_token_ids), params, seed))
+        self.inboxes[rank].put(AddRequest(request_id, list(prompt_token_ids), params, seed))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         if request_id not in self.pd.requests:
@@ -231,7 +210,7 @@ class PdEngine:
         """Tell every worker holding the request to let it go, and forget it."""
         for rank in self.pd.holder(request_id):
             if self.pd.workers[rank].alive:
-                self.inboxes[rank].put(("abort", request_id))
+                self.inboxes[rank].put(AbortRequest(request_id))
         self.pd.finished(request_id)
 
     @property
@@ -284,48 +263,47 @@ class PdEngine:
         return msgs
 
     def _handle(self, msg, reports: list[RequestOutput]) -> None:
-        kind, rank = msg[0], msg[1]
-        if kind == "out":
-            for rid, ids, logprobs, reason, num_prompt, num_cached in msg[2]:
+        match msg:
+            case Outputs(rank, outs):
+                for out in outs:
+                    self._output(rank, out, reports)
+            case Prefilled(rank, rid):
                 req = self.pd.requests.get(rid)
-                if req is None or rank not in self.pd.holder(rid):
-                    continue  # aborted or failed meanwhile; a late message
-                if req.phase == "transfer" and rank == req.decode_rank:
-                    req.phase = "decode"  # decoding already, whether or not the sender's "sent" came in
-                if req.phase == "prefill":
-                    req.num_cached_tokens = num_cached
-                    prompt, _, params, seed = self._first[rid]
-                    self._first[rid] = (prompt, ids[0], params, seed)
-                report, stopped = self.outputs.process(
-                    EngineCoreOutput(rid, ids, logprobs, reason, num_prompt, req.num_cached_tokens))
-                reports.append(report)
-                if report.finished:
-                    if stopped:
-                        self._drop(rid)  # a stop string: the worker does not know yet
-                    else:
-                        self.pd.finished(rid)
-                    self._first.pop(rid, None)
-        elif kind == "prefilled":
-            req = self.pd.requests.get(msg[2])
-            if req is not None and rank == req.prefill_rank:  # not a late word from a worker it was moved away from
-                self._ship(msg[2])
-        elif kind == "received":
-            req = self.pd.requests.get(msg[2])
-            if req is not None and req.phase == "transfer" and rank == req.decode_rank:
-                req.phase = "decode"  # from now on only the decode worker holds it
-        elif kind == "sent":
-            _, _, rid, nbytes, nblocks, seconds = msg
-            self.pd.transferred(rid, nbytes, nblocks, seconds)
-        elif kind == "request_failed":
-            rid = msg[2]
-            if rid in self.pd.requests and rank in self.pd.holder(rid):
-                self._fail(rid, msg[3])
-        elif kind == "stats":
-            w = self.pd.workers[rank]
-            for key, value in msg[2].items():
-                setattr(w, key, value)
-        elif kind == "failed":
-            log.error("%s worker %d failed: %s", self.pd.workers[rank].role, rank, msg[2])
+                if req is not None and rank == req.prefill_rank:  # not a late word from a worker it moved from
+                    self._ship(rid)
+            case Received(rank, rid):
+                req = self.pd.requests.get(rid)
+                if req is not None and req.phase == "transfer" and rank == req.decode_rank:
+                    req.phase = "decode"  # from now on only the decode worker holds it
+            case Sent(_, rid, nbytes, num_blocks, seconds):
+                self.pd.transferred(rid, nbytes, num_blocks, seconds)
+            case RequestFailed(rank, rid, error):
+                if rid in self.pd.requests and rank in self.pd.holder(rid):
+                    self._fail(rid, error)
+            case Load():
+                self.pd.workers[msg.rank].report(msg)
+            case Failed(rank, error):
+                log.error("%s worker %d failed: %s", self.pd.workers[rank].role, rank, error)
+
+    def _output(self, rank: int, out: EngineCoreOutput, reports: list[RequestOutput]) -> None:
+        rid = out.request_id
+        req = self.pd.requests.get(rid)
+        if req is None or rank not in self.pd.holder(rid):
+            return  # aborted or failed meanwhile; a late message
+        if req.phase == "transfer" and rank == req.decode_rank:
+            req.phase = "decode"  # decoding already, whether or not the sender's Sent came in
+        if req.phase == "prefill":
+            req.num_cached_tokens = out.num_cached_tokens
+            prompt, _, params, seed = self._first[rid]
+            self._first[rid] = (prompt, out.new_token_ids[0], params, seed)
+        report, stopped = self.outputs.process(dataclasses.replace(out, num_cached_tokens=req.num_cached_tokens))
+        reports.append(report)
+        if report.finished:
+            if stopped:
+                self._drop(rid)  # a stop string: the worker does not know yet
+            else:
+                self.pd.finished(rid)
+            self._first.pop(rid, None)
 
     def _ship(self, rid: str) -> None:
         """A prefill worker finished a request's prompt: pick a decode worker and start the KV transfer."""
@@ -337,15 +315,15 @@ class PdEngine:
         try:
             dst = self.pd.route_decode(rid, len(prompt))
         except RuntimeError as e:
-            self.inboxes[src].put(("abort", rid))
+            self.inboxes[src].put(AbortRequest(rid))
             self._fail(rid, str(e))
             return
         self._tag += 1
         nblocks = -(-len(prompt) // self.config.block_size)
         shape = tuple(nblocks if x is None else x for x in self._kv_shape)
-        self.inboxes[src].put(("send", rid, self._dist_rank[dst], self._tag))
-        self.inboxes[dst].put(("recv", rid, self._dist_rank[src], self._tag, shape,
-                               (prompt, first, params, seed, req.num_cached_tokens)))
+        self.inboxes[src].put(SendKv(rid, self._dist_rank[dst], self._tag))
+        self.inboxes[dst].put(RecvKv(rid, self._dist_rank[src], self._tag, shape,
+                                     PrefilledRequest(prompt, first, params, seed, req.num_cached_tokens)))
 
     def _fail(self, rid: str, why: str) -> None:
         self._drop(rid)
@@ -381,5 +359,5 @@ class PdEngine:
             for rid in retry:
                 prompt, _, params, seed = self._first[rid]
                 new_rank = self.pd.route_prefill(rid, prompt)
-                self.inboxes[new_rank].put(("add", rid, prompt, params, seed))
+                self.inboxes[new_rank].put(AddRequest(rid, prompt, params, seed))
                 log.info("request %s: prefill moved to worker %d", rid, new_rank)

@@ -2,8 +2,9 @@
 
 Each worker is a whole engine (model replica, KV pool, continuous-batching scheduler) in its own process. The
 server (engine.pd_engine) talks to it through a multiprocessing queue of commands in (add, abort, send KV,
-receive KV, stop) and a pipe of results out (new token ids per request, hand-offs, transfer figures, load reports). KV itself
-goes worker to worker over torch.distributed (distributed.kv_transfer), never through the server.
+receive KV, stop) and a pipe of reports out (new token ids per request, hand-offs, transfer figures, load), each a
+dataclass of engine.pd_messages. KV itself goes worker to worker over torch.distributed (distributed.kv_transfer),
+never through the server.
 
 A prefill worker's scheduler hands a request off after its first token, keeping the prompt's blocks until the
 send completed (then they go to its prefix cache); a decode worker admits a received request straight into
@@ -20,6 +21,8 @@ import traceback
 from dataclasses import dataclass
 
 from ..config import EngineConfig
+from .pd_messages import (AbortRequest, AddRequest, CheckIntegrity, Checked, Failed, Load, Outputs, Prefilled, Ready,
+                          Received, RecvKv, RequestFailed, SendKv, Sent, Stop)
 
 log = logging.getLogger("justapi.worker")
 
@@ -82,15 +85,15 @@ def worker_main(spec: WorkerSpec, inbox, conn) -> None:
 
         engine = EngineCore(spec.config, tp_group=_join(spec))
         engine.scheduler.hand_off_after_prefill = spec.role == "prefill"
-        outbox.put(("ready", spec.rank, engine.scheduler.pool.num_blocks, engine.config.block_size, os.getpid()))
+        outbox.put(Ready(spec.rank, engine.scheduler.pool.num_blocks, engine.config.block_size, os.getpid()))
     except BaseException as e:  # noqa: BLE001 - reported to the server, which names the worker
-        outbox.put(("failed", spec.rank, f"{type(e).__name__}: {e}"))
+        outbox.put(Failed(spec.rank, f"{type(e).__name__}: {e}"))
         return
     try:
         _Worker(spec, engine, inbox, outbox).run()
     except BaseException as e:  # noqa: BLE001
         log.error("worker failed: %s", traceback.format_exc())
-        outbox.put(("failed", spec.rank, f"{type(e).__name__}: {e}"))
+        outbox.put(Failed(spec.rank, f"{type(e).__name__}: {e}"))
     finally:
         engine.close()  # its tensor-parallel ranks leave
 
@@ -125,28 +128,25 @@ class _Worker:
             # nothing to step: wait for a command (briefly while transfers are pending, to poll them)
             timeout = None if self.engine.has_unfinished else 0.005 if self.sends or self.recvs else 0.05
             for msg in self._drain(timeout):
-                if msg[0] == "stop":
+                if isinstance(msg, Stop):
                     return
                 try:
                     self._handle(msg)
                 except Exception as e:  # noqa: BLE001 - one bad request must not take the worker down
-                    rid = msg[1] if len(msg) > 1 else None
-                    log.error("%s failed for request %s: %s", msg[0], rid, e)
-                    self.outbox.put(("request_failed", self.spec.rank, rid,
-                                     f"a {msg[0]} command failed on the worker ({type(e).__name__}: {e})"))
+                    rid = getattr(msg, "request_id", None)
+                    kind = type(msg).__name__
+                    log.error("%s failed for request %s: %s", kind, rid, e)
+                    self._failed(rid, f"a {kind} command failed on the worker ({type(e).__name__}: {e})")
             self._poll_transfers()
             if self.engine.has_unfinished:
                 t0 = time.perf_counter()
                 outs = self.engine.step_core()
                 self.busy_s += time.perf_counter() - t0
                 if outs:
-                    self.outbox.put(("out", self.spec.rank, [
-                        (o.request_id, o.new_token_ids, o.new_logprobs, o.finish_reason, o.num_prompt_tokens,
-                         o.num_cached_tokens) for o in outs
-                    ]))
+                    self.outbox.put(Outputs(self.spec.rank, outs))
                 for rid in self.sched.handoffs.keys() - self.announced:
                     self.announced.add(rid)
-                    self.outbox.put(("prefilled", self.spec.rank, rid))
+                    self.outbox.put(Prefilled(self.spec.rank, rid))
             self._report()
 
     def _drain(self, timeout: float | None) -> list:
@@ -159,93 +159,96 @@ class _Worker:
             pass
         return msgs
 
+    def _failed(self, rid: str | None, why: str) -> None:
+        self.outbox.put(RequestFailed(self.spec.rank, rid, why))
+
     def _handle(self, msg) -> None:
-        kind = msg[0]
-        eos = self.engine.tokenizer.eos_token_ids
-        if kind == "add":
-            _, rid, prompt, params, seed = msg
-            self.sched.add_request(rid, prompt, params, eos, seed)
-        elif kind == "abort":
-            rid = msg[1]
-            self.sched.abort_request(rid)
-            self.announced.discard(rid)
-            if rid in self.recvs:
-                self.aborted_recvs.add(rid)
-        elif kind == "send":
-            from ..distributed.kv_transfer import send_kv
+        match msg:
+            case AddRequest(rid, prompt, params, seed):
+                self.sched.add_request(rid, prompt, params, self.engine.tokenizer.eos_token_ids, seed)
+            case AbortRequest(rid):
+                self.sched.abort_request(rid)
+                self.announced.discard(rid)
+                if rid in self.recvs:
+                    self.aborted_recvs.add(rid)
+            case SendKv(rid, dst, tag):
+                from ..distributed.kv_transfer import send_kv
 
-            _, rid, dst, tag = msg
-            req = self.sched.handoffs.get(rid)
-            if req is None:  # aborted meanwhile, or not ours
-                self.outbox.put(("request_failed", self.spec.rank, rid, "its KV is not on the prefill worker"))
-                return
-            blocks = req.block_ids[: -(-req.num_prompt_tokens // self.sched.block_size)]
-            self.sends[rid] = send_kv(rid, self.engine.export_kv(blocks), dst, tag)
-        elif kind == "check":
-            try:
-                self.sched.check_integrity()
-                problem = None
-            except AssertionError as e:
-                problem = f"integrity check failed: {e}"
-            held = sum(len(r.block_ids) for r in self.sched.running) + sum(
-                len(r.block_ids) for r in self.sched.handoffs.values())
-            self.outbox.put(("checked", self.spec.rank, problem, dict(
-                running=len(self.sched.running), waiting=len(self.sched.waiting), handoffs=len(self.sched.handoffs),
-                transfers=len(self.sends) + len(self.recvs), blocks_held_by_requests=held,
-                free_blocks=self.sched.pool.num_free, cached_blocks=self.sched.num_cached_blocks,
-                num_blocks=self.sched.pool.num_blocks)))
-        elif kind == "recv":
-            from ..distributed.kv_transfer import recv_kv
+                req = self.sched.handoffs.get(rid)
+                if req is None:  # aborted meanwhile, or not ours
+                    self._failed(rid, "its KV is not on the prefill worker")
+                    return
+                blocks = req.block_ids[: -(-req.num_prompt_tokens // self.sched.block_size)]
+                self.sends[rid] = send_kv(rid, self.engine.export_kv(blocks), dst, tag)
+            case RecvKv(rid, src, tag, shape, request):
+                from ..distributed.kv_transfer import recv_kv
 
-            _, rid, src, tag, shape, fields = msg
-            self.recvs[rid] = (recv_kv(rid, shape, self.engine.model.kv_dtype, src, tag, self.engine.config.device), fields)
+                transfer = recv_kv(rid, shape, self.engine.model.kv_dtype, src, tag, self.engine.config.device)
+                self.recvs[rid] = (transfer, request)
+            case CheckIntegrity():
+                self.outbox.put(self._check())
+            case _:
+                raise TypeError(f"unknown command {msg!r}")
+
+    def _check(self) -> Checked:
+        try:
+            self.sched.check_integrity()
+            problem = None
+        except AssertionError as e:
+            problem = f"integrity check failed: {e}"
+        held = sum(len(r.block_ids) for r in self.sched.running) + sum(
+            len(r.block_ids) for r in self.sched.handoffs.values())
+        return Checked(self.spec.rank, problem, dict(
+            running=len(self.sched.running), waiting=len(self.sched.waiting), handoffs=len(self.sched.handoffs),
+            transfers=len(self.sends) + len(self.recvs), blocks_held_by_requests=held,
+            free_blocks=self.sched.pool.num_free, cached_blocks=self.sched.num_cached_blocks,
+            num_blocks=self.sched.pool.num_blocks))
 
     def _poll_transfers(self) -> None:
         for rid, t in list(self.sends.items()):
             try:
                 if not t.done():
                     continue
-                self.outbox.put(("sent", self.spec.rank, rid, t.nbytes, t.tensor.shape[3], t.seconds))
+                self.outbox.put(Sent(self.spec.rank, rid, t.nbytes, t.tensor.shape[3], t.seconds))
             except RuntimeError as e:
-                self.outbox.put(("request_failed", self.spec.rank, rid,
-                                 f"its KV transfer failed ({str(e).splitlines()[0]})"))
+                self._failed(rid, f"its KV transfer failed ({str(e).splitlines()[0]})")
             del self.sends[rid]
             self.sched.release_handoff(rid)
             self.announced.discard(rid)
-        for rid, (t, fields) in list(self.recvs.items()):
+        for rid, (t, r) in list(self.recvs.items()):
             try:
                 if not t.done():
                     continue
             except RuntimeError as e:
                 del self.recvs[rid]
                 self.aborted_recvs.discard(rid)
-                self.outbox.put(("request_failed", self.spec.rank, rid,
-                                 f"its KV transfer failed ({str(e).splitlines()[0]})"))
+                self._failed(rid, f"its KV transfer failed ({str(e).splitlines()[0]})")
                 continue
             del self.recvs[rid]
             if rid in self.aborted_recvs:
                 self.aborted_recvs.discard(rid)
                 continue
-            prompt, first, params, seed, num_cached = fields
             try:
-                self.sched.add_prefilled_request(rid, prompt, first, params, self.engine.tokenizer.eos_token_ids,
-                                                 seed, t.tensor, num_cached)
+                self.sched.add_prefilled_request(rid, r.prompt_token_ids, r.first_token, r.params,
+                                                 self.engine.tokenizer.eos_token_ids, r.seed, t.tensor,
+                                                 r.num_cached_tokens)
             except ValueError as e:
-                self.outbox.put(("request_failed", self.spec.rank, rid, str(e)))
+                self._failed(rid, str(e))
                 continue
-            self.outbox.put(("received", self.spec.rank, rid))
+            self.outbox.put(Received(self.spec.rank, rid))
 
     def _report(self) -> None:
         now = time.monotonic()
         if now - self.last_report < REPORT_INTERVAL_S:
             return
         cache = self.sched.cache
-        self.outbox.put(("stats", self.spec.rank, dict(
+        self.outbox.put(Load(
+            self.spec.rank,
             free_blocks=self.sched.pool.num_free + self.sched.num_cached_blocks,  # cached blocks can be evicted
             running=len(self.sched.running), waiting=len(self.sched.waiting) + len(self.recvs),
             busy_fraction=min(1.0, self.busy_s / (now - self.last_report)),
             cache_hits=cache.hits if cache is not None else 0, cache_misses=cache.misses if cache is not None else 0,
             cached_blocks=self.sched.num_cached_blocks,
-        )))
+        ))
         self.busy_s = 0.0
         self.last_report = now

@@ -28,26 +28,31 @@ class Worker:
         """``plan``, ``comm``: this rank's distributed.tp TpPlan and TpComm, or None for the whole model."""
         self.config = config
         self.lead = plan is None or plan.rank == 0  # logs and shows progress for the engine
-        dtype_name = "float32" if config.batch_invariant else config.dtype
-        kernels = decode_kernels() if config.cpu_kernels and not config.gpu else None
-        reader = open_gguf(config.model)
-        self.draft_model = self._load_draft(model_config, dtype_name, kernels) if config.draft_model else None
-        dtype, keep_q4 = resolve_dtype(dtype_name, reader, config.gpu, kernels)
-        policy = KernelPolicy.make(dtype, kernels, config.disabled_kernels)
-        if self.lead:
-            for line in policy.describe():
-                log.info(line)
+        self.draft_model = self._load_draft(model_config) if config.draft_model else None
         select = None
         if plan is not None:
             select = lambda name: shard_selection(name, plan, model_config.head_dim)  # noqa: E731
-        tensors = load_tensors(reader, config.model, dtype, config.show_progress and self.lead, keep_q4, select)
-        self.model = LlamaModel(model_config, tensors, config.device, config.batch_invariant, plan, comm,
-                                kv_dtype=kv_cache_dtype(config.kv_cache_dtype, dtype, keep_q4), policy=policy,
-                                huge_pages=config.huge_pages)
+        self.model = self._load(open_gguf(config.model), config.model, model_config, self.lead, select, plan, comm)
         self.runner: ModelRunner | None = None
 
-    def _load_draft(self, target: ModelConfig, dtype_name: str, kernels) -> LlamaModel:
-        """The --draft-model: same vocabulary as the target (checked first), weights in the target's dtype policy."""
+    def _load(self, reader, path: str, model_config: ModelConfig, lead: bool, select=None, plan=None,
+              comm=None) -> LlamaModel:
+        """A model's weights in the dtype and kernel routes the flags and the CPU decide (logged by the lead)."""
+        config = self.config
+        kernels = decode_kernels() if config.cpu_kernels and not config.gpu else None
+        dtype_name = "float32" if config.batch_invariant else config.dtype
+        dtype, keep_q4 = resolve_dtype(dtype_name, reader, config.gpu, kernels)
+        policy = KernelPolicy.make(dtype, kernels, config.disabled_kernels)
+        if lead:
+            for line in policy.describe():
+                log.info(line)
+        tensors = load_tensors(reader, path, dtype, config.show_progress and self.lead, keep_q4, select)
+        return LlamaModel(model_config, tensors, config.device, config.batch_invariant, plan, comm,
+                          kv_dtype=kv_cache_dtype(config.kv_cache_dtype, dtype, keep_q4), policy=policy,
+                          huge_pages=config.huge_pages)
+
+    def _load_draft(self, target: ModelConfig) -> LlamaModel:
+        """The --draft-model: same vocabulary as the target (checked first), weights under the same policy."""
         path = self.config.draft_model
         try:
             reader = open_gguf(path)
@@ -62,13 +67,8 @@ class Worker:
         # shorter context only drafts worse there; verification keeps the output exact)
         draft_config = dataclasses.replace(draft_config,
                                            context_length=max(draft_config.context_length, target.context_length))
-        dtype, keep_q4 = resolve_dtype(dtype_name, reader, self.config.gpu, kernels)
-        tensors = load_tensors(reader, path, dtype, self.config.show_progress, keep_q4)
-        policy = KernelPolicy.make(dtype, kernels, self.config.disabled_kernels)
         log.info("draft model %s: %d layers, hidden %d", path, draft_config.num_layers, draft_config.hidden_size)
-        return LlamaModel(draft_config, tensors, self.config.device, self.config.batch_invariant,
-                          kv_dtype=kv_cache_dtype(self.config.kv_cache_dtype, dtype, keep_q4), policy=policy,
-                          huge_pages=self.config.huge_pages)
+        return self._load(reader, path, draft_config, lead=False)
 
     def kv_bytes_per_block(self) -> int:
         """KV bytes of one block: the model's, plus the draft's own cache at the same block ids."""

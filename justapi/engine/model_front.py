@@ -1,0 +1,44 @@
+"""What both engines (EngineCore, PdEngine) know of the model without running it: its config, tokenizer and chat
+template, the limits a request must respect, and the seeds of requests that give none. One place, so that the
+server sees the same answers whichever engine serves."""
+
+from __future__ import annotations
+
+import random
+
+from ..config import EngineConfig
+from ..model.chat_template import ChatTemplate
+from ..model.gguf_loader import open_gguf, read_model_config
+from ..model.tokenizer import Tokenizer
+from .protocol import EngineLimits
+
+
+class ModelFront:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        reader = open_gguf(config.model)
+        self.model_config = read_model_config(reader, config.model)
+        self.tokenizer = Tokenizer(config.model, reader)
+        self.chat_template = ChatTemplate(self.tokenizer.chat_template)
+        ctx = self.model_config.context_length
+        if config.max_model_len is not None and config.max_model_len > ctx:
+            raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's context length {ctx}")
+        self.max_model_len = config.max_model_len or ctx
+        self._seeds = random.Random(config.seed)
+
+    @property
+    def limits(self) -> EngineLimits:
+        return EngineLimits(self.max_model_len, self.model_config.vocab_size)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        """Token ids of a conversation in the model's chat template (ChatTemplateError for a bad one)."""
+        return self.chat_template.encode(self.tokenizer, messages, add_generation_prompt)
+
+    def new_seed(self) -> int:
+        return self._seeds.getrandbits(62)
+
+    def check_token_ids(self, token_ids: list[int]) -> None:
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
