@@ -131,6 +131,20 @@ def test_the_readme_flags_table_is_generated_from_the_config():
     assert flags_table() in readme, "README.md's flags table is stale: paste flags.flags_table()'s output"
 
 
+def test_the_architecture_page_names_every_module():
+    """docs/architecture.md has a line for each module of the package (and only for modules that exist)."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).parent.parent
+    page = (root / "docs" / "architecture.md").read_text()
+    modules = {str(p.relative_to(root)) for p in (root / "justapi").rglob("*") if p.suffix in (".py", ".cpp", ".h")
+               and p.name != "__init__.py" or p == root / "justapi" / "kernels" / "__init__.py"}
+    named = set(re.findall(r"`(justapi/[^`]+)`", page))
+    assert modules - named == set(), "modules without a line in docs/architecture.md"
+    assert named - modules == set(), "docs/architecture.md names modules that do not exist"
+
+
 def test_flags_become_the_config_continuous_batching_by_default():
     """Every flag lands in its config field; continuous batching unless --static-batching; --scheduled (the old
     way to ask for continuous batching) is still accepted."""
