@@ -50,7 +50,10 @@ def untouched_zeros(nbytes: int) -> torch.Tensor:
     zero-filling (a quarter of 24 GiB took ~8 s), and costs memory only where blocks are used."""
     if nbytes < HUGE_PAGE:
         return torch.zeros(nbytes, dtype=torch.uint8)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)  # the tensor keeps the mapping alive
+    # private: Python's default for anonymous maps is MAP_SHARED, which Linux backs with shmem, where transparent
+    # huge pages follow shmem_enabled (usually "never") and MADV_HUGEPAGE does nothing
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(memory, dtype=torch.uint8)  # the tensor keeps the mapping alive
 
 
 def _arena(nbytes: int) -> torch.Tensor | None:
