@@ -5,6 +5,10 @@
 # The three servers are started together (idle, each uses ~0% CPU) and measured one after another by each
 # `justapi bench serve` call. Needs the peers installed with the recipes in ../shared/peers (README there).
 # Results: bench_results/peers_{S1,W1,W2}.json, bench_results/sweep.{json,png}, bench_results/peers_bench.txt
+# Before/after a change, in the same run: JUSTAPI_BEFORE=DIR serves the checkout in DIR (another revision, e.g.
+# `git worktree add ../before REV`) as "justapi-before" on the next port, with this venv's Python and
+# JUSTAPI_BEFORE_ARGS (e.g. --scheduled for revisions whose default was static batching); where that revision
+# compiles its kernels on first use, they go to DIR/.torch_extensions.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 STEER=${STEER:-$ROOT/../shared/peers}
@@ -23,11 +27,22 @@ up "$PORT_JUSTAPI" || {
     > "$PEERS/logs/justapi.log" 2>&1 < /dev/null &
   echo $! > "$PEERS/run/justapi.pid"
   "$STEER/wait_ready.sh" "$PORT_JUSTAPI" 300 "$PEERS/run/justapi.pid" "$PEERS/logs/justapi.log"; }
+URLS=(--base-url "http://127.0.0.1:$PORT_JUSTAPI" --name justapi)
+if [ -n "${JUSTAPI_BEFORE:-}" ]; then
+  PORT_BEFORE=$((PORT_JUSTAPI + 1))
+  up "$PORT_BEFORE" || {
+    # shellcheck disable=SC2086 # the extra flags are words
+    PYTHONPATH="$JUSTAPI_BEFORE" TORCH_EXTENSIONS_DIR="$JUSTAPI_BEFORE/.torch_extensions" setsid \
+      "$ROOT/.venv/bin/python" -m justapi.cli serve ${JUSTAPI_BEFORE_ARGS:-} --port "$PORT_BEFORE" \
+      --served-model-name "$SERVED_NAME" > "$PEERS/logs/justapi_before.log" 2>&1 < /dev/null &
+    echo $! > "$PEERS/run/justapi_before.pid"
+    "$STEER/wait_ready.sh" "$PORT_BEFORE" 900 "$PEERS/run/justapi_before.pid" "$PEERS/logs/justapi_before.log"; }
+  URLS+=(--base-url "http://127.0.0.1:$PORT_BEFORE" --name justapi-before)
+fi
 up "$PORT_LLAMA_SERVER" || "$STEER/start_llama_server.sh"
 up "$PORT_VLLM" || "$STEER/start_vllm.sh"
 
-URLS=(--base-url "http://127.0.0.1:$PORT_JUSTAPI" --name justapi
-      --base-url "http://127.0.0.1:$PORT_LLAMA_SERVER" --name llama.cpp
+URLS+=(--base-url "http://127.0.0.1:$PORT_LLAMA_SERVER" --name llama.cpp
       --base-url "http://127.0.0.1:$PORT_VLLM" --name vllm-cpu-fp32)
 LOG=$OUT/peers_bench.txt
 {
@@ -48,5 +63,6 @@ LOG=$OUT/peers_bench.txt
   fi
 } 2>&1 | tee "$LOG"
 if [ "${KEEP_SERVERS:-0}" != 1 ]; then
-  "$STEER/stop_server.sh" justapi; "$STEER/stop_server.sh" llama_server; "$STEER/stop_server.sh" vllm
+  "$STEER/stop_server.sh" justapi; "$STEER/stop_server.sh" llama_server
+  [ -n "${JUSTAPI_BEFORE:-}" ] && "$STEER/stop_server.sh" justapi_before; "$STEER/stop_server.sh" vllm
 fi
