@@ -152,11 +152,20 @@ class EngineConfig:
     decode_tp: int | None = flag(None, "tensor-parallel ranks of each decode worker with --disaggregate "
                                  "(default: --tp)")
     seed: int = flag(0, "seed for requests that bring none")
+    chat_template: str | None = flag(None, "a Jinja chat template file to use instead of the model's (sandboxed "
+                                     "like it), e.g. one that renders tools", metavar="FILE")
+    tool_call_parser: str | None = flag(None, "how tool calls are read from the output (default: chosen for the "
+                                        "chat template)", choices=("hermes", "llama3_json", "mistral"))
     show_progress: bool = True  # a progress bar while loading (not a flag: the CLI always shows it)
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("no model given: pass --model PATH.gguf")
+        if self.chat_template is not None and not os.path.isfile(self.chat_template):
+            raise ValueError(f"--chat-template {self.chat_template}: no such file")
+        if self.tool_call_parser not in (None, "hermes", "llama3_json", "mistral"):
+            raise ValueError(f"--tool-call-parser must be hermes, llama3_json or mistral, not "
+                             f"{self.tool_call_parser!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         bad = [k for k in self.disabled_kernels if k not in OPTIONAL_KERNELS]

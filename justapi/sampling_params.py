@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .structured.spec import StructuredOutput
+
 
 @dataclass
 class SamplingParams:
@@ -24,6 +26,7 @@ class SamplingParams:
     n: int = 1
     skip_special_tokens: bool = True
     speculative: bool = True  # False: never draft for this request, even when the engine speculates
+    structured: StructuredOutput | None = None  # the output must match this JSON schema / regex / choice / grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -51,6 +54,9 @@ class SamplingParams:
             raise ValueError(f"n must be at least 1, got {self.n}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        if self.structured is not None and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with structured output: the output ends where its "
+                             "grammar does")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 

@@ -102,6 +102,7 @@ class EngineCore(ModelFront):
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request; raises AdmissionError (a ValueError) when it can never be served."""
         self.check_request(prompt_token_ids, params)
+        self.prepare(params)  # at once where the server already compiled its grammar (cached)
         seed = params.seed if params.seed is not None else self.new_seed()
         req = self.scheduler.add_request(request_id, prompt_token_ids, params, self.tokenizer.eos_token_ids, seed)
         self.outputs.add_request(request_id, prompt_token_ids, req.sampling_params)

@@ -8,8 +8,11 @@ import random
 
 from ..config import EngineConfig
 from ..model.chat_template import ChatTemplate
-from ..model.gguf_loader import open_gguf, read_model_config
+from ..model.gguf_loader import ModelLoadError, open_gguf, read_model_config
 from ..model.tokenizer import Tokenizer
+from ..sampling_params import SamplingParams
+from ..structured.grammars import for_model as grammars_for
+from ..structured.tool_calls import parser_for_template
 from .protocol import EngineLimits
 
 
@@ -19,7 +22,8 @@ class ModelFront:
         reader = open_gguf(config.model)
         self.model_config = read_model_config(reader, config.model)
         self.tokenizer = Tokenizer(config.model, reader)
-        self.chat_template = ChatTemplate(self.tokenizer.chat_template)
+        self.chat_template = ChatTemplate(_template_source(config.chat_template) or self.tokenizer.chat_template)
+        self.tool_parser = config.tool_call_parser or parser_for_template(self.chat_template.source)
         ctx = self.model_config.context_length
         if config.max_model_len is not None and config.max_model_len > ctx:
             raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's context length {ctx}")
@@ -30,9 +34,16 @@ class ModelFront:
     def limits(self) -> EngineLimits:
         return EngineLimits(self.max_model_len, self.model_config.vocab_size)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        """Token ids of a conversation in the model's chat template (ChatTemplateError for a bad one)."""
-        return self.chat_template.encode(self.tokenizer, messages, add_generation_prompt)
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a conversation in the chat template, with ``tools`` offered (ChatTemplateError for a bad
+        template or one that renders no tools)."""
+        return self.chat_template.encode(self.tokenizer, messages, add_generation_prompt, tools)
+
+    def prepare(self, params: SamplingParams) -> None:
+        """Do the slow part of admitting a request before it reaches the engine loop: compile its grammar (or
+        raise GrammarError, a ValueError, naming the problem). Call it off the event loop; it may take seconds."""
+        if params.structured is not None:
+            grammars_for(self.config.model).check(params.structured)
 
     def new_seed(self) -> int:
         return self._seeds.getrandbits(62)
@@ -42,3 +53,14 @@ class ModelFront:
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+
+
+def _template_source(path: str | None) -> str | None:
+    """A --chat-template file's text (ModelLoadError if it cannot be read)."""
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"--chat-template {path}: {e}") from None

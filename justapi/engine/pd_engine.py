@@ -188,6 +188,7 @@ class PdEngine(ModelFront):
         if request_id in self.pd.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         max_tokens = self.check_request(prompt_token_ids, params)
+        self.prepare(params)  # a bad grammar is refused here; the workers compile it again for their runners
         params = dataclasses.replace(params, max_tokens=max_tokens)
         seed = params.seed if params.seed is not None else self.new_seed()
         try:

@@ -32,8 +32,13 @@ class Engine(Protocol):
     @property
     def limits(self) -> EngineLimits: ...
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    tool_parser: str | None  # the format tool calls are read in (structured.tool_calls), None: no tools
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
         """Token ids of a conversation in the model's chat template (ChatTemplateError for a bad one)."""
+
+    def prepare(self, params: SamplingParams) -> None:
+        """Compile what the request needs (its grammar) or raise ValueError; slow: call it off the event loop."""
 
     def new_seed(self) -> int: ...
 

@@ -17,6 +17,7 @@ from ..model.kernel_policy import KernelPolicy, kv_cache_dtype, resolve_dtype
 from ..model.llama import LlamaModel, shard_selection
 from ..model.runner import ModelRunner, kv_bytes_per_block
 from ..spec.draft import DraftProposer, check_same_vocabulary
+from ..structured.grammars import for_model as grammars_for
 
 log = logging.getLogger("justapi.engine")
 
@@ -82,7 +83,9 @@ class Worker:
         proposer = None
         if self.draft_model is not None:
             proposer = DraftProposer(self.draft_model, num_blocks, self.config.block_size, self.config.device, branch)
-        self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.config.device, proposer)
+        model_path = self.config.model
+        self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.config.device, proposer,
+                                  grammars=lambda: grammars_for(model_path))
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         return self.runner.execute(sched)

@@ -8,6 +8,9 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
+MAX_RENDERED_CHARS = 4 << 20  # a template's output past this is refused (a loop in a hostile template)
+
+
 class ChatTemplateError(ValueError):
     """The template is missing, broken, unsafe, or rejected the messages."""
 
@@ -24,6 +27,7 @@ class ChatTemplate:
     """A compiled template; ``render`` turns OpenAI-style messages into the prompt text."""
 
     def __init__(self, source: str | None) -> None:
+        self._source = source
         if not source:
             self._template = None
             return
@@ -41,18 +45,31 @@ class ChatTemplate:
     def available(self) -> bool:
         return self._template is not None
 
-    def encode(self, tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    @property
+    def source(self) -> str | None:
+        return self._source
+
+    def encode(self, tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+               tools: list[dict] | None = None) -> list[int]:
         """Token ids of a conversation rendered with ``tokenizer``'s BOS and EOS strings and encoded by it."""
-        text = self.render(messages, add_generation_prompt, tokenizer.bos_token, tokenizer.eos_token)
+        text = self.render(messages, add_generation_prompt, tokenizer.bos_token, tokenizer.eos_token, tools)
         return tokenizer.encode(text)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, bos_token: str = "", eos_token: str = "") -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, bos_token: str = "",
+               eos_token: str = "", tools: list[dict] | None = None) -> str:
+        """The prompt text; ``tools`` (OpenAI's function definitions) go to the template's ``tools`` variable."""
         if self._template is None:
             raise ChatTemplateError("the model file has no chat template; use the completions endpoint")
+        if tools and "tools" not in self._source:
+            raise ChatTemplateError("the chat template does not render tools; serve with --chat-template FILE "
+                                    "(a template that does) to use them")
         try:
-            return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos_token, eos_token=eos_token
-            )
+            text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=bos_token, eos_token=eos_token, tools=tools)
+            if len(text) > MAX_RENDERED_CHARS:
+                raise ChatTemplateError(f"the chat template rendered {len(text)} characters; the limit is "
+                                        f"{MAX_RENDERED_CHARS}")
+            return text
         except ChatTemplateError:
             raise
         except jinja2.exceptions.SecurityError as e:

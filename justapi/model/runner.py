@@ -27,6 +27,7 @@ class _RequestState:
     block_ids: list[int]
     params: SamplingParams
     seed: int
+    matcher: object = None  # structured.grammars.Matcher of a request with structured output
 
 
 def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
@@ -132,15 +133,18 @@ class ModelRunner:
 
     ``proposer``: a draft model (spec.draft.DraftProposer) that builds draft trees for the requests the scheduler
     gave speculative slots (``SchedulerOutput.spec_depth``); prompt-lookup drafts arrive ready in ``spec_token_ids``.
+    ``grammars``: called once a request with structured output arrives, the process's structured.grammars.Grammars.
     """
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, device: str, proposer=None) -> None:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, device: str, proposer=None,
+                 grammars=None) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
         self.kv_caches = new_kv_caches(model, num_blocks, block_size, device)
         self.states: dict[str, _RequestState] = {}
         self.proposer = proposer
+        self._grammars = grammars
 
     def _sync_states(self, sched: SchedulerOutput) -> dict[str, int]:
         for rid in sched.finished_request_ids:
@@ -149,9 +153,11 @@ class ModelRunner:
                 self.proposer.drop(rid)
         starts = {}
         for new in sched.new_requests:
-            self.states[new.request_id] = _RequestState(
-                list(new.token_ids), new.num_prompt_tokens, list(new.block_ids), new.sampling_params, new.seed
-            )
+            st = _RequestState(list(new.token_ids), new.num_prompt_tokens, list(new.block_ids), new.sampling_params,
+                               new.seed)
+            if st.params.structured is not None:  # resumed or handed over: replay the output so far
+                st.matcher = self._grammars().matcher(st.params.structured, st.token_ids[st.num_prompt_tokens :])
+            self.states[new.request_id] = st
             starts[new.request_id] = new.num_computed_tokens
             if new.kv_import is not None:
                 self.import_kv(new.block_ids, new.kv_import)
@@ -225,6 +231,7 @@ class ModelRunner:
             row = SampleRow(st.params, st.seed, st.token_ids[st.num_prompt_tokens :])
             tree = trees.get(rid)
             if tree:
+                assert st.matcher is None, "structured requests are never given drafts (Scheduler._propose)"
                 emitted, path = spec_decode_tree(logits[offset : offset + len(tree) + 1], tree, row)
                 start = starts[rid]
                 moves = [(start + a, start + b) for a, b in tree.path_moves(path)]
@@ -241,10 +248,21 @@ class ModelRunner:
                 offset += 1
         if plain_rows:
             rows_logits = logits if len(plain_logits) == logits.shape[0] else logits[plain_logits]
+            self._mask_by_grammar(rows_logits, plain_ids)
             tokens, logprobs = sample(rows_logits, plain_rows, self.model.kernels)
             for rid, tok, lp in zip(plain_ids, tokens, logprobs):
-                self.states[rid].token_ids.append(tok)
+                st = self.states[rid]
+                if st.matcher is not None:
+                    st.matcher.accept(tok)
+                st.token_ids.append(tok)
                 out.sampled_token_ids[rid] = [tok]
                 if lp is not None:
                     out.logprobs[rid] = [lp]
         return out
+
+    def _mask_by_grammar(self, logits: torch.Tensor, ids: list[str]) -> None:
+        """Rows of requests with structured output: only the tokens their grammar allows next keep a logit."""
+        rows = [i for i, rid in enumerate(ids) if self.states[rid].matcher is not None]
+        if rows:
+            with torch.inference_mode():  # the logits are the forward pass's inference tensors
+                self._grammars().mask(logits, rows, [self.states[ids[i]].matcher for i in rows])

@@ -84,6 +84,11 @@ class Tokenizer:
         self.bos_token = self._token_str(self.bos_token_id)
         self.eos_token = self._token_str(self.eos_token_id)
 
+    @property
+    def hf(self):
+        """The transformers tokenizer underneath (for libraries that take one, such as the grammar compiler)."""
+        return self._hf
+
     def _token_str(self, token_id: int | None) -> str:
         if token_id is None:
             return ""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 from contextlib import asynccontextmanager
@@ -15,10 +16,11 @@ from ..config import ServerConfig
 from ..engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from ..engine.protocol import Engine
 from ..model.chat_template import ChatTemplateError
+from .chat_tools import ChatTools
 from .chunks import ChatChunks, CompletionChunks
 from .errors import ApiError, BodyLimit, engine_error, error_response, install_error_handlers
 from .metrics import Metrics
-from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, message_dicts
 from .serving import Choice, chat_logprobs, completion_logprobs, make_choices, new_id, now, run_choices, sse, usage
 
 log = logging.getLogger("justapi.server")
@@ -114,7 +116,11 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
         _check_model(req.model)
         tok = state.engine.tokenizer
         if req.messages is not None:
-            ids = _chat_prompt(state.engine, [m.model_dump() for m in req.messages], req.add_generation_prompt)
+            try:
+                messages = message_dicts(req.messages)
+            except ValueError as e:
+                raise ApiError(400, str(e), param="messages") from None
+            ids = _chat_prompt(state.engine, messages, req.add_generation_prompt)
         elif req.prompt is not None:
             ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
@@ -152,6 +158,7 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
         ids_list = [tok.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         echo = [p if isinstance(p, str) else tok.decode(p) for p in prompts] if req.echo else None
         params = _params(req, req.max_tokens, req.logprobs)
+        await _prepare(state.engine, req, params)
         choices = make_choices(ids_list, params, echo)
         for c in choices:
             _validate(llm, c)
@@ -170,28 +177,47 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         llm = state.ready_llm()
         _common_checks(req)
+        engine = state.engine
         try:
-            ids = _chat_prompt(state.engine, req.message_dicts(), req.add_generation_prompt)
+            tool_req = req.tool_request()
+            tools = ChatTools.of(tool_req, engine.tool_parser)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="tools") from None
+        try:
+            messages = req.message_dicts()
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
+        ids = _chat_prompt(engine, messages, req.add_generation_prompt, tool_req.rendered if tool_req else None)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
-        choices = make_choices([ids], _params(req, max_tokens, top))
+        params = _params(req, max_tokens, top)
+        if tools is not None and tools.request.forced:
+            if params.structured is not None:
+                raise ApiError(400, "tool_choice required or a named function cannot be combined with "
+                                    "response_format or structured_outputs", param="tool_choice")
+            params = dataclasses.replace(params, structured=tools.request.spec())
+        await _prepare(engine, req, params)
+        choices = make_choices([ids], params)
         for c in choices:
             _validate(llm, c)
         rid = new_id("chatcmpl")
-        tok = state.engine.tokenizer
+        tok = engine.tokenizer
         if req.stream:
-            return _stream(raw, llm, rid, choices, req, ChatChunks(rid, model_name, tok))
+            return _stream(raw, llm, rid, choices, req, ChatChunks(rid, model_name, tok, tools))
         await _collect(raw, llm, rid, choices)
         return {"id": rid, "object": "chat.completion", "created": now(), "model": model_name,
-                "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.final.text},
-                             "logprobs": chat_logprobs(tok, c.final.logprobs),
-                             "finish_reason": c.final.finish_reason, "stop_reason": c.final.stop_reason}
-                            for c in choices],
-                "usage": usage(choices)}
+                "choices": [_chat_choice(c, tok, tools) for c in choices], "usage": usage(choices)}
 
     return app
+
+
+def _chat_choice(c: Choice, tok, tools: ChatTools | None) -> dict:
+    message = {"role": "assistant", "content": c.final.text}
+    reason = c.final.finish_reason
+    if tools is not None:
+        message, reason = tools.message(c.final.text, reason)
+    return {"index": c.index, "message": message, "logprobs": chat_logprobs(tok, c.final.logprobs),
+            "finish_reason": reason, "stop_reason": c.final.stop_reason}
 
 
 def _params(req, max_tokens, logprobs):
@@ -203,6 +229,17 @@ def _params(req, max_tokens, logprobs):
         raise ApiError(400, str(e)) from None
 
 
+async def _prepare(engine: Engine, req, params) -> None:
+    """Compile the request's grammar in a thread: neither the event loop nor the engine loop waits for it."""
+    if params.structured is None:
+        return
+    try:
+        await asyncio.to_thread(engine.prepare, params)
+    except ValueError as e:
+        field = "structured_outputs" if req.structured_outputs is not None else "response_format"
+        raise ApiError(400, f"{field}: {e}", param=field) from None
+
+
 def _validate(llm: AsyncLLM, choice: Choice) -> None:
     try:
         llm.validate(choice.prompt_ids, choice.params)
@@ -211,9 +248,9 @@ def _validate(llm: AsyncLLM, choice: Choice) -> None:
         raise engine_error(e) from None
 
 
-def _chat_prompt(engine: Engine, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+def _chat_prompt(engine: Engine, messages: list[dict], add_generation_prompt: bool, tools=None) -> list[int]:
     try:
-        return engine.render_chat(messages, add_generation_prompt)
+        return engine.render_chat(messages, add_generation_prompt, tools)
     except ChatTemplateError as e:
         raise ApiError(400, str(e), param="messages") from None
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .chat_tools import ChatTools, ToolDeltas
 from .serving import Choice, chat_logprobs, completion_logprobs, now
 
 
@@ -32,25 +33,38 @@ class CompletionChunks:
 
 
 class ChatChunks:
-    """SSE payloads of /v1/chat/completions: a role chunk, content deltas, a finish chunk per choice."""
+    """SSE payloads of /v1/chat/completions: a role chunk, content (or tool-call) deltas, a finish chunk per
+    choice."""
 
-    def __init__(self, rid: str, model: str, tok) -> None:
+    def __init__(self, rid: str, model: str, tok, tools: ChatTools | None = None) -> None:
         self.base = {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model}
         self.tok = tok
+        self.tools = tools
+        self.tool_deltas: dict[int, ToolDeltas] = {}
 
     def start(self, c: Choice):
+        if self.tools is not None:
+            self.tool_deltas[c.index] = self.tools.stream()
         return dict(self.base, choices=[{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                          "logprobs": None, "finish_reason": None}])
 
     def delta(self, c: Choice, out):
         chunks = []
-        if out.new_text or out.new_logprobs:
+        tools = self.tool_deltas.get(c.index)
+        if tools is not None:
+            for d in tools.feed(out.new_text, final=out.finished):
+                chunks.append(dict(self.base, choices=[{"index": c.index, "delta": d, "logprobs": None,
+                                                        "finish_reason": None}]))
+        elif out.new_text or out.new_logprobs:
             chunks.append(dict(self.base, choices=[{"index": c.index, "delta": {"content": out.new_text},
                                                     "logprobs": chat_logprobs(self.tok, out.new_logprobs),
                                                     "finish_reason": None}]))
         if out.finished:
+            reason = out.finish_reason
+            if tools is not None and tools.made_calls and reason == "stop":
+                reason = "tool_calls"
             chunks.append(dict(self.base, choices=[{"index": c.index, "delta": {}, "logprobs": None,
-                                                    "finish_reason": out.finish_reason}]))
+                                                    "finish_reason": reason}]))
         return chunks
 
     def usage(self, u: dict):

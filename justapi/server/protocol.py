@@ -7,6 +7,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..sampling_params import SamplingParams
+from ..structured.spec import StructuredOutput, from_response_format, from_structured_outputs
+from ..structured.tools import ToolRequest, template_messages, tool_request
 
 
 class StreamOptions(BaseModel):
@@ -41,6 +43,8 @@ class _SamplingRequest(BaseModel):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
+    response_format: dict | None = None  # OpenAI: text, json_object, json_schema
+    structured_outputs: dict | None = None  # vLLM: json, regex, choice, grammar, json_object
 
     def unsupported(self) -> str | None:
         """A message naming the first field set to something the engine cannot do, else None."""
@@ -52,6 +56,18 @@ class _SamplingRequest(BaseModel):
             return "best_of is not supported"
         if self.stream_options is not None and not self.stream:
             return "stream_options is only allowed with stream: true"
+        return None
+
+    def structured(self) -> StructuredOutput | None:
+        """The output constraint the request asks for (ValueError naming a malformed one)."""
+        if self.structured_outputs is not None and self.response_format is not None:
+            fmt = self.response_format.get("type") if isinstance(self.response_format, dict) else None
+            if fmt != "text":
+                raise ValueError("give either response_format or structured_outputs, not both")
+        if self.structured_outputs is not None:
+            return from_structured_outputs(self.structured_outputs)
+        if self.response_format is not None:
+            return from_response_format(self.response_format)
         return None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -72,6 +88,7 @@ class _SamplingRequest(BaseModel):
             n=self.n,
             skip_special_tokens=self.skip_special_tokens,
             speculative=self.speculative,
+            structured=self.structured(),
         )
 
 
@@ -102,6 +119,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict] | None = None
     name: str | None = None
+    tool_calls: list | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -110,7 +129,6 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    response_format: dict | None = None
     tools: list | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -123,29 +141,15 @@ class ChatCompletionRequest(_SamplingRequest):
         return v
 
     def unsupported(self) -> str | None:
-        if self.tools:
-            return "tools (function calling) are not supported"
-        if self.tool_choice not in (None, "none"):
-            return "tool_choice is not supported"
-        if self.response_format and self.response_format.get("type") != "text":
-            return "response_format other than text is not supported"
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs requires logprobs: true"
         return super().unsupported()
 
     def message_dicts(self) -> list[dict]:
-        out = []
-        for m in self.messages:
-            content = m.content
-            if isinstance(content, list):  # the parts form: only text parts can be served
-                texts = []
-                for part in content:
-                    if part.get("type") != "text":
-                        raise ValueError(f"message content of type {part.get('type')!r} is not supported; only text")
-                    texts.append(part.get("text", ""))
-                content = "".join(texts)
-            out.append({"role": m.role, "content": content or ""})
-        return out
+        return message_dicts(self.messages)
+
+    def tool_request(self) -> ToolRequest | None:
+        return tool_request(self.tools, self.tool_choice, self.parallel_tool_calls)
 
 
 class TokenizeRequest(BaseModel):
@@ -161,3 +165,23 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     tokens: list[int]
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict]:
+    """OpenAI messages as the chat template takes them (ValueError naming a malformed one)."""
+    out = []
+    for m in messages:
+        content = m.content
+        if isinstance(content, list):  # the parts form: only text parts can be served
+            texts = []
+            for part in content:
+                if part.get("type") != "text":
+                    raise ValueError(f"message content of type {part.get('type')!r} is not supported; only text")
+                texts.append(part.get("text", ""))
+            content = "".join(texts)
+        message = {"role": m.role, "content": content or ""}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(m, key) is not None:
+                message[key] = getattr(m, key)
+        out.append(message)
+    return template_messages(out)

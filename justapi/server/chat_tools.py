@@ -1,0 +1,62 @@
+"""A chat request's tools on the way out: the answer's text becomes ``content`` and ``tool_calls``, whole
+(``message``) or as streamed deltas (``stream``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..structured.tool_calls import ToolCallStream, parse_tool_calls
+from ..structured.tools import ToolRequest, forced_calls_text
+
+
+@dataclass(frozen=True)
+class ChatTools:
+    request: ToolRequest
+    parser: str | None  # the format of free ("auto") answers; None where the template names none
+
+    @classmethod
+    def of(cls, request: ToolRequest | None, parser: str | None) -> ChatTools | None:
+        """None when the answer is plain text: no tools, or ``tool_choice: none``. ValueError when tools are
+        offered under ``auto`` but no parser knows how this model writes calls."""
+        if request is None or request.mode == "none":
+            return None
+        if request.mode == "auto" and parser is None:
+            raise ValueError("this chat template names no tool-call format; serve with --tool-call-parser "
+                             "(hermes, llama3_json, mistral) to use tools with tool_choice auto")
+        return cls(request, parser)
+
+    def _text_and_format(self, text: str) -> tuple[str, str]:
+        if self.request.forced:
+            return forced_calls_text(self.request, text), "forced"
+        return text, self.parser
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """The assistant message of a finished answer and its finish reason (``tool_calls`` when it made any)."""
+        if self.request.forced and finish_reason != "stop":  # cut off (max_tokens) before the calls were complete
+            return {"role": "assistant", "content": text}, finish_reason
+        body, fmt = self._text_and_format(text)
+        content, calls = parse_tool_calls(body, fmt)
+        message = {"role": "assistant", "content": content or None}
+        if calls:
+            message["tool_calls"] = [c.as_openai() for c in calls]
+        return message, ("tool_calls" if calls and finish_reason == "stop" else finish_reason)
+
+    def stream(self) -> ToolDeltas:
+        return ToolDeltas(self)
+
+
+class ToolDeltas:
+    """One streamed choice: ``feed(new_text)`` → OpenAI ``delta`` dicts; ``finish()`` the rest."""
+
+    def __init__(self, tools: ChatTools) -> None:
+        self.tools = tools
+        self.text = ""
+        self.made_calls = False
+        self._parser = ToolCallStream("forced" if tools.request.forced else tools.parser)
+
+    def feed(self, new_text: str, final: bool = False) -> list[dict]:
+        self.text += new_text
+        body, _ = self.tools._text_and_format(self.text)
+        deltas = self._parser.feed(body, final=final)
+        self.made_calls = self.made_calls or any("tool_calls" in d for d in deltas)
+        return deltas

@@ -1,0 +1,190 @@
+"""Grammars compiled for a model's vocabulary (xgrammar), and the per-request matchers that mask logits.
+
+xgrammar is the structured-output engine vLLM and SGLang default to: a schema, regex or EBNF grammar is compiled
+once per vocabulary into a token-level automaton (cached by content here), and a matcher per request gives each
+step's allowed tokens as a bitmask over the vocabulary, filled on the CPU in microseconds for most states.
+
+One ``Grammars`` per process and model file (``for_model``): the engine process compiles requests' grammars off
+the step loop (``compile_async``) before they are scheduled; a runner in another process (a tensor-parallel
+rank, a disaggregated worker) compiles on its first sight of a spec, from the same cache key.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import json
+import logging
+import threading
+from collections import OrderedDict
+
+import torch
+
+from .spec import StructuredOutput
+
+log = logging.getLogger("justapi.structured")
+
+COMPILE_TIMEOUT_S = 10.0  # a grammar that takes longer is refused (its compile finishes in the background)
+CACHE_ENTRIES = 256
+
+
+class GrammarError(ValueError):
+    """A schema, regex or grammar that cannot be compiled (or not within the limits): the client's error."""
+
+
+class Grammars:
+    """The vocabulary's xgrammar compiler, a cache of compiled grammars by spec, and matchers over them."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.vocab_size = vocab_size
+        info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
+                                                   stop_token_ids=sorted(stop_token_ids))
+        self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+        self._cache: OrderedDict[StructuredOutput, object] = OrderedDict()
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="justapi-grammar")
+        self._pending: dict[StructuredOutput, concurrent.futures.Future] = {}
+
+    # --- compiling ------------------------------------------------------------------------------------------
+    def compile(self, spec: StructuredOutput):
+        """The compiled grammar of ``spec`` (cached); GrammarError if it cannot be compiled."""
+        with self._lock:
+            hit = self._cache.get(spec)
+            if hit is not None:
+                self._cache.move_to_end(spec)
+                return hit
+        compiled = self._compile(spec)
+        with self._lock:
+            self._cache[spec] = compiled
+            while len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def compile_async(self, spec: StructuredOutput) -> concurrent.futures.Future:
+        """Compile in this object's thread (never on the caller's); concurrent requests for one spec share it."""
+        with self._lock:
+            if spec in self._cache:
+                done = concurrent.futures.Future()
+                done.set_result(self._cache[spec])
+                return done
+            fut = self._pending.get(spec)
+            if fut is None:
+                fut = self._pool.submit(self.compile, spec)
+                self._pending[spec] = fut
+                fut.add_done_callback(lambda _: self._forget(spec))
+            return fut
+
+    def _forget(self, spec: StructuredOutput) -> None:
+        with self._lock:
+            self._pending.pop(spec, None)
+
+    def check(self, spec: StructuredOutput, timeout_s: float = COMPILE_TIMEOUT_S) -> None:
+        """Compile ``spec`` or raise GrammarError naming the problem (also past ``timeout_s``)."""
+        try:
+            self.compile_async(spec).result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise GrammarError(f"the {spec.kind} constraint did not compile within {timeout_s:g} s") from None
+
+    def _compile(self, spec: StructuredOutput):
+        c = self._compiler
+        try:
+            if spec.kind == "json":
+                return c.compile_grammar(self._schema_grammar(spec.source))
+            if spec.kind == "json_object":
+                return c.compile_builtin_json_grammar()
+            if spec.kind == "regex":
+                return c.compile_regex(spec.source)
+            if spec.kind == "choice":
+                return c.compile_grammar(choice_grammar(spec.options))
+            return c.compile_grammar(spec.source)
+        except Exception as e:  # xgrammar raises RuntimeError / ValueError with its parser's message
+            message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise GrammarError(f"invalid {_NAMES[spec.kind]}: {message}") from None
+
+    def _schema_grammar(self, schema: str):
+        """xgrammar's grammar of a JSON schema, with its strings kept valid JSON: a string with minLength or
+        maxLength becomes repetitions of ``[^"\\\r\n]`` there (xgrammar 0.2.8), which lets raw control characters
+        through (JSON forbids U+0000-U+001F unescaped; Python's and pydantic's parsers reject them). Whitespace
+        between tokens is capped so that a small model cannot pad forever."""
+        xgr = self._xgr
+        text = str(xgr.Grammar.from_json_schema(schema, any_whitespace=True, max_whitespace_cnt=2))
+        return xgr.Grammar.from_ebnf(text.replace(_LAX_STRING_CHAR, _JSON_STRING_CHAR))
+
+    # --- matching -------------------------------------------------------------------------------------------
+    def matcher(self, spec: StructuredOutput, output_token_ids: list[int]) -> Matcher:
+        """A matcher for ``spec`` that has accepted ``output_token_ids`` (a resumed or handed-over request)."""
+        m = Matcher(self._xgr.GrammarMatcher(self.compile(spec)))
+        for tok in output_token_ids:
+            if not m.accept(tok):
+                break
+        return m
+
+    def mask(self, logits: torch.Tensor, rows: list[int], matchers: list[Matcher]) -> None:
+        """Set to -inf, in place, the logits of tokens each matcher does not allow next (``logits[rows[i]]`` for
+        ``matchers[i]``)."""
+        xgr = self._xgr
+        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        for i, m in enumerate(matchers):
+            m.fill(bitmask, i)
+        view = logits[rows] if len(rows) != logits.shape[0] else logits
+        xgr.apply_token_bitmask_inplace(view, bitmask, vocab_size=self.vocab_size)
+        if view is not logits:
+            logits[rows] = view
+
+
+class Matcher:
+    """One request's place in its grammar."""
+
+    def __init__(self, matcher) -> None:
+        self._m = matcher
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by a sampled token; False if the grammar does not allow it (or has ended)."""
+        return self._m.accept_token(int(token_id))
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        if self._m.is_terminated():
+            bitmask[row].fill_(0)  # nothing may follow; the request ends with the stop token it sampled
+        else:
+            self._m.fill_next_token_bitmask(bitmask, row)
+
+    @property
+    def ended(self) -> bool:
+        """The grammar is complete and its stop token accepted."""
+        return self._m.is_terminated()
+
+
+_LAX_STRING_CHAR = '[^\\"\\\\\\r\\n]'  # as xgrammar prints it: [^\"\\\r\n]
+_JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\]'  # no quote, no backslash, no control character
+_NAMES = {"json": "JSON schema", "json_object": "JSON", "regex": "regex", "choice": "choice",
+          "grammar": "grammar"}
+
+
+def choice_grammar(options: list[str]) -> str:
+    """An EBNF grammar whose sentences are exactly ``options`` (JSON string literals escape every character)."""
+    return "root ::= " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options)
+
+
+_LOCK = threading.Lock()
+
+
+@functools.lru_cache(maxsize=4)
+def _for_model(path: str, mtime_ns: int, size: int) -> Grammars:
+    from ..model.gguf_loader import open_gguf, read_model_config
+    from ..model.tokenizer import Tokenizer
+
+    reader = open_gguf(path)
+    tokenizer = Tokenizer(path, reader)
+    return Grammars(tokenizer.hf, read_model_config(reader, path).vocab_size, sorted(tokenizer.eos_token_ids))
+
+
+def for_model(path: str) -> Grammars:
+    """The process's Grammars for a model file (built on first use: it reads the tokenizer)."""
+    import os
+
+    st = os.stat(path)
+    with _LOCK:
+        return _for_model(os.path.abspath(path), st.st_mtime_ns, st.st_size)

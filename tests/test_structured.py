@@ -1,0 +1,120 @@
+"""Structured output: request fields → constraints, grammars enforced while decoding (checked by independent
+matchers: Python's re, set membership, jsonschema), and constrained greedy output unchanged by batching,
+chunking and preemption."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import jsonschema
+import pytest
+
+from justapi import LLM, SamplingParams
+from justapi.structured.spec import StructuredOutput, from_response_format, from_structured_outputs
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "size": {"enum": ["small", "large"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "size", "count", "ok"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-c]{3}-[0-9]{2}"
+CHOICES = ["red", "green", "blue \"quoted\"", "naïve"]
+# a grammar and an independent matcher of its language: one to three of ab / ba, then !, then one or two digits
+GRAMMAR = 'root ::= pair pair? pair? "!" [0-9] [0-9]?\npair ::= "ab" | "ba"'
+GRAMMAR_RE = r"(ab|ba){1,3}![0-9]{1,2}"
+
+
+def test_request_fields_become_constraints():
+    assert from_response_format({"type": "text"}) is None
+    assert from_response_format({"type": "json_object"}) == StructuredOutput("json_object")
+    spec = from_response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA,
+                                                                        "strict": True}})
+    assert spec.kind == "json" and json.loads(spec.source) == SCHEMA
+    assert from_structured_outputs({"json": json.dumps(SCHEMA)}) == spec  # a string or an object: one key
+    assert from_structured_outputs({"regex": REGEX}) == StructuredOutput("regex", REGEX)
+    assert from_structured_outputs({"choice": CHOICES}).options == CHOICES
+    assert from_structured_outputs({"json_object": True}).kind == "json_object"
+    for bad, message in [({"regex": "a", "choice": ["b"]}, "exactly one"), ({}, "exactly one"),
+                         ({"choice": []}, "non-empty list"), ({"bogus": 1}, "unknown field"),
+                         ({"json": "{not json"}, "not valid JSON"), ({"regex": "x" * 70000}, "the limit is")]:
+        with pytest.raises(ValueError, match=message):
+            from_structured_outputs(bad)
+    with pytest.raises(ValueError, match="response_format.type must be"):
+        from_response_format({"type": "xml"})
+    with pytest.raises(ValueError, match="ignore_eos cannot be combined"):
+        SamplingParams(structured=spec, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_exact):
+    return tiny_exact
+
+
+def _decode(llm, result) -> str:
+    return llm.engine.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+
+
+def _sampled(spec, i, max_tokens=80):
+    return SamplingParams(temperature=1.0, top_k=0, seed=100 + i, max_tokens=max_tokens, structured=spec)
+
+
+def test_every_output_matches_its_constraint(tiny):
+    """Sampled from a random model (so the grammar does all the work), every finished output matches: the regex by
+    re.fullmatch, the choice by membership, the grammar by an equivalent regex, the schema by jsonschema."""
+    prompts = [[5, 6, 7 + i] for i in range(8)]
+    cases = [
+        (StructuredOutput("regex", REGEX), lambda text: re.fullmatch(REGEX, text)),
+        (StructuredOutput.choice(CHOICES), lambda text: text in CHOICES),
+        (StructuredOutput("grammar", GRAMMAR), lambda text: re.fullmatch(GRAMMAR_RE, text)),
+        (StructuredOutput.json_schema(SCHEMA), lambda text: jsonschema.validate(json.loads(text), SCHEMA) is None),
+    ]
+    for spec, ok in cases:
+        results = tiny.generate(prompts, [_sampled(spec, i) for i in range(len(prompts))])
+        finished = [r for r in results if r.outputs[0].finish_reason == "stop"]
+        assert len(finished) >= len(prompts) // 2, f"{spec.kind}: too few outputs ended within max_tokens"
+        for r in finished:
+            text = _decode(tiny, r)
+            assert ok(text), f"{spec.kind}: {text!r}"
+
+
+def test_constrained_greedy_output_is_the_same_alone_batched_chunked_and_preempted(engines_for_structured):
+    """Constrained greedy requests mixed with free ones in one batch of 32, at chunk sizes 1 and 512 and in a pool
+    small enough to preempt: the same tokens as each request alone."""
+    base, chunked, small = engines_for_structured
+    rng = random.Random(3)
+    specs = [StructuredOutput("regex", REGEX), StructuredOutput.json_schema(SCHEMA), StructuredOutput.choice(CHOICES),
+             StructuredOutput("grammar", GRAMMAR)]
+    prompts = [[rng.randrange(3, 271) for _ in range(rng.randint(3, 60))] for _ in range(32)]
+    params = [SamplingParams(temperature=0, max_tokens=40, structured=specs[i % 4]) if i % 2 == 0 else
+              SamplingParams(temperature=0, max_tokens=8 + i, ignore_eos=True) for i in range(32)]
+    alone = [base.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
+    for llm in (base, chunked, small):
+        assert [r.token_ids for r in llm.generate(prompts, params)] == alone
+    assert small.engine.scheduler.stats.num_preemptions > 0
+    small.engine.scheduler.check_integrity()
+
+
+@pytest.fixture(scope="module")
+def engines_for_structured(tiny_model, tiny_exact):
+    from conftest import TINY_EXACT
+
+    chunked = LLM(tiny_model, **{**TINY_EXACT, "chunk_size": 1})
+    small = LLM(tiny_model, **{**TINY_EXACT, "pool_blocks": 40, "block_size": 4})
+    return tiny_exact, chunked, small
+
+
+def test_bad_constraints_are_refused_naming_the_problem(tiny):
+    for spec, message in [(StructuredOutput("regex", "a(b"), "invalid regex"),
+                          (StructuredOutput("grammar", "root ::= undefined_rule"), "invalid grammar"),
+                          (StructuredOutput.json_schema({"type": "nonsense"}), "invalid JSON schema")]:
+        with pytest.raises(ValueError, match=message):
+            tiny.generate([[5, 6, 7]], SamplingParams(max_tokens=4, structured=spec))
+    assert not tiny.engine.has_unfinished
