@@ -457,6 +457,33 @@ def _anon_huge_kb(address: int) -> int:
     return 0
 
 
+def _rss_kb(address: int) -> int:
+    """Rss of the mapping that holds ``address``, in KiB."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "Rss:":
+                return int(line.split()[1])
+    return 0
+
+
+def test_prefault_brings_an_untouched_pool_in_without_changing_it():
+    """The KV pool's memory is faulted in by a background thread (hugepages.prefault), not by the first requests."""
+    from justapi.model import hugepages
+
+    pool = hugepages.zeros([(4, 1 << 20)], torch.float32, huge=False)  # 16 MiB, untouched
+    assert _rss_kb(pool[0].data_ptr()) < 1024
+    thread = hugepages.prefault(pool)
+    if thread is None:
+        pytest.skip("not Linux")
+    thread.join(timeout=60)
+    assert _rss_kb(pool[0].data_ptr()) >= 16 * 1024 and not pool[0].any()
+
+
 def test_huge_page_arenas_hold_the_same_values_and_are_advised():
     from justapi.model import hugepages
 

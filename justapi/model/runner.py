@@ -44,6 +44,7 @@ def new_kv_caches(model: LlamaModel, num_blocks: int, block_size: int, device: s
     # zero-filled: padded decode rows read unused slots, and 0 * garbage could be NaN
     if device == "cpu":  # untouched anonymous memory: zero without writing it (hugepages.untouched_zeros)
         flat = hugepages.zeros([shape] * (2 * cfg.num_layers), model.kv_dtype, huge=model.huge_pages)
+        hugepages.prefault(flat)  # the pool's memory in now, in the background: first writes while serving are slow
         return list(zip(flat[0::2], flat[1::2]))
     return [
         (torch.zeros(shape, dtype=model.kv_dtype, device=device), torch.zeros(shape, dtype=model.kv_dtype, device=device))
