@@ -15,7 +15,41 @@ from tiny_gguf import write_tiny_model
 
 
 def run_cli(*args, timeout=120):
+    """``justapi ARGS`` in a new process: the command as a user runs it (the smoke test)."""
     return subprocess.run([sys.executable, "-m", "justapi.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def cli_in_process(*args):
+    """``justapi ARGS`` run by cli.main in this process (no interpreter to start, no torch to import again): exit
+    status and output as a subprocess would give them, an escaping exception as status 1 and its traceback."""
+    import contextlib
+    import io
+    import traceback
+
+    import torch
+
+    from justapi import cli
+
+    class NoServer:  # these tests pass flags that must fail before a server starts; one that starts fails here
+        def __init__(self, *args, **kw):
+            raise AssertionError("justapi serve got as far as starting the HTTP server")
+
+    out, err = io.StringIO(), io.StringIO()
+    threads = torch.get_num_threads()
+    real_server = cli._uvicorn_server_class
+    cli._uvicorn_server_class = lambda: NoServer
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(list(args))
+        except SystemExit as e:  # argparse: --help, usage errors
+            code = e.code if isinstance(e.code, int) else 2
+        except Exception:  # noqa: BLE001 - what a user would see as a traceback
+            traceback.print_exc()
+            code = 1
+        finally:
+            cli._uvicorn_server_class = real_server
+    torch.set_num_threads(threads)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def assert_clean_error(proc, *needles):
@@ -26,17 +60,17 @@ def assert_clean_error(proc, *needles):
 
 
 def test_missing_not_gguf_truncated_and_unsupported_files(tmp_path, tiny_model):
-    assert_clean_error(run_cli("serve", "--model", str(tmp_path / "nope.gguf")), "nope.gguf", "no such file")
+    assert_clean_error(cli_in_process("serve", "--model", str(tmp_path / "nope.gguf")), "nope.gguf", "no such file")
     text = tmp_path / "notes.gguf"
     text.write_text("hello, I am not a model")
-    assert_clean_error(run_cli("serve", "--model", str(text)), "notes.gguf", "not a GGUF file")
+    assert_clean_error(cli_in_process("serve", "--model", str(text)), "notes.gguf", "not a GGUF file")
     data = open(tiny_model, "rb").read()
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(data[: len(data) // 2])
-    assert_clean_error(run_cli("serve", "--model", str(cut)), "cut.gguf", "truncated")
+    assert_clean_error(cli_in_process("serve", "--model", str(cut)), "cut.gguf", "truncated")
     head = tmp_path / "head.gguf"
     head.write_bytes(data[:40])
-    assert_clean_error(run_cli("generate", "--model", str(head), "--prompt", "x"), "head.gguf", "corrupt")
+    assert_clean_error(cli_in_process("generate", "--model", str(head), "--prompt", "x"), "head.gguf", "corrupt")
 
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):
@@ -47,7 +81,7 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    assert_clean_error(run_cli("serve", "--model", path), "unsupported architecture 'gpt2'", "llama, qwen2, qwen3")
+    assert_clean_error(cli_in_process("serve", "--model", path), "unsupported architecture 'gpt2'", "llama, qwen2, qwen3")
 
 
 def test_unsupported_tensor_type_is_named(tmp_path):
@@ -89,16 +123,16 @@ def test_unsupported_tensor_type_is_named(tmp_path):
 
 
 def test_impossible_tp_and_disaggregation_settings_are_refused_naming_the_flag(tiny_model):
-    assert_clean_error(run_cli("serve", "--model", tiny_model, "--tp", "5"), "--tp 5", "4 attention heads")
-    assert_clean_error(run_cli("serve", "--model", tiny_model, "--disaggregate", "--prefill-workers", "0",
+    assert_clean_error(cli_in_process("serve", "--model", tiny_model, "--tp", "5"), "--tp 5", "4 attention heads")
+    assert_clean_error(cli_in_process("serve", "--model", tiny_model, "--disaggregate", "--prefill-workers", "0",
                                "--scheduled"), "--prefill-workers must be a positive integer")
-    assert_clean_error(run_cli("serve", "--model", tiny_model, "--gamma", "4"), "--gamma needs a proposer")
+    assert_clean_error(cli_in_process("serve", "--model", tiny_model, "--gamma", "4"), "--gamma needs a proposer")
 
 
 def test_bad_speculation_settings_fail_at_start_up_naming_the_flag(tiny_model, tmp_path):
     """Through the CLI; every other refused combination is checked on EngineConfig in test_spec_draft.py."""
     def serve(*flags):
-        return run_cli("serve", "--model", tiny_model, *flags)
+        return cli_in_process("serve", "--model", tiny_model, *flags)
 
     assert_clean_error(serve("--draft-model", tiny_model, "--branch", "3", "--gamma", "4"),
                        "120 nodes", "--spec-tree-nodes 64")
@@ -111,7 +145,7 @@ def test_serve_help_documents_every_flag_with_defaults():
     from justapi import config as C
     from justapi.flags import cli_fields, flag_name
 
-    out = run_cli("serve", "--help").stdout
+    out = cli_in_process("serve", "--help").stdout
     for cls in (C.EngineConfig, C.ServerConfig):
         for f in cli_fields(cls):
             assert flag_name(f) in out, flag_name(f)
@@ -173,7 +207,7 @@ def test_gpu_flag_without_cuda_fails_clearly(tiny_model):
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    assert_clean_error(run_cli("generate", "--model", tiny_model, "--prompt", "x", "--gpu"), "CUDA")
+    assert_clean_error(cli_in_process("generate", "--model", tiny_model, "--prompt", "x", "--gpu"), "CUDA")
 
 
 def test_chat_template_sandbox_blocks_python_internals():

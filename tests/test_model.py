@@ -284,17 +284,24 @@ def test_smollm2_logits_match_transformers(real_llm, smollm_reference):
     assert (got - ref).abs().max().item() < 1e-3
 
 
-def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
-    """Plain argmax decoding with transformers' KV cache, never stopping early (like ignore_eos)."""
-    out, past, x = [], None, torch.tensor([ids])
+def _hf_greedy(hf, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Plain argmax decoding with transformers' KV cache, never stopping early (like ignore_eos): the prompts as one
+    left-padded batch (masked padding, positions counted from each prompt's start), one forward per token."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    positions = (mask.cumsum(1) - 1).clamp_min(0)
+    out, past = [], None
     with torch.no_grad():
         for _ in range(n):
-            res = hf(x, past_key_values=past, use_cache=True)
+            res = hf(ids, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True)
             past = res.past_key_values
-            tok = int(res.logits[0, -1].argmax())
-            out.append(tok)
-            x = torch.tensor([[tok]])
-    return out
+            tok = res.logits[:, -1].argmax(-1)
+            out.append(tok.tolist())
+            ids = tok[:, None]
+            positions = positions[:, -1:] + 1
+            mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], dim=1)
+    return [list(seq) for seq in zip(*out)]
 
 
 @pytest.mark.real_model
@@ -303,8 +310,8 @@ def test_smollm2_greedy_matches_transformers_plain_and_chat(real_llm, smollm_ref
     chats = [real_llm.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
     plain = [real_llm.tokenizer.encode(p) for p in PROMPTS]
     results = real_llm.generate(plain + chats, params)
-    for ids, res in zip(plain + chats, results):
-        assert res.token_ids == _hf_greedy(smollm_reference, ids, 32), real_llm.tokenizer.decode(ids)
+    for ids, res, want in zip(plain + chats, results, _hf_greedy(smollm_reference, plain + chats, 32)):
+        assert res.token_ids == want, real_llm.tokenizer.decode(ids)
 
 
 @pytest.mark.real_model
