@@ -203,3 +203,16 @@ def test_offline_reports_static_utilisation_next_to_continuous(bench, tiny_model
     assert runs["static"]["output_tokens"] == runs["continuous"]["output_tokens"]
     assert 0 < runs["static"]["static_batch_utilization_U"] < 1  # output lengths 2..40 in one batch
     assert "static batching utilisation U" in p.stdout
+
+
+def test_extra_body_reaches_every_request(bench, server, tmp_path):
+    """--extra-body: a structured-output constraint (and ignore_eos off) on every request of the workload."""
+    out = tmp_path / "choice.json"
+    extra = json.dumps({"structured_outputs": {"choice": ["yes", "no"]}, "ignore_eos": False})
+    p = bench("serve", "--base-url", server.url, "--workload", "random", "--num-requests", "6", "--input-len", "8",
+              "--output-len", "16", "--extra-body", extra, "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    f = json.loads(out.read_text())["servers"][0]["figures"]
+    assert f["completed"] == 6 and f["failed"] == 0
+    assert f["output_tokens"] <= 6 * 4  # "yes" or "no" (at most 3 byte tokens) and the end, never 16 tokens
+    assert bench("serve", "--base-url", server.url, "--extra-body", "[1]").returncode == 2

@@ -36,6 +36,16 @@ def _rate(text: str) -> float:
     return value
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
 def _workload_flags(p: argparse.ArgumentParser, seed: bool = True) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--workload", default="random", choices=WORKLOADS)
@@ -72,6 +82,8 @@ def _client_flags(p: argparse.ArgumentParser, sweep: bool) -> None:
     p.add_argument("--arrival", default="poisson", choices=["poisson", "fixed"], help="arrival process at a finite rate")
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds one request may take")
+    p.add_argument("--extra-body", type=_json_object, default=None, metavar="JSON",
+                   help="fields merged into every request body, e.g. a response_format (may set ignore_eos false)")
     p.add_argument("--goodput", nargs="*", default=None, metavar="KEY:MS",
                    help="SLO targets for goodput, e.g. ttft:2000 tpot:200")
 
@@ -139,7 +151,7 @@ def _run_one(url: str, jobs, rate: float, args, slo) -> dict:
     starts = arrival_times(jobs, rate, args.arrival, args.seed)
     results, elapsed, model = asyncio.run(run_workload(
         url, jobs, starts, max_concurrency=args.max_concurrency, temperature=args.temperature,
-        request_timeout=args.request_timeout, time_limit=args.time_limit))
+        request_timeout=args.request_timeout, time_limit=args.time_limit, extra_body=args.extra_body))
     figures = report.summarize(results, elapsed, slo)
     figures["model"] = model
     return figures

@@ -61,10 +61,10 @@ async def model_name(client: httpx.AsyncClient, base_url: str) -> str:
 
 
 async def _send(client: httpx.AsyncClient, base_url: str, model: str, turn: Turn, history: list[dict],
-                temperature: float, timeout: float, kind: str) -> RequestResult:
+                temperature: float, timeout: float, kind: str, extra_body: dict | None = None) -> RequestResult:
     res = RequestResult(ok=False, kind=kind, start=time.monotonic())
     common = {"model": model, "max_tokens": turn.max_tokens, "temperature": temperature, "stream": True,
-              "stream_options": {"include_usage": True}, "ignore_eos": True}
+              "stream_options": {"include_usage": True}, "ignore_eos": True, **(extra_body or {})}
     if turn.prompt is not None:
         url, body, chat = base_url + "/v1/completions", {**common, "prompt": turn.prompt}, False
     else:
@@ -118,10 +118,11 @@ async def _send(client: httpx.AsyncClient, base_url: str, model: str, turn: Turn
     return res
 
 
-async def _run_job(client, base_url, model, job: Job, temperature, timeout, results: list[RequestResult]):
+async def _run_job(client, base_url, model, job: Job, temperature, timeout, results: list[RequestResult],
+                   extra_body: dict | None = None):
     history: list[dict] = []
     for i, turn in enumerate(job.turns):
-        res = await _send(client, base_url, model, turn, history, temperature, timeout, job.kind)
+        res = await _send(client, base_url, model, turn, history, temperature, timeout, job.kind, extra_body)
         results.append(res)
         if not res.ok:  # a conversation cannot go on without the answer it extends
             skipped = len(job.turns) - i - 1
@@ -134,8 +135,10 @@ async def _run_job(client, base_url, model, job: Job, temperature, timeout, resu
 
 async def run_workload(base_url: str, jobs: list[Job], starts: list[float], *, max_concurrency: int | None = None,
                        temperature: float = 0.0, request_timeout: float = 300.0, time_limit: float = 900.0,
-                       model: str | None = None) -> tuple[list[RequestResult], float, str]:
-    """Send ``jobs`` at ``starts`` (seconds); returns the results, the wall time and the model name used."""
+                       model: str | None = None, extra_body: dict | None = None,
+                       ) -> tuple[list[RequestResult], float, str]:
+    """Send ``jobs`` at ``starts`` (seconds); returns the results, the wall time and the model name used.
+    ``extra_body``: fields merged into every request (a response_format, say; it may override ignore_eos)."""
     base_url = base_url.rstrip("/")
     results: list[RequestResult] = []
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -147,10 +150,10 @@ async def run_workload(base_url: str, jobs: list[Job], starts: list[float], *, m
         async def launch(job: Job, at: float):
             await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
             if gate is None:
-                await _run_job(client, base_url, model, job, temperature, request_timeout, results)
+                await _run_job(client, base_url, model, job, temperature, request_timeout, results, extra_body)
             else:
                 async with gate:
-                    await _run_job(client, base_url, model, job, temperature, request_timeout, results)
+                    await _run_job(client, base_url, model, job, temperature, request_timeout, results, extra_body)
 
         tasks = [asyncio.create_task(launch(j, at)) for j, at in zip(jobs, starts)]
         done, pending = await asyncio.wait(tasks, timeout=time_limit)
