@@ -41,6 +41,11 @@ class Address(BaseModel):
     city: City
 
 
+class Book(BaseModel):
+    title: str = Field(max_length=40)
+    year: int = Field(ge=1000, le=2100)
+
+
 class Models:  # twenty response formats: nested objects, arrays with bounds, enums, ranges, optional fields, $ref
     class Answer(BaseModel):
         answer: str = Field(max_length=40)
@@ -92,9 +97,9 @@ class Models:  # twenty response formats: nested objects, arrays with bounds, en
     class Palette(BaseModel):
         colors: list[Color] = Field(min_length=1, max_length=3)
 
-    class Book(BaseModel):
-        title: str = Field(max_length=40)
-        year: int = Field(ge=1000, le=2100)
+    class Vote(BaseModel):
+        option: Literal["a", "b"]
+        weight: int = Field(ge=1, le=3)
 
     class Review(BaseModel):
         book: Book
