@@ -450,8 +450,8 @@ def _vm_flags(address: int) -> list[str]:
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
-def _anon_huge_kb(address: int) -> int:
-    """AnonHugePages of the mapping that holds ``address`` (/proc/self/smaps), in KiB."""
+def _smaps_kb(address: int, field: str) -> int:
+    """A field (``Rss``, ``AnonHugePages``) of the mapping that holds ``address`` (/proc/self/smaps), in KiB."""
     inside = False
     with open("/proc/self/smaps") as f:
         for line in f:
@@ -459,21 +459,7 @@ def _anon_huge_kb(address: int) -> int:
             if "-" in head and ":" not in head:
                 lo, hi = (int(x, 16) for x in head.split("-"))
                 inside = lo <= address < hi
-            elif inside and head == "AnonHugePages:":
-                return int(line.split()[1])
-    return 0
-
-
-def _rss_kb(address: int) -> int:
-    """Rss of the mapping that holds ``address``, in KiB."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and ":" not in head:
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and head == "Rss:":
+            elif inside and head == field + ":":
                 return int(line.split()[1])
     return 0
 
@@ -483,12 +469,12 @@ def test_prefault_brings_an_untouched_pool_in_without_changing_it():
     from justapi.model import hugepages
 
     pool = hugepages.zeros([(16, 1 << 20)], torch.float32, huge=False)  # 64 MiB, untouched
-    before = _rss_kb(pool[0].data_ptr())  # of the mapping, which the kernel may have merged with neighbours
+    before = _smaps_kb(pool[0].data_ptr(), "Rss")  # of the mapping, which the kernel may have merged with neighbours
     thread = hugepages.prefault(pool)
     if thread is None:
         pytest.skip("not Linux")
     thread.join(timeout=60)
-    assert _rss_kb(pool[0].data_ptr()) - before >= 60 * 1024 and not pool[0].any()
+    assert _smaps_kb(pool[0].data_ptr(), "Rss") - before >= 60 * 1024 and not pool[0].any()
 
 
 def test_huge_page_arenas_hold_the_same_values_and_are_advised():
@@ -508,7 +494,7 @@ def test_huge_page_arenas_hold_the_same_values_and_are_advised():
     # advised is not enough: a shared anonymous map is advised too, yet gets none (shmem follows shmem_enabled)
     assert "sh" not in _vm_flags(zeros[0].data_ptr())
     zeros[0].fill_(1)  # first touch: the kernel faults the advised range in as huge pages
-    assert _anon_huge_kb(zeros[0].data_ptr()) >= hugepages.HUGE_PAGE >> 10
+    assert _smaps_kb(zeros[0].data_ptr(), "AnonHugePages") >= hugepages.HUGE_PAGE >> 10
 
 
 @pytest.mark.real_model
