@@ -31,6 +31,7 @@ def tree_size(branch: int, depth: int) -> int:
     """Draft nodes of a full ``branch``-ary tree of ``depth`` levels (the root not counted)."""
     return sum(branch**d for d in range(1, depth + 1))
 DEFAULT_KV_MEMORY_FRACTION = 0.25  # share of available host memory given to the KV pool by default
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # the formats structured.tool_calls reads
 DEFAULT_MAX_POOL_TOKENS = 1 << 20  # never size the default pool beyond a million tokens
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -155,7 +156,7 @@ class EngineConfig:
     chat_template: str | None = flag(None, "a Jinja chat template file to use instead of the model's (sandboxed "
                                      "like it), e.g. one that renders tools", metavar="FILE")
     tool_call_parser: str | None = flag(None, "how tool calls are read from the output (default: chosen for the "
-                                        "chat template)", choices=("hermes", "llama3_json", "mistral"))
+                                        "chat template)", choices=TOOL_CALL_PARSERS)
     show_progress: bool = True  # a progress bar while loading (not a flag: the CLI always shows it)
 
     def __post_init__(self) -> None:
@@ -163,8 +164,8 @@ class EngineConfig:
             raise ValueError("no model given: pass --model PATH.gguf")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ValueError(f"--chat-template {self.chat_template}: no such file")
-        if self.tool_call_parser not in (None, "hermes", "llama3_json", "mistral"):
-            raise ValueError(f"--tool-call-parser must be hermes, llama3_json or mistral, not "
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, not "
                              f"{self.tool_call_parser!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config import TOOL_CALL_PARSERS
 from ..structured.tool_calls import ToolCallStream, parse_tool_calls
 from ..structured.tools import ToolRequest, forced_calls_text
 
@@ -21,8 +22,8 @@ class ChatTools:
         if request is None or request.mode == "none":
             return None
         if request.mode == "auto" and parser is None:
-            raise ValueError("this chat template names no tool-call format; serve with --tool-call-parser "
-                             "(hermes, llama3_json, mistral) to use tools with tool_choice auto")
+            raise ValueError(f"this chat template names no tool-call format; serve with --tool-call-parser "
+                             f"({', '.join(TOOL_CALL_PARSERS)}) to use tools with tool_choice auto")
         return cls(request, parser)
 
     def _text_and_format(self, text: str) -> tuple[str, str]:

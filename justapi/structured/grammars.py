@@ -14,15 +14,12 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import json
-import logging
 import threading
 from collections import OrderedDict
 
 import torch
 
 from .spec import StructuredOutput
-
-log = logging.getLogger("justapi.structured")
 
 COMPILE_TIMEOUT_S = 10.0  # a grammar that takes longer is refused (its compile finishes in the background)
 CACHE_ENTRIES = 256
@@ -150,11 +147,6 @@ class Matcher:
             bitmask[row].fill_(0)  # nothing may follow; the request ends with the stop token it sampled
         else:
             self._m.fill_next_token_bitmask(bitmask, row)
-
-    @property
-    def ended(self) -> bool:
-        """The grammar is complete and its stop token accepted."""
-        return self._m.is_terminated()
 
 
 _LAX_STRING_CHAR = '[^\\"\\\\\\r\\n]'  # as xgrammar prints it: [^\"\\\r\n]

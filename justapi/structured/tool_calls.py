@@ -22,8 +22,7 @@ from dataclasses import dataclass, field
 import partial_json_parser
 from partial_json_parser.core.options import Allow
 
-PARSERS = ("hermes", "llama3_json", "mistral")
-
+from ..config import TOOL_CALL_PARSERS
 
 @dataclass
 class ToolCall:
@@ -123,6 +122,7 @@ class _Forced(_Format):
 
 
 FORMATS = {"hermes": _Hermes(), "llama3_json": _Llama3Json(), "mistral": _Mistral(), "forced": _Forced()}
+assert set(TOOL_CALL_PARSERS) <= set(FORMATS)
 
 
 def _partial(text: str, allow=Allow.ALL & ~Allow.STR):
