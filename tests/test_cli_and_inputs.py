@@ -259,9 +259,10 @@ def test_sentencepiece_vocabulary_from_gguf(tmp_path):
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_a_cached_tokenizer_encodes_and_decodes_as_the_one_converted_from_the_file(tmp_path, monkeypatch, kind):
-    """The first start converts the file's vocabulary (transformers' GGUF converter) and saves the result under the
-    cache directory; later starts load it without converting, and it must tokenize exactly the same."""
-    import transformers.modeling_gguf_pytorch_utils as hf_gguf
+    """The first start converts the file's vocabulary (transformers' GGUF converter, its tokenizer class named) and
+    saves the result under the cache directory; later starts load it without converting. Both must tokenize exactly
+    as AutoTokenizer does on the file."""
+    from transformers import AutoTokenizer
 
     from justapi.model import tokenizer as T
 
@@ -275,11 +276,13 @@ def test_a_cached_tokenizer_encodes_and_decodes_as_the_one_converted_from_the_fi
     def no_conversion(*a, **k):
         raise AssertionError("the cached tokenizer was not used")
 
-    monkeypatch.setattr(hf_gguf, "load_gguf_checkpoint", no_conversion)
+    monkeypatch.setattr(T, "_convert", no_conversion)
     cached = T.Tokenizer(path, open_gguf(path))
     T._hf_tokenizer.cache_clear()
+    reference = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=f"{kind}.gguf", local_files_only=True)
     texts = ["hello world, the cat sat é", "  two  spaces\nand a line", "über 42 ünïcode ✓", ""]
     for text in texts + [built.bos_token + "hello" + built.eos_token]:
+        assert built.hf.encode(text) == reference.encode(text)
         assert cached.encode(text) == built.encode(text)
         ids = built.encode(text)
         assert cached.decode(ids) == built.decode(ids) and cached.decode(ids, False) == built.decode(ids, False)

@@ -18,8 +18,10 @@ log = logging.getLogger(__name__)
 @functools.lru_cache(maxsize=4)
 def _hf_tokenizer(abspath: str, mtime_ns: int, size: int, path: str):
     """transformers' tokenizer for the file, kept while the file is unchanged; it is only ever read, so engines in
-    one process may share it. Converting a GGUF vocabulary takes seconds (transformers parses the whole file again),
-    so the result is also saved under the cache directory and later starts load that."""
+    one process may share it. The fast-tokenizer class is named rather than found by AutoTokenizer, which would parse
+    the whole file with gguf's slow reader to learn the model's type (6 s of a 0.5 s conversion for SmolLM2). The result
+    is also saved under the cache directory and later starts load that (a large SentencePiece vocabulary's merges are
+    rebuilt on conversion)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import transformers
     from transformers import AutoTokenizer
@@ -33,13 +35,20 @@ def _hf_tokenizer(abspath: str, mtime_ns: int, size: int, path: str):
         except Exception as e:  # a damaged cache entry: build it again
             log.warning("cached tokenizer %s unreadable (%s); rebuilding it", cached, e)
     try:
-        tok = AutoTokenizer.from_pretrained(
-            os.path.dirname(abspath), gguf_file=os.path.basename(abspath), local_files_only=True
-        )
+        tok = _convert(abspath)
     except Exception as e:
         raise ModelLoadError(f"{path}: the tokenizer cannot be built ({type(e).__name__}: {e})") from None
     _save(tok, cached)
     return tok
+
+
+def _convert(abspath: str):
+    """transformers' GGUF converter on the file's vocabulary."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(
+        os.path.dirname(abspath), gguf_file=os.path.basename(abspath), local_files_only=True
+    )
 
 
 def _save(tok, target: str) -> None:
