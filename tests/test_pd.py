@@ -13,6 +13,10 @@ import pytest
 from justapi import LLM, SamplingParams
 from justapi.config import EngineConfig
 from justapi.core.pd_scheduler import PdScheduler, WorkerInfo
+from justapi.structured.spec import StructuredOutput
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"enum": ["a", "b"]}},
+          "required": ["n", "s"], "additionalProperties": False}
 
 
 def test_routing_prefers_the_least_loaded_then_prefix_hits_and_handles_dead_workers():
@@ -66,6 +70,11 @@ def mixed_requests(n=12, seed=0):
         prompts.append(shared + body if i % 3 == 0 else body)  # some share a prefix
         params.append(SamplingParams(temperature=0, max_tokens=rng.choice([1, 5, 24, 40]), ignore_eos=True,
                                      logprobs=2 if i == 5 else None))
+    for i, spec in ((4, StructuredOutput("regex", r"[a-c]{3}-[0-9]{2}")), (7, StructuredOutput.json_schema(SCHEMA))):
+        if i >= n:
+            break
+        # constrained: the prefill worker samples the first token under the grammar, the decode worker goes on
+        params[i] = SamplingParams(temperature=0, max_tokens=40, structured=spec)
     return prompts, params
 
 

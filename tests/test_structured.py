@@ -118,3 +118,32 @@ def test_bad_constraints_are_refused_naming_the_problem(tiny):
         with pytest.raises(ValueError, match=message):
             tiny.generate([[5, 6, 7]], SamplingParams(max_tokens=4, structured=spec))
     assert not tiny.engine.has_unfinished
+
+
+@pytest.mark.parametrize("speculation", ["ngram", "draft tree"])
+def test_constrained_output_under_speculative_decoding(tiny_model, tiny_exact, speculation):
+    """Drafts for constrained requests are verified against the grammar's masks along each draft path: greedy output
+    is exactly the non-speculative output (alone, and in a batch mixed with free requests), some drafts are accepted,
+    and sampled output still matches its constraint."""
+    from conftest import TINY_EXACT
+
+    opts = dict(spec_method="ngram", gamma=4) if speculation == "ngram" else dict(draft_model=tiny_model, gamma=3,
+                                                                                  branch=2)
+    spec = LLM(tiny_model, spec_max_batch=64, **opts, **TINY_EXACT)
+    rng = random.Random(5)
+    specs = [StructuredOutput("regex", REGEX), StructuredOutput.json_schema(SCHEMA), StructuredOutput.choice(CHOICES),
+             StructuredOutput("grammar", GRAMMAR)]
+    prompts = [[rng.randrange(3, 271) for _ in range(rng.randint(3, 40))] for _ in range(12)]
+    params = [SamplingParams(temperature=0, max_tokens=40, structured=specs[i % 4]) if i % 3 else
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True) for i in range(12)]
+    alone = [tiny_exact.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
+    constrained = [i for i in range(12) if i % 3]
+    assert [spec.generate([prompts[i]], params[i])[0].token_ids for i in constrained] == [alone[i] for i in constrained]
+    stats = spec.engine.scheduler.stats
+    assert stats.spec_accepted_tokens > 0, "no draft was accepted for a constrained request"
+    assert [r.token_ids for r in spec.generate(prompts, params)] == alone
+    results = spec.generate(prompts[:8], [_sampled(specs[1], i) for i in range(8)])
+    for r in results:
+        if r.outputs[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(_decode(spec, r)), SCHEMA)
+    spec.engine.scheduler.check_integrity()

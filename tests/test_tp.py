@@ -14,6 +14,7 @@ import torch
 from justapi import LLM, SamplingParams
 from justapi.config import ModelConfig
 from justapi.distributed.tp import TpPlan, even_range
+from justapi.structured.spec import StructuredOutput
 
 
 def _config(heads, kv_heads, inter=1536, vocab=49152):
@@ -65,10 +66,12 @@ def test_tiny_model_greedy_identical_and_logprobs_close(tiny_model, tp):
         llm.engine.close()
 
 
-def test_tp_with_prefix_cache_and_draft_tree_speculation(tiny_model):
+def test_tp_with_prefix_cache_draft_tree_speculation_and_a_grammar(tiny_model):
     opts = dict(pool_blocks=256, show_progress=False)
     prompts = [list(range(10, 42)) + p for p in _prompts(6, seed=1)]  # a shared 32-token prefix: cache hits
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * 6
+    for i in (1, 4):  # constrained: every rank rebuilds the matcher and masks the same draft tree
+        params[i] = SamplingParams(temperature=0, max_tokens=30, structured=StructuredOutput("regex", r"[a-c]{3}-[0-9]{2}"))
     want = [r.token_ids for r in LLM(tiny_model, **opts).generate(prompts, params)]
     llm = LLM(tiny_model, tp=2, draft_model=tiny_model, gamma=3, branch=2, spec_max_batch=64, **opts)
     try:

@@ -234,9 +234,8 @@ class Scheduler:
             return
         for req in decoding:
             params = req.sampling_params
-            if params.logprobs is not None or not params.speculative or params.structured is not None:
-                continue  # logprobs are reported per sampled token, a grammar masks each step's logits: such
-                # requests decode one token a step
+            if params.logprobs is not None or not params.speculative:
+                continue  # logprobs are reported per sampled token: such requests decode one token a step
             # never draft past max_tokens (the target's own token comes on top) or the context length
             room = min(req.max_tokens - req.num_output_tokens - 1, cfg.max_model_len - req.num_tokens - 1)
             gamma = min(cfg.gamma, room)

@@ -232,13 +232,18 @@ class ModelRunner:
             row = SampleRow(st.params, st.seed, st.token_ids[st.num_prompt_tokens :])
             tree = trees.get(rid)
             if tree:
-                assert st.matcher is None, "structured requests are never given drafts (Scheduler._propose)"
-                emitted, path = spec_decode_tree(logits[offset : offset + len(tree) + 1], tree, row)
+                rows_logits = logits[offset : offset + len(tree) + 1]
+                if st.matcher is not None:
+                    with torch.inference_mode():  # the forward pass's inference tensors, masked in place
+                        self._grammars().mask_tree(rows_logits, st.matcher, tree.parents, tree.tokens)
+                emitted, path = spec_decode_tree(rows_logits, tree, row)
                 start = starts[rid]
                 moves = [(start + a, start + b) for a, b in tree.path_moves(path)]
                 move_kv(self.kv_caches, st.block_ids, self.block_size, moves)
                 if self.proposer is not None and rid in self.proposer.positions:
                     self.proposer.accepted(rid, st.block_ids, start, tree, path)
+                if st.matcher is not None:
+                    st.matcher.advance(emitted)
                 st.token_ids.extend(emitted)
                 out.sampled_token_ids[rid] = emitted
                 offset += len(tree) + 1
@@ -254,7 +259,7 @@ class ModelRunner:
             for rid, tok, lp in zip(plain_ids, tokens, logprobs):
                 st = self.states[rid]
                 if st.matcher is not None:
-                    st.matcher.accept(tok)
+                    st.matcher.advance([tok])
                 st.token_ids.append(tok)
                 out.sampled_token_ids[rid] = [tok]
                 if lp is not None:

@@ -131,6 +131,13 @@ class Grammars:
         if view is not logits:
             logits[rows] = view
 
+    def mask_tree(self, logits: torch.Tensor, matcher: Matcher, parents: list[int], tokens: list[int]) -> None:
+        """Mask, in place, the verification rows of a draft tree (spec.tree: row 0 follows the request's tokens,
+        row 1 + i follows node i's path) by what the grammar allows after each row's path."""
+        bitmask = self._xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)
+        matcher.fill_tree(bitmask, parents, tokens)
+        self._xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size)
+
 
 class Matcher:
     """One request's place in its grammar."""
@@ -142,11 +149,35 @@ class Matcher:
         """Advance by a sampled token; False if the grammar does not allow it (or has ended)."""
         return self._m.accept_token(int(token_id))
 
+    def advance(self, token_ids: list[int]) -> None:
+        """Accept tokens the runner sampled under this matcher's masks: a refusal before the grammar has ended
+        means the mask and the matcher disagree, an engine bug that must not pass silently."""
+        for tok in token_ids:
+            if not self.accept(tok) and not self._m.is_terminated():
+                raise RuntimeError(f"the grammar refused token {tok}, sampled under its own mask")
+
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         if self._m.is_terminated():
-            bitmask[row].fill_(0)  # nothing may follow; the request ends with the stop token it sampled
+            bitmask[row].fill_(-1)  # past the stop token: anything sampled here is cut off (Scheduler.update)
         else:
             self._m.fill_next_token_bitmask(bitmask, row)
+
+    def fill_tree(self, bitmask: torch.Tensor, parents: list[int], tokens: list[int]) -> None:
+        """Row 0: what may follow now; row 1 + i: what may follow draft node i's path, walked depth first and
+        rolled back. Below a node the grammar refuses, rows stay all-allowed: its parent's row gives that node no
+        mass, so verification never reaches them."""
+        children: dict[int, list[int]] = {}
+        for i, p in enumerate(parents):
+            children.setdefault(p, []).append(i)
+
+        def visit(node: int) -> None:
+            self.fill(bitmask, node + 1)
+            for child in children.get(node, ()):
+                if self._m.accept_token(int(tokens[child])):
+                    visit(child)
+                    self._m.rollback(1)
+
+        visit(-1)
 
 
 _LAX_STRING_CHAR = '[^\\"\\\\\\r\\n]'  # as xgrammar prints it: [^\"\\\r\n]
