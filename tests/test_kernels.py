@@ -253,6 +253,27 @@ def test_argmax_rows_gives_torchs_max_indices_with_ties_nans_and_infinities(cpp_
         cpp_kernels.argmax_rows(torch.zeros(2, 5, dtype=torch.bfloat16))
 
 
+def test_mask_logits_matches_an_independent_unpacking_of_the_bitmask(cpp_kernels):
+    """A grammar's token bitmask applied to chosen logits rows: -inf exactly where a bit is 0 (bit j of word w is
+    token 32w + j), other rows untouched; zero and all-ones words and a vocabulary ending mid-word included."""
+    g = torch.Generator().manual_seed(4)
+    for num_logits, vocab, rows in ((6, 49152, [0, 3, 5]), (3, 100, [2, 0]), (1, 31, [0])):
+        words = -(-vocab // 32)
+        bitmask = torch.randint(-2**31, 2**31 - 1, (len(rows), words), dtype=torch.int32, generator=g)
+        bitmask[0, : words // 2] = 0  # a narrow grammar's runs of nothing allowed
+        if len(rows) > 1:
+            bitmask[1, 1:] = -1  # free text: everything allowed
+        logits = torch.randn(num_logits, vocab, generator=g)
+        bits = [[(int(bitmask[i, t // 32]) >> (t % 32)) & 1 for t in range(vocab)] for i in range(len(rows))]
+        want = logits.clone()
+        for i, r in enumerate(rows):
+            want[r, torch.tensor(bits[i]) == 0] = float("-inf")
+        cpp_kernels.mask_logits(logits, bitmask, torch.tensor(rows))
+        assert torch.equal(logits, want)
+    with pytest.raises(RuntimeError, match="row out of range"):
+        cpp_kernels.mask_logits(torch.zeros(2, 40), torch.zeros(1, 2, dtype=torch.int32), torch.tensor([2]))
+
+
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
     lock = tmp_path / "lock"
     lock.write_text("")

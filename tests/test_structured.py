@@ -147,3 +147,20 @@ def test_constrained_output_under_speculative_decoding(tiny_model, tiny_exact, s
         if r.outputs[0].finish_reason == "stop":
             jsonschema.validate(json.loads(_decode(spec, r)), SCHEMA)
     spec.engine.scheduler.check_integrity()
+
+
+def test_masks_are_the_same_with_and_without_the_cpp_kernel(tiny_model):
+    """The C++ mask_logits and xgrammar's own apply (the path without the kernels) mask the same logits."""
+    import torch
+
+    from justapi.kernels import decode_kernels
+    from justapi.structured.grammars import for_model
+
+    grammars = for_model(tiny_model)
+    matchers = [grammars.matcher(spec, []) for spec in (StructuredOutput("regex", REGEX), StructuredOutput.choice(CHOICES))]
+    logits = torch.randn(4, grammars.vocab_size, generator=torch.Generator().manual_seed(0))
+    with_kernel, without = logits.clone(), logits.clone()
+    grammars.mask(with_kernel, [3, 1], matchers, decode_kernels())
+    grammars.mask(without, [3, 1], matchers, None)
+    assert torch.equal(with_kernel, without)
+    assert torch.equal(with_kernel[[0, 2]], logits[[0, 2]]) and torch.isinf(with_kernel[3]).sum() > 0

@@ -511,6 +511,7 @@ torch::Tensor int4_amx_matmul(torch::Tensor x, torch::Tensor packed, int64_t out
 torch::Tensor q8_amx_pack(torch::Tensor q, torch::Tensor scale);
 bool silu_mul_available(bool bf16);
 torch::Tensor argmax_rows(torch::Tensor logits);
+void mask_logits(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor q8_amx_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features);
 
@@ -526,6 +527,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_amx_available", &int4_amx_available, "whether int4_amx_matmul can run here (built with AMX, allowed)");
   m.def("int4_amx_pack", &int4_amx_pack, "4-bit weight (q, scale, zero) -> the layout int4_amx_matmul reads");
   m.def("int4_amx_matmul", &int4_amx_matmul, "x @ w.T, bf16 rows x a packed 4-bit weight, on AMX tiles");
+  m.def("mask_logits", &mask_logits, "-inf in logits[rows[i]] wherever bitmask[i] has a 0 bit (a grammar's token mask)");
   m.def("argmax_rows", &argmax_rows, "each row's first maximum (or first NaN), as logits.max(dim=-1).indices");
   m.def("silu_mul_available", &silu_mul_available, "whether silu_mul runs here on bf16 (True) or fp32 rows (AVX-512; AVX2: fp32)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up from fused [rows, 2 * width] gate/up rows, as torch rounds it");

@@ -235,7 +235,8 @@ class ModelRunner:
                 rows_logits = logits[offset : offset + len(tree) + 1]
                 if st.matcher is not None:
                     with torch.inference_mode():  # the forward pass's inference tensors, masked in place
-                        self._grammars().mask_tree(rows_logits, st.matcher, tree.parents, tree.tokens)
+                        self._grammars().mask_tree(rows_logits, st.matcher, tree.parents, tree.tokens,
+                                                   self.model.kernels)
                 emitted, path = spec_decode_tree(rows_logits, tree, row)
                 start = starts[rid]
                 moves = [(start + a, start + b) for a, b in tree.path_moves(path)]
@@ -271,4 +272,5 @@ class ModelRunner:
         rows = [i for i, rid in enumerate(ids) if self.states[rid].matcher is not None]
         if rows:
             with torch.inference_mode():  # the logits are the forward pass's inference tensors
-                self._grammars().mask(logits, rows, [self.states[ids[i]].matcher for i in rows])
+                matchers = [self.states[ids[i]].matcher for i in rows]
+                self._grammars().mask(logits, rows, matchers, self.model.kernels)

@@ -119,24 +119,31 @@ class Grammars:
                 break
         return m
 
-    def mask(self, logits: torch.Tensor, rows: list[int], matchers: list[Matcher]) -> None:
+    def mask(self, logits: torch.Tensor, rows: list[int], matchers: list[Matcher], kernels=None) -> None:
         """Set to -inf, in place, the logits of tokens each matcher does not allow next (``logits[rows[i]]`` for
-        ``matchers[i]``)."""
-        xgr = self._xgr
-        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        ``matchers[i]``). ``kernels``: the engine's C++ kernels, whose ``mask_logits`` applies the masks."""
+        bitmask = self._xgr.allocate_token_bitmask(len(rows), self.vocab_size)
         for i, m in enumerate(matchers):
             m.fill(bitmask, i)
-        view = logits[rows] if len(rows) != logits.shape[0] else logits
-        xgr.apply_token_bitmask_inplace(view, bitmask, vocab_size=self.vocab_size)
-        if view is not logits:
-            logits[rows] = view
+        self._apply(logits, bitmask, rows, kernels)
 
-    def mask_tree(self, logits: torch.Tensor, matcher: Matcher, parents: list[int], tokens: list[int]) -> None:
+    def mask_tree(self, logits: torch.Tensor, matcher: Matcher, parents: list[int], tokens: list[int],
+                  kernels=None) -> None:
         """Mask, in place, the verification rows of a draft tree (spec.tree: row 0 follows the request's tokens,
         row 1 + i follows node i's path) by what the grammar allows after each row's path."""
         bitmask = self._xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)
         matcher.fill_tree(bitmask, parents, tokens)
-        self._xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size)
+        self._apply(logits, bitmask, list(range(logits.shape[0])), kernels)
+
+    def _apply(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], kernels) -> None:
+        if kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 \
+                and logits.is_contiguous():
+            kernels.mask_logits(logits, bitmask, torch.tensor(rows, dtype=torch.long))
+            return
+        view = logits[rows] if len(rows) != logits.shape[0] else logits  # xgrammar's rows index both tensors
+        self._xgr.apply_token_bitmask_inplace(view, bitmask.to(logits.device), vocab_size=self.vocab_size)
+        if view is not logits:
+            logits[rows] = view
 
 
 class Matcher:
