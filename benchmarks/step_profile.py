@@ -100,7 +100,7 @@ def compare(sides: dict, steps: int) -> None:
 
 
 def compare_kernels(engine, rev: str, steps: int, decode, mixed) -> None:
-    from decode_attention_bench import build_at  # benchmarks/ is on the path when this runs as a script
+    from kernels_bench import build_at  # benchmarks/ is on the path when this runs as a script
 
     from justapi.model.quant import Int4Weight
 
