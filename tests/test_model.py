@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from justapi.model.attention import AttentionMetadata, SeqSpan, paged_attention
 from justapi.model.gguf_loader import load_tensors, open_gguf, read_model_config
 from justapi.model.llama import LlamaModel
 from justapi.model.quant import Int4Weight, Int8RowWeight
+from hf_reference import hf_model
 from paged_helpers import paged_prefill_logits
 from tiny_gguf import write_tiny_model
 
@@ -21,16 +21,6 @@ def load_model(path: str, batch_invariant: bool = True) -> LlamaModel:
     reader = open_gguf(path)
     cfg = read_model_config(reader, path)
     return LlamaModel(cfg, load_tensors(reader, path, torch.float32, False), "cpu", batch_invariant)
-
-
-def hf_model(path: str, **overrides):
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    transformers.logging.set_verbosity_error()
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32, **overrides
-    ).eval()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
