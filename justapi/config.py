@@ -9,7 +9,31 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class ArchTraits:
+    """What sets an architecture apart from Llama, for the one decoder in model/llama.py. Everything a GGUF file
+    states (sizes, biases and norms present, the window) is read from the file; these are what it does not state."""
+
+    rope_style: str = "neox"  # "norm": rotate adjacent pairs (llama.cpp's llama); "neox": rotate halves
+    mlp_act: str = "silu"  # the gate's activation: "silu" or "gelu_tanh"
+    embed_scale: bool = False  # token embeddings times sqrt(hidden) (Gemma)
+    post_norms: bool = False  # RMSNorm on the attention and MLP outputs before each residual add (Gemma 2/3)
+    global_every: int = 0  # with a sliding window: every Nth layer attends globally (Gemma 3: 6); 0: every layer
+    local_rope_theta: float | None = None  # the sliding layers' RoPE base where it differs (Gemma 3: 10,000)
+
+
+ARCHS = {
+    "llama": ArchTraits(rope_style="norm"),
+    "qwen2": ArchTraits(),
+    "qwen3": ArchTraits(),
+    # Gemma 3's GGUF stores its norm weights as 1 + w (llama.cpp's converter), so its RMSNorm is Llama's; its
+    # attention scale is head_dim ** -0.5, as llama.cpp uses for every size but 27B
+    "gemma3": ArchTraits(mlp_act="gelu_tanh", embed_scale=True, post_norms=True, global_every=6,
+                         local_rope_theta=10000.0),
+}
+SUPPORTED_ARCHS = tuple(ARCHS)
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_SEQS = 32
@@ -68,12 +92,24 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
-    rope_style: str  # "norm": rotate adjacent pairs (llama.cpp's llama); "neox": rotate halves (qwen2/3)
+    # per layer, the attention window in tokens (each token sees itself and the window - 1 before it), None: all
+    layer_windows: tuple[int | None, ...] = ()
 
     def __post_init__(self) -> None:
         assert self.arch in SUPPORTED_ARCHS, self.arch
         assert self.num_heads % self.num_kv_heads == 0, "heads must be a multiple of KV heads"
-        assert self.rope_style in ("norm", "neox")
+        assert not self.layer_windows or len(self.layer_windows) == self.num_layers
+
+    @property
+    def traits(self) -> ArchTraits:
+        return ARCHS[self.arch]
+
+    @property
+    def rope_style(self) -> str:
+        return self.traits.rope_style
+
+    def window(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
 
 
 # "auto": a file whose weights are all F32 runs in float32; otherwise weights stored as Q4_0/Q4_1 stay 4-bit and

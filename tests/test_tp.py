@@ -18,8 +18,7 @@ from justapi.structured.spec import StructuredOutput
 
 
 def _config(heads, kv_heads, inter=1536, vocab=49152):
-    return ModelConfig("x", "llama", vocab, 576, inter, 2, heads, kv_heads, 64, 1e-5, 1e4, 2048, True, False, False,
-                       "norm")
+    return ModelConfig("x", "llama", vocab, 576, inter, 2, heads, kv_heads, 64, 1e-5, 1e4, 2048, True, False, False)
 
 
 def test_plans_split_heads_replicate_kv_heads_and_cover_every_row():

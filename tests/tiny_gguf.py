@@ -1,4 +1,5 @@
-"""Write tiny random-weight GGUF models (llama, qwen2, qwen3) with a real byte-level BPE tokenizer."""
+"""Write tiny random-weight GGUF models (llama, qwen2, qwen3, gemma3) with a real byte-level BPE or SentencePiece
+tokenizer."""
 
 from __future__ import annotations
 
@@ -62,9 +63,12 @@ def write_tiny_model(
     weight_scale: float = 0.2,
     vocab_from: str | None = None,
     embd_qtype: str = "F32",
+    sliding_window: int = 8,
+    head_dim: int | None = None,
 ) -> str:
     """A random model whose linear weights are stored as ``qtype`` and its token embedding as ``embd_qtype`` (F32
-    or a type gguf quantizes, e.g. Q8_0 as SmolLM2's); returns ``path``.
+    or a type gguf quantizes, e.g. Q8_0 as SmolLM2's); returns ``path``. ``gemma3``: its extra norms, QK norm,
+    ``sliding_window`` on all but every sixth layer, RoPE base 1e6 for the global layers (the file's; 1e4 local).
 
     ``vocab_from``: another GGUF file whose tokenizer (every ``tokenizer.*`` key) the model takes, e.g. a tiny
     random draft model for SmolLM2.
@@ -78,7 +82,7 @@ def write_tiny_model(
     else:
         tokens, scores, types = spm_vocab()
     vocab_size = len(tokens)
-    head_dim = hidden // num_heads
+    head_dim = head_dim or hidden // num_heads
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(num_layers)
     w.add_context_length(context_length)
@@ -87,11 +91,13 @@ def write_tiny_model(
     w.add_head_count(num_heads)
     w.add_head_count_kv(num_kv_heads)
     w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(1e6 if arch == "gemma3" else 10000.0)
     w.add_vocab_size(vocab_size)
-    if arch == "qwen3":
+    if arch in ("qwen3", "gemma3"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    if arch == "gemma3":
+        w.add_sliding_window(sliding_window)
     if source is not None:
         for key, f in source.fields.items():
             if key.startswith("tokenizer.") and f.types[0] == gguf.GGUFValueType.ARRAY:
@@ -145,7 +151,7 @@ def write_tiny_model(
             w.add_tensor(p + "attn_q.bias", rand(num_heads * head_dim))
             w.add_tensor(p + "attn_k.bias", rand(num_kv_heads * head_dim))
             w.add_tensor(p + "attn_v.bias", rand(num_kv_heads * head_dim))
-        if arch == "qwen3":
+        if arch in ("qwen3", "gemma3"):
             w.add_tensor(p + "attn_q_norm.weight", (1 + rand(head_dim, scale=0.1)))
             w.add_tensor(p + "attn_k_norm.weight", (1 + rand(head_dim, scale=0.1)))
         add_linear(p + "attn_output.weight", rand(hidden, num_heads * head_dim))
@@ -153,6 +159,9 @@ def write_tiny_model(
         add_linear(p + "ffn_gate.weight", rand(intermediate, hidden))
         add_linear(p + "ffn_up.weight", rand(intermediate, hidden))
         add_linear(p + "ffn_down.weight", rand(hidden, intermediate))
+        if arch == "gemma3":
+            w.add_tensor(p + "post_attention_norm.weight", (1 + rand(hidden, scale=0.1)))
+            w.add_tensor(p + "post_ffw_norm.weight", (1 + rand(hidden, scale=0.1)))
     w.add_tensor("output_norm.weight", (1 + rand(hidden, scale=0.1)))
     if not tied:
         w.add_tensor("output.weight", rand(vocab_size, hidden))

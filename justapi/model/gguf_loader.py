@@ -11,7 +11,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from ..config import SUPPORTED_ARCHS, ModelConfig
+from ..config import ARCHS, SUPPORTED_ARCHS, ModelConfig
 from .quant import Q4Unpacked, Q8Unpacked, unpack_q4, unpack_q8_0
 
 
@@ -138,8 +138,18 @@ def read_model_config(reader, path: str) -> ModelConfig:
         tie_word_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
-        rope_style="norm" if arch == "llama" else "neox",
+        layer_windows=_layer_windows(reader, arch, int(need("block_count"))),
     )
+
+
+def _layer_windows(reader, arch: str, num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's attention window from ``{arch}.attention.sliding_window``: every layer's, or, for families that
+    interleave (ARCHS' ``global_every``), all but every Nth (those attend to everything); () without a window."""
+    window = field_value(reader, f"{arch}.attention.sliding_window")
+    if not window:
+        return ()
+    every = ARCHS[arch].global_every
+    return tuple(None if every and (i + 1) % every == 0 else int(window) for i in range(num_layers))
 
 
 def _dequantizable(qtype) -> bool:

@@ -1,4 +1,8 @@
-"""The Llama family (llama, qwen2 with QKV biases, qwen3 with QK norm) over a paged KV cache.
+"""The Llama family (llama, qwen2 with QKV biases, qwen3 with QK norm) and Gemma 3 over a paged KV cache.
+
+Gemma 3 is Llama with the differences config.ARCHS names: embeddings scaled by sqrt(hidden), a norm on each
+sublayer's output before its residual add, GELU (tanh) in the MLP, and five sliding-window layers (RoPE base
+10,000) to each global one (the file's base).
 
 ``forward`` takes one flat batch: the new tokens of many sequences, each with its own positions and blocks.
 Q/K/V and gate/up projections are fused into one matmul each at load time.
@@ -32,6 +36,9 @@ class LayerWeights:
     ffn_norm: torch.Tensor
     gate_up: torch.Tensor | Int4Weight  # [2 * intermediate, hidden]
     down: torch.Tensor | Int4Weight
+    post_attn_norm: torch.Tensor | None = None  # Gemma: the attention output normed before the residual add
+    post_ffn_norm: torch.Tensor | None = None  # ... and the MLP's
+    window: int | None = None  # sliding-window attention (attention.py); None: the whole context
 
 
 class LlamaModel:
@@ -75,9 +82,11 @@ class LlamaModel:
             return dense[0] if len(dense) == 1 else torch.cat(dense).contiguous()
 
         self.embed = take("token_embd.weight")
+        traits = config.traits
         self.layers: list[LayerWeights] = []
         for i in range(config.num_layers):
             p = f"blk.{i}."
+            post = traits.post_norms
             bias = None
             if config.qkv_bias:
                 bias = torch.cat([take(p + "attn_q.bias"), take(p + "attn_k.bias"), take(p + "attn_v.bias")])
@@ -92,12 +101,19 @@ class LlamaModel:
                     ffn_norm=take(p + "ffn_norm.weight"),
                     gate_up=matrix(p + "ffn_gate.weight", p + "ffn_up.weight"),
                     down=matrix(p + "ffn_down.weight"),
+                    post_attn_norm=take(p + "post_attention_norm.weight").float() if post else None,
+                    post_ffn_norm=take(p + "post_ffw_norm.weight").float() if post else None,
+                    window=config.window(i),
                 )
             )
         self.norm = take("output_norm.weight")
         for layer in self.layers:  # norm weights in fp32 (tiny), as the C++ add_rms_norm takes them
             layer.attn_norm, layer.ffn_norm = layer.attn_norm.float(), layer.ffn_norm.float()
         self.norm = self.norm.float()
+        # Gemma: x * sqrt(hidden), the factor rounded to the embedding's dtype as transformers does
+        self.embed_scale = (torch.tensor(config.hidden_size ** 0.5).to(self.embed.device, self.embed.dtype)
+                            if traits.embed_scale else None)
+        self.gelu = traits.mlp_act == "gelu_tanh"
         head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
         q8_forms = {n: tensors.pop(n + Q8_SUFFIX, None) for n in ("output.weight", "token_embd.weight")}  # load_tensors
         head_q8 = q8_forms[head]
@@ -106,6 +122,10 @@ class LlamaModel:
             # a 4-bit model's dense head: int8 rows for small batches, the Q8_0 weight on AMX for larger ones
             self.lm_head = Int8RowWeight(self.lm_head, head_q8, policy)
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.context_length, config.rope_style, device)
+        self.local_rope = None  # the sliding layers' own base (Gemma 3), else they share self.rope
+        if traits.local_rope_theta is not None and any(layer.window for layer in self.layers):
+            self.local_rope = RotaryEmbedding(config.head_dim, traits.local_rope_theta, config.context_length,
+                                              config.rope_style, device)
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim ** -0.5
@@ -159,17 +179,21 @@ class LlamaModel:
             a, b = self.tp.vocab
             mine = ((input_ids >= a) & (input_ids < b)).unsqueeze(1).to(self.embed.dtype)
             x = self.comm.all_reduce(F.embedding((input_ids - a).clamp(0, b - a - 1), self.embed) * mine)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         n = x.shape[0]
-        cos, sin = self.rope.tables(positions)  # once, not per layer
+        tables = self.rope.tables(positions)  # once, not per layer
+        local_tables = self.local_rope.tables(positions) if self.local_rope is not None else tables
         qk_heads = cfg.num_heads + cfg.num_kv_heads
         eps = cfg.rms_norm_eps
         # the C++ layer ops (justapi.kernels.layer_ops): x += residual and the norm in one call, rotary and the
         # K/V store in another, silu(gate) * up in a third; the torch path below computes the same (rotary and
         # silu bit-identical, the norm's sum of squares in another order)
         fused = self.policy.layer_ops and x.device.type == "cpu"
-        fused_silu = fused and self.policy.uses("fused_silu")
+        fused_silu = fused and self.policy.uses("fused_silu") and not self.gelu
         residual = None  # the last sublayer's output, not yet added to x
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            cos, sin = local_tables if layer.window else tables
             if fused:
                 x, h = self.kernels.add_rms_norm(x, residual, layer.attn_norm, eps)
             else:
@@ -193,9 +217,12 @@ class LlamaModel:
                     q = self.rope.rotate(rms_norm(q, layer.q_norm, eps).float(), cos, sin)
                     k = self.rope.rotate(rms_norm(k, layer.k_norm, eps).float(), cos, sin)
                 write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-            attn = paged_attention(q, k_cache, v_cache, meta, self.scale, self.kernels, bi, x.dtype).to(x.dtype)
+            attn = paged_attention(q, k_cache, v_cache, meta, self.scale, self.kernels, bi, x.dtype,
+                                   layer.window).to(x.dtype)
             o = linear(attn.reshape(n, self.q_size), layer.o, None, bi)
             o = o if self.tp is None else self.comm.all_reduce(o)
+            if layer.post_attn_norm is not None:
+                o = rms_norm(o, layer.post_attn_norm, eps)
             if fused:
                 x, h = self.kernels.add_rms_norm(x, o, layer.ffn_norm, eps)
             else:
@@ -206,9 +233,11 @@ class LlamaModel:
                 act = self.kernels.silu_mul(gate_up)
             else:
                 gate, up = gate_up.chunk(2, dim=-1)
-                act = F.silu(gate) * up
+                act = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up
             down = linear(act, layer.down, None, bi)
             residual = down if self.tp is None else self.comm.all_reduce(down)
+            if layer.post_ffn_norm is not None:
+                residual = rms_norm(residual, layer.post_ffn_norm, eps)
         x, residual = x[logits_rows], residual[logits_rows]  # only the rows that give logits (row-wise from here)
         if fused:
             x = self.kernels.add_rms_norm(x, residual, self.norm, eps)[1]

@@ -93,7 +93,7 @@ class FlatBatch:
         self.positions.extend(positions)
         self.slots.extend(block_ids[p // bs] * bs + p % bs for p in range(first_slot, end))
         self.tables.append(block_ids[: -(-end // bs)])
-        self.spans.append(SeqSpan(row, n, end, None, mask))
+        self.spans.append(SeqSpan(row, n, end, None, mask, positions))
         if logits == "last":
             self.logits_rows.append(row + n - 1)
         elif logits == "all":
