@@ -12,7 +12,7 @@ from justapi.model.attention import AttentionMetadata, SeqSpan, paged_attention
 from justapi.model.gguf_loader import load_tensors, open_gguf, read_model_config
 from justapi.model.llama import LlamaModel
 from justapi.model.quant import Int4Weight, Int8RowWeight
-from hf_reference import hf_model
+from hf_reference import hf_greedy, hf_model
 from paged_helpers import paged_prefill_logits
 from tiny_gguf import write_tiny_model
 
@@ -304,33 +304,13 @@ def test_smollm2_logits_match_transformers(real_llm, smollm_reference):
     assert (got - ref).abs().max().item() < 1e-3
 
 
-def _hf_greedy(hf, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """Plain argmax decoding with transformers' KV cache, never stopping early (like ignore_eos): the prompts as one
-    left-padded batch (masked padding, positions counted from each prompt's start), one forward per token."""
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    positions = (mask.cumsum(1) - 1).clamp_min(0)
-    out, past = [], None
-    with torch.no_grad():
-        for _ in range(n):
-            res = hf(ids, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True)
-            past = res.past_key_values
-            tok = res.logits[:, -1].argmax(-1)
-            out.append(tok.tolist())
-            ids = tok[:, None]
-            positions = positions[:, -1:] + 1
-            mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], dim=1)
-    return [list(seq) for seq in zip(*out)]
-
-
 @pytest.mark.real_model
 def test_smollm2_greedy_matches_transformers_plain_and_chat(real_llm, smollm_reference):
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     chats = [real_llm.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
     plain = [real_llm.tokenizer.encode(p) for p in PROMPTS]
     results = real_llm.generate(plain + chats, params)
-    for ids, res, want in zip(plain + chats, results, _hf_greedy(smollm_reference, plain + chats, 32)):
+    for ids, res, want in zip(plain + chats, results, hf_greedy(smollm_reference, plain + chats, 32)):
         assert res.token_ids == want, real_llm.tokenizer.decode(ids)
 
 
