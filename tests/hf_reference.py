@@ -11,14 +11,16 @@ from unittest import mock
 @contextlib.contextmanager
 def _fast_gguf_reads():
     """Two of gguf's slow spots bypassed while transformers reads a file, neither touching a value: the metadata
-    parse over an ``np.memmap`` (the engine's reader subclass reads the same bytes through a plain ndarray view of
-    the mapping; 2 x 6 s for SmolLM2), and the tensor-name map that transformers rebuilds for every tensor (cached:
-    7 s)."""
+    parse (transformers parses a file up to three times per load, over an ``np.memmap``: 2 x 6 s for SmolLM2, 20 s
+    for Gemma 3's vocabulary; here it gets the engine's parse of the file, gguf's own reader over a plain ndarray
+    view of the same mapping, made once per process), and the tensor-name map that transformers rebuilds for every
+    tensor (cached: 7 s)."""
     import gguf
 
-    from justapi.model.gguf_loader import _plain_reader_class
+    from justapi.model.gguf_loader import _plain_reader_class, open_gguf
 
-    reader = _plain_reader_class()
+    _plain_reader_class()  # made (and kept) while gguf.GGUFReader is still the real class it derives from
+    reader = lambda path, mode="r": open_gguf(str(path))  # noqa: E731  (read-only; transformers never writes)
     name_map = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
     with mock.patch.object(gguf, "GGUFReader", reader), mock.patch.object(gguf, "get_tensor_name_map", name_map):
         yield

@@ -51,6 +51,7 @@ def open_gguf(path: str):
     return _read_gguf(os.path.abspath(path), st.st_mtime_ns, st.st_size, path)
 
 
+@functools.cache
 def _plain_reader_class():
     import gguf
 
