@@ -73,7 +73,8 @@ def test_tiny_gemma3_matches_transformers(tmp_path):
     (64, 4, torch.float32),  # AVX-512 / AVX2 path (head_dim 64): 16- or 8-row chunks cut short by 4-token blocks
     (64, 32, torch.bfloat16),  # several row chunks per block, bf16 rows widened
     (128, 16, torch.bfloat16),
-], ids=["d8-fp32", "d8-bf16", "d64-bs4-fp32", "d64-bs32-bf16", "d128-bs16-bf16"])
+    (256, 16, torch.bfloat16),  # Gemma 3's head size
+], ids=["d8-fp32", "d8-bf16", "d64-bs4-fp32", "d64-bs32-bf16", "d128-bs16-bf16", "d256-bs16-bf16"])
 @pytest.mark.parametrize("batch_invariant", [False, True], ids=["fused", "matmuls"])
 @pytest.mark.parametrize("compute_dtype", [torch.bfloat16, torch.float32], ids=["bf16-model", "fp32-model"])
 @pytest.mark.parametrize("window", [None, 7], ids=["global", "window7"])

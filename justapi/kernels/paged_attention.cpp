@@ -10,7 +10,8 @@
 // Each work item is computed alone, so a sequence's result never depends on the rest of the batch. Work items run
 // on torch's intra-op threads (at::parallel_for: OpenMP, so the extension is built with -fopenmp).
 //
-// Three implementations of the same passes: AVX-512 for head_dim 64 and 128 (query and accumulator rows held in
+// A sliding window (Gemma 3's local layers) reads only each sequence's last `window` tokens.
+// Three implementations of the same passes: AVX-512 for head_dim 64, 128 and 256 (query and accumulator rows held in
 // registers, blocks prefetched, exp vectorised), AVX2 for the same head sizes on CPUs without AVX-512 (AMD Zen 2/3,
 // older Intel: eight lanes, sixteen registers), and a portable one for everything else.
 #include <torch/extension.h>
@@ -36,6 +37,13 @@ namespace {
 
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head
 
+// A sliding window starts mid-block: the first `skip` rows of the first block read are before it. Their scores
+// become -inf before the softmax (exp gives 0, or under 2e-38 where the vector exp clamps at -87).
+inline void hide_before_window(float* scores, int64_t group, int64_t ctx, int64_t skip) {
+  for (int64_t g = 0; g < group; ++g)
+    std::fill(scores + g * ctx, scores + g * ctx + skip, -std::numeric_limits<float>::infinity());
+}
+
 // --- portable ----------------------------------------------------------------------------------------------------
 
 // a cache row as fp32: fp32 rows are used in place, bf16 rows widened into `buf`
@@ -49,8 +57,8 @@ inline const float* row_f32(const uint16_t* src, float* buf, int64_t n) {
 }
 
 template <typename T>
-void attend(const float* qh, const T* kp, const T* vp, const int64_t* table, int64_t ctx, int64_t kvh,
-            int64_t num_blocks, int64_t block_size, int64_t head_dim, int64_t group, float scale, float* oh,
+void attend(const float* qh, const T* kp, const T* vp, const int64_t* table, int64_t ctx, int64_t skip,
+            int64_t kvh, int64_t num_blocks, int64_t block_size, int64_t head_dim, int64_t group, float scale, float* oh,
             std::vector<float>& scores) {
   scores.resize(group * ctx + head_dim * (1 + group));
   float* row = scores.data() + group * ctx;
@@ -69,6 +77,7 @@ void attend(const float* qh, const T* kp, const T* vp, const int64_t* table, int
       }
     }
   }
+  hide_before_window(scores.data(), group, ctx, skip);
   float inv_sum[kMaxGroup];
   for (int64_t g = 0; g < group; ++g) {
     float* sg = scores.data() + g * ctx;
@@ -178,7 +187,8 @@ inline __m512 hsum16(const __m512* v) {
 
 // head_dim = 16 * V; blocks outermost so each is read from memory once, query/accumulator rows in registers
 template <typename T, int V>
-void attend_avx512(const float* qh, const T* kp, const T* vp, const int64_t* table, int64_t ctx, int64_t kvh,
+void attend_avx512(const float* qh, const T* kp, const T* vp, const int64_t* table, int64_t ctx, int64_t skip,
+                   int64_t kvh,
                    int64_t num_blocks, int64_t block_size, int64_t group, float scale, float* oh,
                    std::vector<float>& scores) {
   constexpr int64_t D = 16 * V;
@@ -214,6 +224,7 @@ void attend_avx512(const float* qh, const T* kp, const T* vp, const int64_t* tab
       }
     }
   }
+  hide_before_window(scores.data(), group, ctx, skip);
   float inv_sum[kMaxGroup];
   for (int64_t g = 0; g < group; ++g) softmax_avx512(scores.data() + g * ctx, ctx, inv_sum + g);
   std::fill(acc_all, acc_all + group * D, 0.f);
@@ -326,7 +337,8 @@ inline __m256 hsum8(const __m256* v) {
 
 // head_dim D = 64 or 128; blocks outermost so each is read from memory once
 template <typename T, int64_t D>
-void attend_avx2(const float* qh, const T* kp, const T* vp, const int64_t* table, int64_t ctx, int64_t kvh,
+void attend_avx2(const float* qh, const T* kp, const T* vp, const int64_t* table, int64_t ctx, int64_t skip,
+                 int64_t kvh,
                  int64_t num_blocks, int64_t block_size, int64_t group, float scale, float* oh,
                  std::vector<float>& scores) {
   constexpr int64_t V = D / 8;
@@ -373,6 +385,7 @@ void attend_avx2(const float* qh, const T* kp, const T* vp, const int64_t* table
       }
     }
   }
+  hide_before_window(scores.data(), group, ctx, skip);
   float inv_sum[kMaxGroup];
   for (int64_t g = 0; g < group; ++g) softmax_avx2(scores.data() + g * ctx, ctx, inv_sum + g);
   std::fill(acc_all, acc_all + group * D, 0.f);
@@ -415,38 +428,52 @@ void attend_avx2(const float* qh, const T* kp, const T* vp, const int64_t* table
 template <typename T>
 void run(const float* qp, const T* kp, const T* vp, const int64_t* tables, const int64_t* lens, float* op,
          int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
-         int64_t head_dim, int64_t max_blocks, float scale) {
+         int64_t head_dim, int64_t max_blocks, float scale, int64_t window) {
   const int64_t group = num_heads / num_kv_heads;
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / num_kv_heads, kvh = item % num_kv_heads;
       const int64_t off = (b * num_heads + kvh * group) * head_dim;  // this kv head's `group` query heads
-      const int64_t* table = tables + b * max_blocks;
+      // a sliding window: only the last `window` tokens, read from the block that holds the first of them
+      const int64_t first = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
+      const int64_t first_block = first / block_size, skip = first - first_block * block_size;
+      const int64_t* table = tables + b * max_blocks + first_block;
+      const int64_t ctx = lens[b] - first_block * block_size;
 #if defined(__AVX512F__)
       if (head_dim == 64) {
-        attend_avx512<T, 4>(qp + off, kp, vp, table, lens[b], kvh, num_blocks, block_size, group, scale, op + off,
+        attend_avx512<T, 4>(qp + off, kp, vp, table, ctx, skip, kvh, num_blocks, block_size, group, scale, op + off,
                             scores);
         continue;
       }
       if (head_dim == 128) {
-        attend_avx512<T, 8>(qp + off, kp, vp, table, lens[b], kvh, num_blocks, block_size, group, scale, op + off,
+        attend_avx512<T, 8>(qp + off, kp, vp, table, ctx, skip, kvh, num_blocks, block_size, group, scale, op + off,
                             scores);
+        continue;
+      }
+      if (head_dim == 256) {  // Gemma 3
+        attend_avx512<T, 16>(qp + off, kp, vp, table, ctx, skip, kvh, num_blocks, block_size, group, scale,
+                             op + off, scores);
         continue;
       }
 #elif defined(JUSTAPI_SIMD_ATTENTION)
       if (head_dim == 64) {
-        attend_avx2<T, 64>(qp + off, kp, vp, table, lens[b], kvh, num_blocks, block_size, group, scale, op + off,
+        attend_avx2<T, 64>(qp + off, kp, vp, table, ctx, skip, kvh, num_blocks, block_size, group, scale, op + off,
                            scores);
         continue;
       }
       if (head_dim == 128) {
-        attend_avx2<T, 128>(qp + off, kp, vp, table, lens[b], kvh, num_blocks, block_size, group, scale, op + off,
+        attend_avx2<T, 128>(qp + off, kp, vp, table, ctx, skip, kvh, num_blocks, block_size, group, scale, op + off,
+                            scores);
+        continue;
+      }
+      if (head_dim == 256) {  // Gemma 3
+        attend_avx2<T, 256>(qp + off, kp, vp, table, ctx, skip, kvh, num_blocks, block_size, group, scale, op + off,
                             scores);
         continue;
       }
 #endif
-      attend<T>(qp + off, kp, vp, table, lens[b], kvh, num_blocks, block_size, head_dim, group, scale, op + off,
+      attend<T>(qp + off, kp, vp, table, ctx, skip, kvh, num_blocks, block_size, head_dim, group, scale, op + off,
                 scores);
     }
   });
@@ -455,7 +482,7 @@ void run(const float* qp, const T* kp, const T* vp, const int64_t* tables, const
 }  // namespace
 
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                               torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+                               torch::Tensor block_tables, torch::Tensor context_lens, double scale, int64_t window) {
   const auto cache_dtype = k_cache.scalar_type();
   TORCH_CHECK(q.dtype() == torch::kFloat32, "decode_attention: fp32 query expected");
   TORCH_CHECK((cache_dtype == torch::kFloat32 || cache_dtype == torch::kBFloat16) && v_cache.scalar_type() == cache_dtype,
@@ -488,12 +515,12 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   if (cache_dtype == torch::kFloat32)
     run<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tables, lens,
                out.data_ptr<float>(), num_seqs, num_heads, num_kv_heads, num_blocks, block_size, head_dim, max_blocks,
-               fscale);
+               fscale, window);
   else
     run<uint16_t>(q.data_ptr<float>(), reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
                   reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), tables, lens,
                   out.data_ptr<float>(), num_seqs, num_heads, num_kv_heads, num_blocks, block_size, head_dim,
-                  max_blocks, fscale);
+                  max_blocks, fscale, window);
   return out;
 }
 
@@ -521,7 +548,9 @@ torch::Tensor q_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scale, c1
                        int64_t bits, int64_t out);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "decode attention over the paged KV cache (fp32 or bf16 cache, CPU)");
+  m.def("decode_attention", &decode_attention, "decode attention over the paged KV cache (fp32 or bf16 cache, CPU); "
+        "window > 0: only each sequence's last `window` tokens", py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("window") = 0);
   m.def("add_rms_norm", &add_rms_norm, "x += residual; rms_norm(x) * weight (fp32 accumulation), in place on x");
   m.def("rope_write_kv", &rope_write_kv, "rotary embedding of fused QKV rows, K/V stored at their slots; returns Q");
   m.def("int4_amx_available", &int4_amx_available, "whether int4_amx_matmul can run here (built with AMX, allowed)");

@@ -89,17 +89,17 @@ def paged_attention(
     is the model's (see _sequence_attention_fused). ``window``: the layer's sliding window (module docstring).
     """
     use_kernel = (kernels is not None and q.device.type == "cpu" and q.dtype == torch.float32
-                  and k_cache.dtype in (torch.float32, torch.bfloat16)
-                  and (window is None or meta.decode_max_context <= window))  # the kernel reads whole contexts
+                  and k_cache.dtype in (torch.float32, torch.bfloat16))
     if use_kernel and meta.decode_rows is not None and meta.decode_rows.numel() == q.shape[0]:
         # decode rows only (they are then rows 0..n-1 in order): no gather of the queries, no scatter of the result
-        return kernels.decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+        return kernels.decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
+                                        window or 0)
     out = torch.empty_like(q)
     if meta.decode_rows is not None:
         qd = q[meta.decode_rows]
         if use_kernel:
             out[meta.decode_rows] = kernels.decode_attention(
-                qd, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+                qd, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, window or 0
             )
         else:
             out[meta.decode_rows] = _decode_attention(qd, k_cache, v_cache, meta, scale, window)
