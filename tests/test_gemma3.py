@@ -12,21 +12,9 @@ import torch
 from justapi import LLM, SamplingParams
 from hf_reference import hf_greedy, hf_model, hf_tokenizer
 from paged_helpers import paged_prefill_logits
+from test_model import PROMPTS as SMOLLM2_PROMPTS
 
-PROMPTS = [
-    "The capital of France is",
-    "Once upon a time, there was a little",
-    "def fibonacci(n):",
-    "The three primary colors are",
-    "Water boils at a temperature of",
-    "import numpy as np\n\narr = np.",
-    "The largest planet in our solar system is",
-    "To make a cup of tea, first",
-    "1, 2, 3, 4, 5,",
-    "Q: What is the opposite of hot?\nA:",
-    "Les fleurs du jardin sont",
-    "日本の首都は",
-]
+PROMPTS = SMOLLM2_PROMPTS + ["Les fleurs du jardin sont", "日本の首都は"]  # 12: two more languages
 
 
 @pytest.fixture(scope="module")
