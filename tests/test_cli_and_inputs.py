@@ -84,6 +84,34 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     assert_clean_error(cli_in_process("serve", "--model", path), "unsupported architecture 'gpt2'", "llama, qwen2, qwen3")
 
 
+def rewrite_gguf(src: str, dst: str, drop_keys=(), drop_tensors=(), replace=None) -> str:
+    """``src`` written again as ``dst`` without the metadata keys starting with any of ``drop_keys``, without the
+    tensors ``drop_tensors``, and with ``replace(tensor) -> (raw array, raw dtype)`` for the tensors it names."""
+    reader = open_gguf(src)
+    w = gguf.GGUFWriter(dst, reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key.startswith(tuple(drop_keys)):
+            continue
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            w.add_array(key, field.contents())
+        else:
+            w.add_key_value(key, field.contents(), field.types[0])
+    for t in reader.tensors:
+        if t.name in drop_tensors:
+            continue
+        replaced = replace(t) if replace is not None else None
+        if replaced is not None:
+            w.add_tensor(t.name, replaced[0], raw_dtype=replaced[1])
+        else:
+            w.add_tensor(t.name, np.array(t.data),
+                         raw_dtype=t.tensor_type if t.tensor_type != gguf.GGMLQuantizationType.F32 else None)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
 def test_unsupported_tensor_type_is_named(tmp_path):
     import gguf.quants
 
@@ -92,34 +120,25 @@ def test_unsupported_tensor_type_is_named(tmp_path):
                  and q in gguf.GGML_QUANT_SIZES)
     block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
     path = write_tiny_model(str(tmp_path / "odd.gguf"), hidden=256, intermediate=256)
-    # rewrite with one tensor of the unsupported type
-    path2 = str(tmp_path / "odd2.gguf")
-    reader = open_gguf(path)
-    w = gguf.GGUFWriter(path2, "llama")
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        value = field.contents()
-        vtype = field.types[0]
-        if vtype == gguf.GGUFValueType.ARRAY:
-            w.add_array(key, value)
-        else:
-            w.add_key_value(key, value, vtype)
-    for t in reader.tensors:
-        arr = np.array(t.data)
-        if t.name == "blk.0.ffn_down.weight":
-            raw = np.zeros((256, 256 // block * nbytes), dtype=np.uint8)
-            w.add_tensor(t.name, raw, raw_dtype=qtype)
-        else:
-            w.add_tensor(t.name, arr, raw_dtype=t.tensor_type if t.tensor_type != gguf.GGMLQuantizationType.F32 else None)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    odd = lambda t: ((np.zeros((256, 256 // block * nbytes), dtype=np.uint8), qtype)  # noqa: E731
+                     if t.name == "blk.0.ffn_down.weight" else None)
+    path2 = rewrite_gguf(path, str(tmp_path / "odd2.gguf"), replace=odd)
     reader = open_gguf(path2)
     read_model_config(reader, path2)
     with pytest.raises(ModelLoadError, match=f"blk.0.ffn_down.weight has type {qtype.name}"):
         load_tensors(reader, path2, __import__("torch").float32, False)
+
+
+def test_a_file_missing_its_tokenizer_a_key_or_a_tensor_fails_in_one_line_naming_it(tmp_path):
+    gemma = write_tiny_model(str(tmp_path / "gemma3.gguf"), "gemma3", tokenizer="llama", num_layers=6)
+    cases = [
+        (dict(drop_keys=["tokenizer."]), "the file has no tokenizer (tokenizer.ggml.model is missing)"),
+        (dict(drop_keys=["gemma3.block_count"]), "metadata key gemma3.block_count is missing"),
+        (dict(drop_tensors=["blk.3.post_ffw_norm.weight"]), "tensor blk.3.post_ffw_norm.weight is missing"),
+    ]
+    for i, (drop, message) in enumerate(cases):
+        path = rewrite_gguf(gemma, str(tmp_path / f"broken{i}.gguf"), **drop)
+        assert_clean_error(cli_in_process("generate", "--model", path, "--prompt", "x"), f"broken{i}.gguf", message)
 
 
 def test_impossible_tp_and_disaggregation_settings_are_refused_naming_the_flag(tiny_model):
