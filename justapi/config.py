@@ -20,6 +20,8 @@ class ArchTraits:
     mlp_act: str = "silu"  # the gate's activation: "silu" or "gelu_tanh"
     embed_scale: bool = False  # token embeddings times sqrt(hidden) (Gemma)
     post_norms: bool = False  # RMSNorm on the attention and MLP outputs before each residual add (Gemma 2/3)
+    sliding_window: bool = False  # reads {arch}.attention.sliding_window (other families' files may carry the key
+    # for a model that transformers and JustAPI run without a window)
     global_every: int = 0  # with a sliding window: every Nth layer attends globally (Gemma 3: 6); 0: every layer
     local_rope_theta: float | None = None  # the sliding layers' RoPE base where it differs (Gemma 3: 10,000)
 
@@ -30,7 +32,7 @@ ARCHS = {
     "qwen3": ArchTraits(),
     # Gemma 3's GGUF stores its norm weights as 1 + w (llama.cpp's converter), so its RMSNorm is Llama's; its
     # attention scale is head_dim ** -0.5, as llama.cpp uses for every size but 27B
-    "gemma3": ArchTraits(mlp_act="gelu_tanh", embed_scale=True, post_norms=True, global_every=6,
+    "gemma3": ArchTraits(mlp_act="gelu_tanh", embed_scale=True, post_norms=True, sliding_window=True, global_every=6,
                          local_rope_theta=10000.0),
 }
 SUPPORTED_ARCHS = tuple(ARCHS)

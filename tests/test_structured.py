@@ -164,3 +164,26 @@ def test_masks_are_the_same_with_and_without_the_cpp_kernel(tiny_model):
     grammars.mask(without, [3, 1], matchers, None)
     assert torch.equal(with_kernel, without)
     assert torch.equal(with_kernel[[0, 2]], logits[[0, 2]]) and torch.isinf(with_kernel[3]).sum() > 0
+
+
+def test_a_draft_trees_masks_follow_each_path_and_leave_the_matcher_where_it_was(tiny_model):
+    """Row 0 masks by the matcher's state, row 1 + i by the state after node i's path; a node the grammar refuses
+    leaves its row (and its subtree's) all-allowed, never reached; the walk rolls the matcher back."""
+    import xgrammar as xgr
+
+    from justapi.structured.grammars import for_model
+
+    grammars = for_model(tiny_model)
+    tok = LLM(tiny_model, **{"pool_blocks": 8, "show_progress": False}).engine.tokenizer
+    a, b, x, dash = (tok.encode(c, add_special_tokens=False)[0] for c in ("a", "b", "x", "-"))
+    matcher = grammars.matcher(StructuredOutput("regex", REGEX), [])
+    # root → a → b, root → x (refused) → a
+    parents, tokens = [-1, 0, -1, 2], [a, b, x, a]
+    bitmask = xgr.allocate_token_bitmask(5, grammars.vocab_size)
+    matcher.fill_tree(bitmask, parents, tokens)
+    allowed = lambda row, t: bool((int(bitmask[row, t // 32]) >> (t % 32)) & 1)  # noqa: E731
+    assert allowed(0, a) and allowed(0, b) and not allowed(0, x) and not allowed(0, dash)  # [a-c] first
+    assert allowed(1, b) and not allowed(1, dash)  # after "a": still [a-c]
+    assert allowed(2, a) and not allowed(2, dash)  # after "ab": a third [a-c] before the "-"
+    assert bool((bitmask[3] == -1).all()) and bool((bitmask[4] == -1).all())  # below the refused "x"
+    assert matcher.accept(a) and not matcher.accept(dash)  # rolled back to the start: "a" allowed, "-" not yet

@@ -236,8 +236,10 @@ void mask_logits(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows
   TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == torch::kInt32 && bitmask.is_contiguous() &&
                   bitmask.size(1) * 32 >= logits.size(1),
               "mask_logits: [rows, ceil(vocab / 32)] int32 bitmask expected");
-  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == torch::kInt64 && rows.size(0) == bitmask.size(0),
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == torch::kInt64 && rows.size(0) == bitmask.size(0) &&
+                  rows.is_contiguous(),
               "mask_logits: one int64 logits row per bitmask row expected");
+  TORCH_CHECK(logits.is_cpu() && bitmask.is_cpu() && rows.is_cpu(), "mask_logits: CPU tensors expected");
   const int64_t n = logits.size(1), words = bitmask.size(1), num_logits = logits.size(0);
   const int64_t* rp = rows.data_ptr<int64_t>();
   for (int64_t i = 0; i < rows.size(0); ++i) TORCH_CHECK(rp[i] >= 0 && rp[i] < num_logits, "mask_logits: row out of range");

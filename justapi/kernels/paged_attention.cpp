@@ -335,7 +335,7 @@ inline __m256 hsum8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
-// head_dim D = 64 or 128; blocks outermost so each is read from memory once
+// head_dim D = 64, 128 or 256; blocks outermost so each is read from memory once
 template <typename T, int64_t D>
 void attend_avx2(const float* qh, const T* kp, const T* vp, const int64_t* table, int64_t ctx, int64_t skip,
                  int64_t kvh,

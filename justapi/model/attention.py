@@ -172,6 +172,7 @@ def _sequence_attention_fused(q, k_cache, v_cache, span: SeqSpan, scale: float,
     if compute_dtype is not None and compute_dtype != dt:
         dt = q.dtype
     padded = -(-ctx // KEY_PAD) * KEY_PAD
+    window = window if window is not None and ctx > window else None  # a window wider than the context hides nothing
     bias = span.biases.get((window, dt))
     if bias is None:  # once per step, not once per layer
         bias = torch.full((span.num_query_tokens, padded), float("-inf"), dtype=dt, device=q.device)

@@ -144,9 +144,10 @@ def read_model_config(reader, path: str) -> ModelConfig:
 
 
 def _layer_windows(reader, arch: str, num_layers: int) -> tuple[int | None, ...]:
-    """Each layer's attention window from ``{arch}.attention.sliding_window``: every layer's, or, for families that
-    interleave (ARCHS' ``global_every``), all but every Nth (those attend to everything); () without a window."""
-    window = field_value(reader, f"{arch}.attention.sliding_window")
+    """Each layer's attention window from ``{arch}.attention.sliding_window``, for the families that have one (ARCHS'
+    ``sliding_window``): every layer's, or, where they interleave (``global_every``), all but every Nth (those attend
+    to everything); () without a window."""
+    window = field_value(reader, f"{arch}.attention.sliding_window") if ARCHS[arch].sliding_window else None
     if not window:
         return ()
     every = ARCHS[arch].global_every

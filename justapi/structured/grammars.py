@@ -14,12 +14,15 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import json
+import logging
 import threading
 from collections import OrderedDict
 
 import torch
 
 from .spec import StructuredOutput
+
+log = logging.getLogger(__name__)
 
 COMPILE_TIMEOUT_S = 10.0  # a grammar that takes longer is refused (its compile finishes in the background)
 CACHE_ENTRIES = 256
@@ -157,11 +160,14 @@ class Matcher:
         return self._m.accept_token(int(token_id))
 
     def advance(self, token_ids: list[int]) -> None:
-        """Accept tokens the runner sampled under this matcher's masks: a refusal before the grammar has ended
-        means the mask and the matcher disagree, an engine bug that must not pass silently."""
+        """Accept tokens the runner sampled under this matcher's masks. A refusal before the grammar has ended means
+        the mask and the matcher disagree (a bug, or NaN logits whose argmax the mask could not steer): it is logged
+        loudly, and the matcher stays where it was, so that one request's fault never stops the engine."""
         for tok in token_ids:
             if not self.accept(tok) and not self._m.is_terminated():
-                raise RuntimeError(f"the grammar refused token {tok}, sampled under its own mask")
+                log.error("the grammar refused token %d, sampled under its own mask; the output breaks its "
+                          "constraint here", tok)
+                return
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         if self._m.is_terminated():
@@ -181,8 +187,10 @@ class Matcher:
             self.fill(bitmask, node + 1)
             for child in children.get(node, ()):
                 if self._m.accept_token(int(tokens[child])):
-                    visit(child)
-                    self._m.rollback(1)
+                    try:
+                        visit(child)
+                    finally:  # the matcher leaves the walk where it entered it, whatever happens below
+                        self._m.rollback(1)
 
         visit(-1)
 
