@@ -162,9 +162,11 @@ def test_quantized_tensor_types_load_and_run(tmp_path, qtype):
     assert torch.isfinite(logits).all()
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
 def test_q4_weights_stay_4bit_and_match_the_dequantized_weights(tmp_path, qtype):
-    """--dtype auto keeps Q4 weights as int4: integers exact, products within bfloat16 rounding of fp32."""
+    """--dtype auto keeps Q4 weights as int4: integers exact, products within bfloat16 rounding of fp32. A Q4_K
+    super-block becomes 8 groups of 32, each with its own scale and zero (d·sc·q − dmin·m computed as
+    (q − 8)·scale + zero: the same up to fp32 rounding)."""
     import gguf
 
     from justapi.model.kernel_policy import KernelPolicy
@@ -173,7 +175,7 @@ def test_q4_weights_stay_4bit_and_match_the_dequantized_weights(tmp_path, qtype)
     path = write_tiny_model(str(tmp_path / "q.gguf"), "llama", hidden=256, intermediate=256, num_heads=4,
                             num_kv_heads=2, qtype=qtype, weight_scale=0.05)
     reader = open_gguf(path)
-    kept = load_tensors(reader, path, torch.bfloat16, False, keep_q4=True)
+    kept = load_tensors(reader, path, torch.bfloat16, False, keep_packed=True)
     raw = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
     want = torch.from_numpy(gguf.quants.dequantize(raw.data, raw.tensor_type).astype("float32")).reshape(256, 256)
     w = kept["blk.0.ffn_down.weight"]
@@ -191,12 +193,101 @@ def test_q4_weights_stay_4bit_and_match_the_dequantized_weights(tmp_path, qtype)
 
     exact = load_model(path)
     cfg = read_model_config(reader, path)
-    q4 = LlamaModel(cfg, load_tensors(reader, path, torch.bfloat16, False, keep_q4=True), "cpu", False)
+    q4 = LlamaModel(cfg, load_tensors(reader, path, torch.bfloat16, False, keep_packed=True), "cpu", False)
     assert isinstance(q4.layers[0].gate_up, Int4Weight) and isinstance(q4.layers[0].qkv, Int4Weight)
     ids = list(range(3, 40))
     a = torch.log_softmax(paged_prefill_logits(exact, ids), -1)
     b = torch.log_softmax(paged_prefill_logits(q4, ids), -1)
     assert (a.exp() * (a - b)).sum(-1).max().item() < 0.01
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0"])
+def test_q8_0_and_q5_0_weights_stay_8bit_and_multiply_exactly(tmp_path, qtype):
+    """--dtype auto keeps Q8_0 and Q5_0 linears as 8-bit integers (Q5_0's q − 16) with their scales, which
+    dequantize to exactly the file's values; Int8Weight's products on every route this CPU has are within bf16
+    rounding of the exact product, and the model within a small KL of the exact path."""
+    import gguf
+
+    from justapi.kernels import decode_kernels
+    from justapi.model.kernel_policy import KernelPolicy
+    from justapi.model.quant import Int8Weight, Q8Unpacked
+
+    path = write_tiny_model(str(tmp_path / "q.gguf"), "llama", hidden=256, intermediate=256, num_heads=4,
+                            num_kv_heads=2, qtype=qtype, weight_scale=0.05)
+    reader = open_gguf(path)
+    kept = load_tensors(reader, path, torch.bfloat16, False, keep_packed=True)
+    raw = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
+    want = torch.from_numpy(gguf.quants.dequantize(raw.data, raw.tensor_type).astype("float32")).reshape(256, 256)
+    w = kept["blk.0.ffn_down.weight"]
+    assert isinstance(w, Q8Unpacked) and w.q.dtype == torch.int8 and torch.equal(w.dequantize(), want)
+    if qtype == "Q5_0":
+        assert int(w.q.min()) >= -16 and int(w.q.max()) <= 15
+
+    kernels = decode_kernels()
+    for dtype in (torch.bfloat16, torch.float32):  # amx / dense; q_matmul / dense
+        for policy_kernels in ({None, kernels} if kernels is not None else {None}):
+            weight = Int8Weight(w, KernelPolicy.make(dtype, policy_kernels))
+            for rows in (1, 6, 100):
+                x = torch.randn(rows, 256)
+                ref = x.to(dtype).float() @ want.t()
+                # bf16: the weight and output rounded to bf16 (relative 2^-8 each); fp32 via q_matmul: rows rounded
+                # to 16 bits per group (measured within 2e-5 of the largest product)
+                tol = (0.03 if dtype == torch.bfloat16 else 1e-4) * ref.abs().max().item()
+                got = weight.matmul(x).float()
+                assert (got - ref).abs().max().item() <= tol, (dtype, weight.routes, rows)
+
+    exact = load_model(path)
+    cfg = read_model_config(reader, path)
+    q8 = LlamaModel(cfg, load_tensors(reader, path, torch.bfloat16, False, keep_packed=True), "cpu", False)
+    assert isinstance(q8.layers[0].gate_up, Int8Weight) and isinstance(q8.layers[0].qkv, Int8Weight)
+    ids = list(range(3, 40))
+    a = torch.log_softmax(paged_prefill_logits(exact, ids), -1)
+    b = torch.log_softmax(paged_prefill_logits(q8, ids), -1)
+    assert (a.exp() * (a - b)).sum(-1).max().item() < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_head_too_large_to_copy_serves_its_tied_embedding_from_its_q8_0_form(tmp_path, monkeypatch, dtype):
+    """A Q8_0 head over HEAD_DENSE_MAX_BYTES (Gemma 3's 262k rows; lowered here) keeps only its packed form, with
+    no dense copy, and the tied embedding is looked up in that form (AMX units, or q_matmul's layout on an fp32
+    model): the dense embedding's rows exactly, for any rows, and the model's logits those of the copies'."""
+    from justapi.kernels import decode_kernels
+    from justapi.model import kernel_policy
+    from justapi.model.kernel_policy import ALL_ROWS, KernelPolicy, Route
+    from justapi.model.quant import Q8Unpacked
+
+    policy = KernelPolicy.make(dtype, decode_kernels())
+    kernel = "amx" if policy.uses("amx") else "q_matmul" if policy.uses("q_matmul") else None
+    if kernel is None:
+        pytest.skip(f"neither the AMX nor the q_matmul kernels run on this CPU with {dtype}")
+    g = torch.Generator().manual_seed(0)
+    q8 = Q8Unpacked(torch.randint(-128, 128, (512, 256), dtype=torch.int8, generator=g),
+                    torch.rand(512, 8, generator=g).half().float())
+    monkeypatch.setattr(kernel_policy, "HEAD_DENSE_MAX_BYTES", 0)
+    head = Int8RowWeight(q8.dequantize().to(dtype), q8, policy)
+    assert head.routes == (Route(ALL_ROWS, kernel),) and not hasattr(head, "dense")
+    ids = torch.tensor([0, 5, 17, 511, 3, 5, 256, 15, 16])
+    assert torch.equal(head.lookup(ids), q8.dequantize()[ids].to(dtype))
+    monkeypatch.undo()
+
+    # a whole model (the tiny tokenizer's 271 rows fit the AMX tiles' 16-row blocks only on the fp32 route)
+    path = write_tiny_model(str(tmp_path / "q.gguf"), "llama", hidden=256, intermediate=256, num_heads=4,
+                            num_kv_heads=2, qtype="Q4_0", embd_qtype="Q8_0", weight_scale=0.05)
+    reader = open_gguf(path)
+    cfg = read_model_config(reader, path)
+    if kernel == "amx" and cfg.vocab_size % 16:
+        return
+    load = lambda: LlamaModel(cfg, load_tensors(reader, path, dtype, False, keep_packed=True),  # noqa: E731
+                              "cpu", False, policy=policy)
+    copies = load()
+    monkeypatch.setattr(kernel_policy, "HEAD_DENSE_MAX_BYTES", 0)
+    packed = load()
+    assert copies.embed is not None and packed.embed is None and packed.weight_bytes() < copies.weight_bytes()
+    ids = torch.arange(cfg.vocab_size)
+    assert torch.equal(packed.embed_rows(ids), copies.embed_rows(ids))
+    tokens = list(range(3, 40))
+    torch.testing.assert_close(paged_prefill_logits(packed, tokens), paged_prefill_logits(copies, tokens),
+                               atol=1e-3, rtol=1e-3)  # the head's product through another kernel, in fp32
 
 
 def test_without_a_bf16_matmul_auto_computes_in_fp32_and_batches_equal_the_float32_path(tmp_path, monkeypatch):
@@ -265,7 +356,7 @@ def test_a_q8_0_token_embedding_also_loads_as_integers_and_scales_for_the_head(t
     path = write_tiny_model(str(tmp_path / "q.gguf"), "llama", hidden=256, intermediate=256, num_heads=4,
                             num_kv_heads=2, qtype="Q4_0", embd_qtype="Q8_0")
     reader = open_gguf(path)
-    kept = load_tensors(reader, path, torch.float32, False, keep_q4=True)
+    kept = load_tensors(reader, path, torch.float32, False, keep_packed=True)
     q8 = kept["token_embd.weight" + Q8_SUFFIX]
     assert isinstance(q8, Q8Unpacked) and q8.q.dtype == torch.int8
     raw = next(t for t in reader.tensors if t.name == "token_embd.weight")

@@ -46,6 +46,29 @@ def spm_vocab() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
+def quantize_q4_k(arr: np.ndarray) -> np.ndarray:
+    """``arr`` [out, in] as Q4_K blocks, quantized as llama.cpp's reference does in outline (gguf cannot): each group
+    of 32 spans its own min..max in 15 steps (``w ≈ d·sc·q − dmin·m``), the groups' steps and mins quantized to 6
+    bits against their super-block's largest (``d``, ``dmin``), packed in ggml's layout (get_scale_min_k4)."""
+    g = arr.astype(np.float32).reshape(-1, 8, 32)  # [super-blocks, groups, 32]
+    lo = np.minimum(g.min(-1), 0)
+    step = np.maximum((g.max(-1) - lo) / 15, 1e-8)
+    d = (step.max(-1, keepdims=True) / 63).astype(np.float16).astype(np.float32)
+    dmin = (-lo.min(-1, keepdims=True) / 63).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(step / d), 1, 63).astype(np.uint8)
+    m = np.clip(np.round(-lo / np.maximum(dmin, 1e-8)), 0, 63).astype(np.uint8)
+    q = np.clip(np.round((g + (dmin * m)[..., None]) / (d * sc)[..., None]), 0, 15).astype(np.uint8)
+    scales = np.zeros((len(g), 12), dtype=np.uint8)
+    scales[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    scales[:, 4:8] = m[:, :4] | ((m[:, 4:] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:] & 0xF) | ((m[:, 4:] & 0xF) << 4)
+    pairs = q.reshape(len(g), 4, 2, 32)  # groups 2i and 2i + 1 share 32 bytes: low and high nibbles
+    qs = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(len(g), 128)
+    blocks = np.concatenate([d.astype(np.float16).view(np.uint8), dmin.astype(np.float16).view(np.uint8), scales, qs],
+                            axis=1)
+    return blocks.reshape(arr.shape[0], -1)
+
+
 def write_tiny_model(
     path: str,
     arch: str = "llama",
@@ -125,7 +148,9 @@ def write_tiny_model(
     def add_linear(name, arr):
         if qtype == "F32":
             w.add_tensor(name, arr)
-        elif qtype in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"):
+        elif qtype == "Q4_K":
+            w.add_tensor(name, quantize_q4_k(arr), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+        elif qtype in ("Q2_K", "Q3_K", "Q5_K", "Q6_K"):
             # gguf cannot quantize K-quants; random blocks whose bytes stay below 0x3C keep every fp16 scale finite
             qt = gguf.GGMLQuantizationType[qtype]
             block, nbytes = gguf.GGML_QUANT_SIZES[qt]

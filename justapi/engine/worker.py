@@ -42,14 +42,14 @@ class Worker:
         config = self.config
         kernels = decode_kernels() if config.cpu_kernels and not config.gpu else None
         dtype_name = "float32" if config.batch_invariant else config.dtype
-        dtype, keep_q4 = resolve_dtype(dtype_name, reader, config.gpu, kernels)
+        dtype, keep_packed = resolve_dtype(dtype_name, reader, config.gpu, kernels)
         policy = KernelPolicy.make(dtype, kernels, config.disabled_kernels)
         if lead:
             for line in policy.describe():
                 log.info(line)
-        tensors = load_tensors(reader, path, dtype, config.show_progress and self.lead, keep_q4, select)
+        tensors = load_tensors(reader, path, dtype, config.show_progress and self.lead, keep_packed, select)
         return LlamaModel(model_config, tensors, config.device, config.batch_invariant, plan, comm,
-                          kv_dtype=kv_cache_dtype(config.kv_cache_dtype, dtype, keep_q4), policy=policy,
+                          kv_dtype=kv_cache_dtype(config.kv_cache_dtype, dtype, keep_packed), policy=policy,
                           huge_pages=config.huge_pages)
 
     def _load_draft(self, target: ModelConfig) -> LlamaModel:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ..config import ARCHS, SUPPORTED_ARCHS, ModelConfig
-from .quant import Q4Unpacked, Q8Unpacked, unpack_q4, unpack_q8_0
+from .quant import Q4Unpacked, Q8Unpacked, unpack_q4, unpack_q4_k, unpack_q5_0, unpack_q8_0
 
 
 class ModelLoadError(Exception):
@@ -203,21 +203,24 @@ Q8_SUFFIX = ":q8_0"  # load_tensors' key for a Q8_0 head's integers and scales: 
 
 
 def load_tensors(
-    reader, path: str, dtype: torch.dtype, show_progress: bool = True, keep_q4: bool = False, select=None,
+    reader, path: str, dtype: torch.dtype, show_progress: bool = True, keep_packed: bool = False, select=None,
 ) -> dict[str, torch.Tensor | Q4Unpacked | Q8Unpacked]:
     """All tensors of the file in PyTorch's [out, in] layout, dequantized to ``dtype``.
 
-    With ``keep_q4``, 2-D Q4_0/Q4_1 weights other than the token embedding (looked up, not multiplied) stay
-    4-bit, as Q4Unpacked, for the int4 kernel (with ``dtype`` fp32, carrying their fp32 dequantization too, for the
-    dense copy that larger batches multiply); and a Q8_0 LM head (``output.weight``, or the token embedding,
-    which a model without one uses as its head) comes both dequantized and, under its name + ``Q8_SUFFIX``, as
-    Q8Unpacked, for the 8-bit AMX kernel. ``select(name)`` → None (the whole tensor) or a Selection: only
+    With ``keep_packed``, the 2-D weights the engine's integer kernels multiply stay packed, other than the token
+    embedding (looked up, not multiplied): Q4_0/Q4_1/Q4_K as Q4Unpacked, for the 4-bit kernels (with ``dtype``
+    fp32, carrying the file's fp32 dequantization too, for the dense copy that larger batches multiply), Q8_0 and
+    Q5_0 as Q8Unpacked, for the 8-bit ones; and a Q8_0 LM head (``output.weight``, or the token embedding, which a
+    model without one uses as its head) comes both dequantized and, under its name + ``Q8_SUFFIX``, as Q8Unpacked. ``select(name)`` → None (the whole tensor) or a Selection: only
     those rows or columns are read from the file and dequantized (a tensor-parallel rank's shard, model.llama
     ``shard_selection``), so a rank never holds more of a tensor than its slice and whole quantization blocks.
     """
     import gguf
 
-    q4_types = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1)
+    qt = gguf.GGMLQuantizationType
+    unpack_4bit = {qt.Q4_0: lambda raw, shape: unpack_q4(raw, False, shape),
+                   qt.Q4_1: lambda raw, shape: unpack_q4(raw, True, shape), qt.Q4_K: unpack_q4_k}
+    unpack_8bit = {qt.Q8_0: unpack_q8_0, qt.Q5_0: unpack_q5_0}
 
     for t in reader.tensors:
         if not _dequantizable(t.tensor_type):
@@ -227,14 +230,17 @@ def load_tensors(
         shape = tuple(int(d) for d in reversed(t.shape))
         sel = select(t.name) if select is not None else None
         raw, shape, left = _select_raw(t.data, t.tensor_type, shape, sel)
-        if (keep_q4 and left is None and t.tensor_type in q4_types and len(shape) == 2
-                and t.name != "token_embd.weight"):
-            out[t.name] = unpack_q4(raw, t.tensor_type == gguf.GGMLQuantizationType.Q4_1, shape)
+        packable = keep_packed and left is None and len(shape) == 2
+        head = t.name in ("output.weight", "token_embd.weight")
+        if packable and not head and t.tensor_type in unpack_4bit:
+            out[t.name] = unpack_4bit[t.tensor_type](raw, shape)
             if dtype == torch.float32:
                 out[t.name].exact = torch.from_numpy(gguf.quants.dequantize(raw, t.tensor_type).reshape(shape))
             continue
-        if (keep_q4 and left is None and t.tensor_type == gguf.GGMLQuantizationType.Q8_0 and len(shape) == 2
-                and t.name in ("output.weight", "token_embd.weight")):
+        if packable and not head and t.tensor_type in unpack_8bit:  # exact: the fp32 dense copy is q · d
+            out[t.name] = unpack_8bit[t.tensor_type](raw, shape)
+            continue
+        if packable and head and t.tensor_type == qt.Q8_0:
             out[t.name + Q8_SUFFIX] = unpack_q8_0(raw, shape)
         try:
             if t.tensor_type == gguf.GGMLQuantizationType.F32:

@@ -6,6 +6,7 @@ routes, ``(max_rows, kernel)`` with the first route whose ``max_rows`` covers a 
 
     4-bit linear, bf16 model on AMX:     rows 1-5 torch_int4 | 6+ amx
     4-bit linear, fp32 model on AVX2:    rows 1-64 q_matmul   | 65+ dense (fp32, prepacked for oneDNN)
+    8-bit linear, bf16 model on AMX:     rows 1+ amx
     8-bit head,   bf16 model on AMX:     rows 1-5 torch_int8 | 6-64 amx | 65+ dense (bf16, prepacked)
 
 A weight (model.quant) builds only the forms its routes read. docs/quantization.md has the whole table and what
@@ -33,6 +34,10 @@ Q_MATMUL_MAX_ROWS = 64
 # the 8-bit head on AMX (one pass over each block of outputs): 0.49-0.80x oneDNN's time at 6-64 rows, 1.5-1.9x at
 # 128-345 (SmolLM2's 49152 x 576 head)
 Q8_AMX_MAX_ROWS = 64
+# an LM head's dense copy and torch's int8 rows serve batches its Q8_0 form serves too, a little faster (the head's
+# rows are a step's sampled positions, rarely over 64); above this size (Gemma 3's 262,144 x 640: 320 MiB in bf16,
+# against 168 MiB of Q8_0) the copies would be most of the model's memory, so the head keeps its Q8_0 form only
+HEAD_DENSE_MAX_BYTES = 128 << 20
 PREPACK_ROWS_HINT = 32  # the batch size oneDNN picks a prepacked layout for; any number of rows works with it
 
 
@@ -103,10 +108,10 @@ def resolve_dtype(dtype_flag: str, reader, gpu: bool, kernels) -> tuple[torch.dt
     return compute_dtype(dtype_flag, all_f32, gpu, probe_cpu(kernels))
 
 
-def kv_cache_dtype(kv_flag: str, dtype: torch.dtype, keep_q4: bool) -> torch.dtype:
+def kv_cache_dtype(kv_flag: str, dtype: torch.dtype, keep_packed: bool) -> torch.dtype:
     """The KV cache's dtype for ``--kv-cache-dtype`` (see config.KV_CACHE_DTYPES)."""
     if kv_flag == "auto":
-        return torch.bfloat16 if dtype == torch.bfloat16 or keep_q4 else torch.float32
+        return torch.bfloat16 if dtype == torch.bfloat16 or keep_packed else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[kv_flag]
 
 
@@ -144,12 +149,22 @@ class KernelPolicy:
         large = "amx" if self.uses("amx") and amx_fits(shape) else "dense"
         return (Route(TORCH_SMALL_MAX_ROWS, "torch_int4"), Route(ALL_ROWS, large))
 
-    def head_routes(self, shape: tuple[int, int], has_q8: bool) -> tuple[Route, ...]:
-        """Routes of a 4-bit model's dense LM head (``has_q8``: the file stores it as Q8_0)."""
-        if has_q8 and self.uses("q_matmul") and shape[1] % GROUP_SIZE == 0:
+    def q8_routes(self, shape: tuple[int, int]) -> tuple[Route, ...]:
+        """Routes of an 8-bit [out, in] linear (Q8_0, or Q5_0 widened to Q8_0's form)."""
+        if self.uses("q_matmul") and shape[1] % GROUP_SIZE == 0:
             return (Route(Q_MATMUL_MAX_ROWS, "q_matmul"), Route(ALL_ROWS, "dense"))
-        amx = (Route(Q8_AMX_MAX_ROWS, "amx"),) if has_q8 and self.uses("amx") and amx_fits(shape) else ()
-        return (Route(TORCH_SMALL_MAX_ROWS, "torch_int8"), *amx, Route(ALL_ROWS, "dense"))
+        return (Route(ALL_ROWS, "amx" if self.uses("amx") and amx_fits(shape) else "dense"),)
+
+    def head_routes(self, shape: tuple[int, int], has_q8: bool) -> tuple[Route, ...]:
+        """Routes of a packed model's LM head (``has_q8``: the file stores it as Q8_0)."""
+        q_matmul = has_q8 and self.uses("q_matmul") and shape[1] % GROUP_SIZE == 0
+        amx = has_q8 and self.uses("amx") and amx_fits(shape)
+        if (q_matmul or amx) and shape[0] * shape[1] * self.dtype.itemsize > HEAD_DENSE_MAX_BYTES:
+            return (Route(ALL_ROWS, "q_matmul" if q_matmul else "amx"),)
+        if q_matmul:
+            return (Route(Q_MATMUL_MAX_ROWS, "q_matmul"), Route(ALL_ROWS, "dense"))
+        amx_route = (Route(Q8_AMX_MAX_ROWS, "amx"),) if amx else ()
+        return (Route(TORCH_SMALL_MAX_ROWS, "torch_int8"), *amx_route, Route(ALL_ROWS, "dense"))
 
     def describe(self) -> list[str]:
         """A few lines for the start-up log: the CPU, the dtype and each weight type's routes."""
@@ -160,6 +175,7 @@ class KernelPolicy:
             f"kernels: CPU {self.cpu.names()}; compute {str(self.dtype).removeprefix('torch.')}; C++ kernels "
             + ("off" if self.kernels is None else "on" + (", fused silu" if self.uses("fused_silu") else "")),
             "  4-bit linears: " + describe_routes(self.q4_routes(shape)).replace("dense", dense),
+            "  8-bit linears: " + describe_routes(self.q8_routes(shape)).replace("dense", dense),
             "  8-bit LM head: " + describe_routes(self.head_routes(shape, True)).replace("dense", dense),
         ]
 

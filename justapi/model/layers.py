@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .quant import Int4Weight, Int8RowWeight
+from .quant import Int4Weight, Int8RowWeight, Int8Weight
 
 # Rows of a matmul are computed in tiles of this many rows, each tile one GEMM of the same shape, so a row's
 # result never depends on how many other rows share the batch (BLAS picks different kernels and reduction
@@ -20,7 +20,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor | Int4Weight | Int8RowWeight, bias: torch.Tensor | None, batch_invariant: bool
+    x: torch.Tensor, weight: torch.Tensor | Int4Weight | Int8Weight | Int8RowWeight, bias: torch.Tensor | None, batch_invariant: bool
 ) -> torch.Tensor:
     """``x @ weight.T + bias``; with ``batch_invariant``, row tiles of fixed height, padded at the end.
 
@@ -28,7 +28,7 @@ def linear(
 
         x rows:  [ 0 .. 15 ][ 16 .. 31 ][ 32 33 pad .. ]   each tile one [16, K] x [K, N] GEMM
     """
-    quantized = not isinstance(weight, torch.Tensor)  # Int4Weight, Int8RowWeight: x @ w.T by weight.matmul
+    quantized = not isinstance(weight, torch.Tensor)  # packed (model.quant): x @ w.T by weight.matmul
     if not batch_invariant:
         if quantized:
             out = weight.matmul(x)

@@ -22,20 +22,24 @@ from .gguf_loader import Q8_SUFFIX, ModelLoadError
 from . import hugepages
 from .layers import RotaryEmbedding, linear, rms_norm
 from .kernel_policy import KernelPolicy
-from .quant import Int4Weight, Int8RowWeight, Q4Unpacked, cat_q4
+from .quant import DenseWeight, Int4Weight, Int8RowWeight, Int8Weight, Q4Unpacked, Q8Unpacked, cat_q4, cat_q8
+
+
+Linear = torch.Tensor | Int4Weight | Int8Weight | DenseWeight  # dense, or packed (model.quant)
+PACKED = (Int4Weight, Int8Weight, DenseWeight)
 
 
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor
-    qkv: torch.Tensor | Int4Weight  # [q_size + 2 * kv_size, hidden]; linears are 4-bit with --dtype auto
+    qkv: Linear  # [q_size + 2 * kv_size, hidden]; linears stay packed with --dtype auto
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o: torch.Tensor | Int4Weight
+    o: Linear
     ffn_norm: torch.Tensor
-    gate_up: torch.Tensor | Int4Weight  # [2 * intermediate, hidden]
-    down: torch.Tensor | Int4Weight
+    gate_up: Linear  # [2 * intermediate, hidden]
+    down: Linear
     post_attn_norm: torch.Tensor | None = None  # Gemma: the attention output normed before the residual add
     post_ffn_norm: torch.Tensor | None = None  # ... and the MLP's
     window: int | None = None  # sliding-window attention (attention.py); None: the whole context
@@ -64,24 +68,32 @@ class LlamaModel:
         dense_dtype = tensors["token_embd.weight"].dtype if "token_embd.weight" in tensors else torch.float32
         policy = policy or KernelPolicy.make(dense_dtype, None)
 
+        # a file loaded with its integer weights packed (gguf_loader's keep_packed): its other linears are routed too
+        packed_file = any(isinstance(t, (Q4Unpacked, Q8Unpacked)) for t in tensors.values())
+
         def take(name: str, required: bool = True) -> torch.Tensor | None:
             t = tensors.pop(name, None)
             if t is None and required:
                 raise ModelLoadError(f"{config.path}: tensor {name} is missing")
-            if t is None or isinstance(t, Q4Unpacked):
+            if t is None or isinstance(t, (Q4Unpacked, Q8Unpacked)):
                 return t
             return t.to(device)
 
-        def matrix(*names: str) -> torch.Tensor | Int4Weight:
-            """The weights ``names`` stacked along the output dimension: 4-bit if all are, else dense."""
+        def matrix(*names: str) -> Linear:
+            """The weights ``names`` stacked along the output dimension: packed if all are 4-bit or all 8-bit, else
+            dense (Gemma 3's Q6_K rows, or a fusion of 4- and 8-bit parts)."""
             parts = [take(n) for n in names]
             if all(isinstance(p, Q4Unpacked) for p in parts):
                 return Int4Weight(cat_q4(parts), policy)
-            dtype = next((p.dtype for p in parts if isinstance(p, torch.Tensor)), dense_dtype)
-            dense = [p.dequantize().to(device, dtype) if isinstance(p, Q4Unpacked) else p for p in parts]
-            return dense[0] if len(dense) == 1 else torch.cat(dense).contiguous()
+            if all(isinstance(p, Q8Unpacked) for p in parts):
+                return Int8Weight(cat_q8(parts), policy)
+            dtype = next((p.dtype for p in parts if isinstance(p, torch.Tensor)), policy.dtype)
+            dense = [p if isinstance(p, torch.Tensor) else p.dequantize().to(device, dtype) for p in parts]
+            w = dense[0] if len(dense) == 1 else torch.cat(dense).contiguous()
+            return DenseWeight(w, policy) if packed_file and policy.uses("prepack") else w
 
-        self.embed = take("token_embd.weight")
+        self.embed = take("token_embd.weight")  # None once a tied head's Q8_0 form serves the lookups (below)
+        self.dtype = self.embed.dtype
         traits = config.traits
         self.layers: list[LayerWeights] = []
         for i in range(config.num_layers):
@@ -111,16 +123,20 @@ class LlamaModel:
             layer.attn_norm, layer.ffn_norm = layer.attn_norm.float(), layer.ffn_norm.float()
         self.norm = self.norm.float()
         # Gemma: x * sqrt(hidden), the factor rounded to the embedding's dtype as transformers does
-        self.embed_scale = (torch.tensor(config.hidden_size ** 0.5).to(self.embed.device, self.embed.dtype)
+        self.embed_scale = (torch.tensor(config.hidden_size ** 0.5).to(device, self.dtype)
                             if traits.embed_scale else None)
         self.gelu = traits.mlp_act == "gelu_tanh"
         head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
         q8_forms = {n: tensors.pop(n + Q8_SUFFIX, None) for n in ("output.weight", "token_embd.weight")}  # load_tensors
         head_q8 = q8_forms[head]
         self.lm_head = matrix("output.weight") if head == "output.weight" else self.embed
-        if isinstance(self.lm_head, torch.Tensor) and any(isinstance(layer.down, Int4Weight) for layer in self.layers):
-            # a 4-bit model's dense head: int8 rows for small batches, the Q8_0 weight on AMX for larger ones
+        packed = head_q8 is not None or any(isinstance(w, PACKED) for layer in self.layers
+                                            for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        if isinstance(self.lm_head, torch.Tensor) and packed:
+            # a packed model's dense head: int8 rows for small batches, the Q8_0 weight on AMX for larger ones
             self.lm_head = Int8RowWeight(self.lm_head, head_q8, policy)
+            if head == "token_embd.weight" and not hasattr(self.lm_head, "dense"):
+                self.embed = None  # tied, and too large to keep twice: looked up in the head's Q8_0 form
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.context_length, config.rope_style, device)
         self.local_rope = None  # the sliding layers' own base (Gemma 3), else they share self.rope
         if traits.local_rope_theta is not None and any(layer.window for layer in self.layers):
@@ -149,7 +165,7 @@ class LlamaModel:
         """This model, its layers and their quantized weights: every object holding weight tensors."""
         owners = [self] + self.layers
         for owner in list(owners):
-            owners += [w for w in vars(owner).values() if isinstance(w, (Int4Weight, Int8RowWeight))]
+            owners += [w for w in vars(owner).values() if isinstance(w, (*PACKED, Int8RowWeight))]
         return owners
 
     def weight_bytes(self) -> int:
@@ -157,9 +173,10 @@ class LlamaModel:
         tensors = {id(t): t for o in self._weight_owners() for t in vars(o).values() if isinstance(t, torch.Tensor)}
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed.dtype
+    def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings of ``ids``, from the embedding or, where it is tied to a head that holds only its
+        Q8_0 form, from that form."""
+        return F.embedding(ids, self.embed) if self.embed is not None else self.lm_head.lookup(ids)
 
     @torch.inference_mode()
     def forward(
@@ -174,11 +191,11 @@ class LlamaModel:
         cfg = self.config
         bi = self.batch_invariant
         if self.tp is None:
-            x = F.embedding(input_ids, self.embed)
+            x = self.embed_rows(input_ids)
         else:  # this rank's vocabulary rows; other tokens look up zeros, and the sum over ranks completes x
             a, b = self.tp.vocab
-            mine = ((input_ids >= a) & (input_ids < b)).unsqueeze(1).to(self.embed.dtype)
-            x = self.comm.all_reduce(F.embedding((input_ids - a).clamp(0, b - a - 1), self.embed) * mine)
+            mine = ((input_ids >= a) & (input_ids < b)).unsqueeze(1).to(self.dtype)
+            x = self.comm.all_reduce(self.embed_rows((input_ids - a).clamp(0, b - a - 1)) * mine)
         if self.embed_scale is not None:
             x = x * self.embed_scale
         n = x.shape[0]

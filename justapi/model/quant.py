@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .kernel_policy import GROUP_SIZE, PREPACK_ROWS_HINT, KernelPolicy, Route
+from .kernel_policy import ALL_ROWS, GROUP_SIZE, PREPACK_ROWS_HINT, KernelPolicy, Route
 
 Q_MATMUL_OUTPUTS = 8  # outputs side by side in q_matmul's layout
 
@@ -63,6 +63,29 @@ def unpack_q4(raw: np.ndarray, is_q4_1: bool, shape: tuple[int, int]) -> Q4Unpac
     return Q4Unpacked(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(zero))
 
 
+def unpack_q4_k(raw: np.ndarray, shape: tuple[int, int]) -> Q4Unpacked:
+    """Split raw Q4_K bytes of an [out, in] weight into the same integers, scales and zeros. A Q4_K super-block of
+    256 weights (bytes: d(2) dmin(2) scales(12) qs(128)) is 8 groups of 32, group j holding ``w = d·sc_j·q −
+    dmin·m_j`` with 6-bit sc_j and m_j: so ``scale = d·sc_j`` and ``zero = 8·scale − dmin·m_j``, and the integers
+    are copied exactly (each 32-byte run of qs holds group 2i in its low nibbles and group 2i + 1 in its high ones).
+    The kernels compute ``(q − 8)·scale + zero`` with scale and zero rounded to bfloat16: within bf16 rounding of
+    the file's values, like Q4_1's ``m + 8·d``."""
+    import gguf
+
+    rows, cols = shape
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows * cols // 256, 144)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])  # [blocks, 8] each: the format's own unpacking
+    scale = d * sc.astype(np.float32)
+    zero = 8 * scale - dmin * m.astype(np.float32)
+    qs = blocks[:, 16:].reshape(-1, 4, 1, 32)
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(rows, cols)
+    groups = (rows, cols // GROUP_SIZE)
+    return Q4Unpacked(torch.from_numpy(q), torch.from_numpy(scale.reshape(groups)),
+                      torch.from_numpy(zero.reshape(groups)))
+
+
 @dataclass
 class Q8Unpacked:
     """A GGUF Q8_0 weight as integers and per-group scales: ``w = q · d``, 32 weights a group, d in fp16."""
@@ -82,6 +105,26 @@ def unpack_q8_0(raw: np.ndarray, shape: tuple[int, int]) -> Q8Unpacked:
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32).reshape(rows, cols // GROUP_SIZE)
     q = blocks[:, 2:].copy().view(np.int8).reshape(rows, cols)
     return Q8Unpacked(torch.from_numpy(q), torch.from_numpy(d))
+
+
+def unpack_q5_0(raw: np.ndarray, shape: tuple[int, int]) -> Q8Unpacked:
+    """A Q5_0 weight as 8-bit integers, exactly: a block of 32 (bytes: d(2) qh(4) qs(16)) holds 5-bit q, the low 4
+    bits in qs (weight j < 16 in the low nibble of qs[j], weight j + 16 in its high one) and the fifth in bit j of
+    qh, and ``w = d·(q − 16)``: so the Q8_0 form's integer is ``q − 16`` (in [−16, 15]) and its scale d."""
+    rows, cols = shape
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows * cols // GROUP_SIZE, 22)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32).reshape(rows, cols // GROUP_SIZE)
+    qh = blocks[:, 2:6].copy().view("<u4")  # [blocks, 1]
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4  # [blocks, 32]
+    qs = blocks[:, 6:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=1) | high
+    q = (q.astype(np.int16) - 16).astype(np.int8).reshape(rows, cols)
+    return Q8Unpacked(torch.from_numpy(q), torch.from_numpy(d))
+
+
+def cat_q8(parts: list[Q8Unpacked]) -> Q8Unpacked:
+    """Stack 8-bit weights along the output dimension (fused QKV and gate/up projections)."""
+    return Q8Unpacked(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
 
 
 def cat_q4(parts: list[Q4Unpacked]) -> Q4Unpacked:
@@ -211,7 +254,82 @@ class Int4Weight(_RoutedWeight):
         self.dense = self._dense_form(exact.to(self.dtype))
 
 
-class Int8RowWeight(_RoutedWeight):
+class DenseWeight(_RoutedWeight):
+    """A packed model's weight of a type no integer kernel reads (Q6_K, Q5_1, the other K-quants, F16), dequantized
+    to the compute dtype and prepacked once for oneDNN: a plain bf16 ``F.linear`` reorders the weight on every
+    call (0.38 against 0.04 ms a row for Gemma 3's 640 x 2048 Q6_K rows on a Xeon)."""
+
+    def __init__(self, w: torch.Tensor, policy: KernelPolicy) -> None:
+        self.shape = tuple(w.shape)
+        self.policy, self.dtype, self.kernels = policy, w.dtype, policy.kernels
+        self._w = w
+        self._bind((Route(ALL_ROWS, "dense"),))
+        del self._w
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[0]
+
+    def _build_dense(self) -> None:
+        self.dense = self._dense_form(self._w)
+
+
+class _Int8Forms(_RoutedWeight):
+    """The packed forms of an 8-bit weight (Q8_0's integers and per-32 scales: the file's Q8_0, or Q5_0 widened
+    exactly), and rows read back from them, so that an embedding tied to a head needs no copy of its own."""
+
+    kernels_unit_bytes = 576  # an AMX Q8 unit (int4_matmul.cpp's Q8Unit): 16 x 32 int8, then 16 fp32 scales
+
+    def _build_q_matmul(self) -> None:
+        self.q_bytes, self.q_scale, self.q_offset = pack_for_q_matmul(self._q8.q, self._q8.scale, None)
+
+    def _build_amx(self) -> None:
+        self.amx = self.kernels.q8_amx_pack(self._q8.q, self._q8.scale)
+
+    def _run_amx(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.q8_amx_matmul(x if x.dtype == self.dtype else x.to(self.dtype), self.amx, self.shape[0])
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """Rows ``ids`` of the weight in the compute dtype (exact values, rounded once), gathered from the AMX or the
+        q_matmul layout (both hold, per block of outputs and group of 32 inputs, 16 steps of 2 inputs side by side
+        for each output); None where neither is held."""
+        groups = self.shape[1] // GROUP_SIZE
+        if hasattr(self, "amx"):  # units of 16 outputs: 512 bytes of integers, then 16 fp32 scales
+            blocks, per_block = self.shape[0] // 16, 16
+            units = self.amx.view(torch.int8).view(blocks, groups, self.kernels_unit_bytes)
+            q = units[ids // per_block, :, :512].reshape(len(ids), groups, 16, per_block, 2)
+            scales = self.amx.view(torch.float32).view(blocks, groups, -1)[ids // per_block, :, 128 + ids % per_block]
+        elif hasattr(self, "q_bytes"):
+            per_block = Q_MATMUL_OUTPUTS
+            q = self.q_bytes.view(torch.int8).view(-1, groups, 16, per_block, 2)[ids // per_block]
+            scales = self.q_scale[ids // per_block, :, ids % per_block]
+        else:
+            return None
+        q = q[torch.arange(len(ids)), :, :, ids % per_block]  # [rows, groups, 16, 2]
+        rows = q.float().reshape(len(ids), groups, GROUP_SIZE) * scales.unsqueeze(-1)
+        return rows.reshape(len(ids), -1).to(self.dtype)
+
+
+class Int8Weight(_Int8Forms):
+    """An 8-bit [out, in] linear (GGUF Q8_0, or Q5_0 widened exactly to Q8_0's form) in the forms its routes read
+    (KernelPolicy.q8_routes): amx, the integers on AMX tiles; q_matmul, on AVX2; dense, the dequantized weight."""
+
+    def __init__(self, w: Q8Unpacked, policy: KernelPolicy) -> None:
+        self.shape = tuple(w.q.shape)
+        self.policy, self.dtype, self.kernels = policy, policy.dtype, policy.kernels
+        self._q8 = w
+        self._bind(policy.q8_routes(self.shape))
+        del self._q8
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[0]
+
+    def _build_dense(self) -> None:
+        self.dense = self._dense_form(self._q8.dequantize().to(self.dtype))
+
+
+class Int8RowWeight(_Int8Forms):
     """A 4-bit model's dense LM head in the forms its routes read (KernelPolicy.head_routes).
 
     SmolLM2's head is its Q8_0 token embedding, tied, whose bf16 product reads 56 MB a token. torch_int8: torch's
@@ -219,7 +337,8 @@ class Int8RowWeight(_RoutedWeight):
     requantized: the scale is ``max|w| / 127`` rounded up to a bfloat16 value, each weight off by at most half a
     step (1.7 against 4.8 ms for bf16 at one row). amx: the Q8_0 integers on AMX tiles (int4_matmul.cpp's Q8Unit,
     32 MB read a step), q_matmul: the Q8_0 integers on AVX2; both exact products of the file's values. dense: the
-    weight in the compute dtype, prepacked for oneDNN.
+    weight in the compute dtype, prepacked for oneDNN. A head too large for a dense copy (KernelPolicy.head_routes:
+    Gemma 3's 262k rows) holds only its Q8_0 form, and a tied embedding looks its rows up there (``lookup``).
     """
 
     def __init__(self, dense: torch.Tensor, q8: Q8Unpacked | None, policy: KernelPolicy) -> None:
@@ -241,15 +360,6 @@ class Int8RowWeight(_RoutedWeight):
         xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)  # fp32 rows take 8-25x as long
         y = torch._weight_int8pack_mm(xb, self.q, self.scale)
         return y if self.dtype == torch.bfloat16 else y.to(self.dtype)
-
-    def _build_q_matmul(self) -> None:
-        self.q_bytes, self.q_scale, self.q_offset = pack_for_q_matmul(self._q8.q, self._q8.scale, None)
-
-    def _build_amx(self) -> None:
-        self.amx = self.kernels.q8_amx_pack(self._q8.q, self._q8.scale)
-
-    def _run_amx(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.q8_amx_matmul(x if x.dtype == self.dtype else x.to(self.dtype), self.amx, self.shape[0])
 
     def _build_dense(self) -> None:
         self.dense = self._dense_form(self._w)
