@@ -144,12 +144,26 @@ def test_q8_amx_matmul_expands_q8_0_exactly_and_rounds_once(cpp_kernels, n, k):
         if rows <= 32:
             assert torch.equal(got, packed_linear(x, prepack_linear(dense)))
     head = Int8RowWeight(w.dequantize().to(torch.bfloat16), w, KernelPolicy.make(torch.bfloat16, cpp_kernels))
-    # the LM head: the 8-bit kernel for 6-64 rows
+    # the LM head: the 8-bit kernel for 3-64 rows, q8_small for 1-2 (below)
     assert head.amx is not None
     x = torch.randn(8, k, generator=g).to(torch.bfloat16)
     assert torch.equal(head.matmul(x), cpp_kernels.q8_amx_matmul(x, packed, n))
     with pytest.raises(RuntimeError, match="does not match"):
         cpp_kernels.q8_amx_matmul(x[:, :128].contiguous(), packed, n)
+
+    # q8_small: 1-4 fp32 rows times the same units on AVX-512 FMAs, the weights exact (no bf16 rounding):
+    # within fp32 rounding of the exact product (a sum of k terms, each group scaled once)
+    exact_w = w.dequantize().double()
+    for rows in (1, 2, 3, 4):
+        x = torch.randn(rows, k, generator=g)
+        got = cpp_kernels.q8_small_matmul(x, packed, n)
+        exact = x.double() @ exact_w.T
+        bound = (x.double().abs() @ exact_w.abs().T) * k * 2 ** -23
+        assert got.dtype == torch.float32 and ((got.double() - exact).abs() <= bound).all(), rows
+    assert torch.equal(head.matmul(x[:1].to(torch.bfloat16)),
+                       cpp_kernels.q8_small_matmul(x[:1].to(torch.bfloat16).float(), packed, n).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="at most 4 rows"):
+        cpp_kernels.q8_small_matmul(torch.randn(5, k), packed, n)
 
 
 def _rows_to_16_bits(x: torch.Tensor) -> torch.Tensor:

@@ -280,6 +280,51 @@ void matmul_amx(const uint16_t* x, int64_t m, int64_t k, const uint8_t* packed, 
     _tile_release();
   });
 }
+
+// A few rows (single-stream decode, up to kQ8SmallRows) times Q8 units with AVX-512 FMAs instead of tiles: a tile
+// pass expands each unit to bf16 for a 16-row tile that holds 1-4 rows, so at one row the expansion, not the memory,
+// bounds it. Here each unit's 16 steps are widened to fp32 once and multiplied by each row's input pair; a step's
+// lanes hold (output, input parity) pairs, summed pairwise after the group and scaled by the group's 16 scales.
+// The weights stay exact (no bf16 rounding); products accumulate in fp32 in order of the groups.
+constexpr int64_t kQ8SmallRows = 4;
+
+template <int M>
+void q8_small_rows(const float* x, int64_t k, const uint8_t* packed, int64_t n, float* out) {
+  const int64_t groups = k / 32, blocks = n / 16;
+  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      __m512 total[M];
+      for (int i = 0; i < M; ++i) total[i] = _mm512_setzero_ps();
+      const uint8_t* units = packed + blk * groups * kQ8UnitBytes;
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* unit = units + g * kQ8UnitBytes;
+        __m512 lo[M], hi[M];  // outputs 0..7 and 8..15, each lane one (output, parity)
+        for (int i = 0; i < M; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
+        for (int r = 0; r < 16; ++r) {
+          const int8_t* row = reinterpret_cast<const int8_t*>(unit + 32 * r);
+          const __m512 w_lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
+          const __m512 w_hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16))));
+          for (int i = 0; i < M; ++i) {
+            double pair;  // x[2r], x[2r + 1] of this group, repeated over the 8 outputs
+            std::memcpy(&pair, x + i * k + g * 32 + 2 * r, 8);
+            const __m512 xp = _mm512_castpd_ps(_mm512_set1_pd(pair));
+            lo[i] = _mm512_fmadd_ps(w_lo, xp, lo[i]);
+            hi[i] = _mm512_fmadd_ps(w_hi, xp, hi[i]);
+          }
+        }
+        const __m512 scales = _mm512_loadu_ps(reinterpret_cast<const float*>(unit + 512));
+        for (int i = 0; i < M; ++i) {
+          const __m512 sums = _mm512_add_ps(_mm512_permutex2var_ps(lo[i], even, hi[i]),
+                                            _mm512_permutex2var_ps(lo[i], odd, hi[i]));
+          total[i] = _mm512_fmadd_ps(sums, scales, total[i]);
+        }
+      }
+      for (int i = 0; i < M; ++i) _mm512_storeu_ps(out + i * n + blk * 16, total[i]);
+    }
+  });
+}
 #endif
 
 }  // namespace
@@ -387,4 +432,30 @@ torch::Tensor q8_amx_pack(torch::Tensor q, torch::Tensor scale) {
 // x [rows, in] bf16, packed from q8_amx_pack, out_features -> [rows, out] bf16
 torch::Tensor q8_amx_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
   return amx_matmul<Q8Unit>("q8_amx_matmul", kQ8UnitBytes, x, packed, out_features);
+}
+
+// x [rows <= 4, in] fp32, packed from q8_amx_pack, out_features -> [rows, out] fp32: q8_small_rows above
+torch::Tensor q8_small_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "q8_small_matmul: x [rows, in] fp32 expected");
+  x = x.contiguous();
+  const int64_t m = x.size(0), k = x.size(1), n = out_features;
+  TORCH_CHECK(m <= 4, "q8_small_matmul: at most 4 rows");
+  TORCH_CHECK(n % 16 == 0 && k % 32 == 0 && packed.numel() == n / 16 * k / 32 * kQ8UnitBytes,
+              "q8_small_matmul: packed weight does not match the input width");
+  auto out = torch::empty({m, n}, x.options());
+#ifdef JUSTAPI_AMX
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  switch (m) {
+    case 1: q8_small_rows<1>(xp, k, pp, n, op); break;
+    case 2: q8_small_rows<2>(xp, k, pp, n, op); break;
+    case 3: q8_small_rows<3>(xp, k, pp, n, op); break;
+    case 4: q8_small_rows<4>(xp, k, pp, n, op); break;
+    default: break;
+  }
+#else
+  TORCH_CHECK(false, "q8_small_matmul: built without AMX (the units it reads are AMX's)");
+#endif
+  return out;
 }

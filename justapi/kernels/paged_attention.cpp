@@ -541,6 +541,7 @@ torch::Tensor argmax_rows(torch::Tensor logits);
 void mask_logits(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor q8_amx_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features);
+torch::Tensor q8_small_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features);
 
 // q_matmul.cpp
 bool q_matmul_available();
@@ -562,6 +563,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up from fused [rows, 2 * width] gate/up rows, as torch rounds it");
   m.def("q8_amx_pack", &q8_amx_pack, "Q8_0 weight (q, scale) -> the layout q8_amx_matmul reads");
   m.def("q8_amx_matmul", &q8_amx_matmul, "x @ w.T, bf16 rows x a packed Q8_0 weight, on AMX tiles");
+  m.def("q8_small_matmul", &q8_small_matmul, "x @ w.T, 1-4 fp32 rows x q8_amx_pack's units, AVX-512 FMAs (fp32 out)");
   m.def("q_matmul_available", &q_matmul_available, "whether q_matmul can run here (an AVX2 + FMA build)");
   m.def("q_matmul", &q_matmul, "x @ w.T, fp32 rows (rounded to 16-bit integers) x a packed 4-bit or Q8_0 weight, on AVX2");
 }

@@ -6,8 +6,8 @@ routes, ``(max_rows, kernel)`` with the first route whose ``max_rows`` covers a 
 
     4-bit linear, bf16 model on AMX:     rows 1-5 torch_int4 | 6+ amx
     4-bit linear, fp32 model on AVX2:    rows 1-64 q_matmul   | 65+ dense (fp32, prepacked for oneDNN)
-    8-bit linear, bf16 model on AMX:     rows 1+ amx
-    8-bit head,   bf16 model on AMX:     rows 1-5 torch_int8 | 6-64 amx | 65+ dense (bf16, prepacked)
+    8-bit linear, bf16 model on AMX:     rows 1-2 q8_small   | 3+ amx
+    8-bit head,   bf16 model on AMX:     rows 1-2 q8_small   | 3-64 amx | 65+ dense (bf16, prepacked; none over 128 MiB)
 
 A weight (model.quant) builds only the forms its routes read. docs/quantization.md has the whole table and what
 each form costs in memory; the row limits below were measured there.
@@ -38,6 +38,10 @@ Q8_AMX_MAX_ROWS = 64
 # rows are a step's sampled positions, rarely over 64); above this size (Gemma 3's 262,144 x 640: 320 MiB in bf16,
 # against 168 MiB of Q8_0) the copies would be most of the model's memory, so the head keeps its Q8_0 form only
 HEAD_DENSE_MAX_BYTES = 128 << 20
+# q8_small (1-2 rows on AVX-512 FMAs, the AMX units' integers widened once for all rows) against the AMX tiles, on
+# a Xeon: 0.85x the time at 1 row for Gemma 3's 262k-row head, 0.56-0.64x for its layers and SmolLM2's head (which
+# it also serves faster than torch's int8 kernel: 0.83 against 1.33 ms); 0.97-1.0x at 2 rows, 1.0-1.2x at 3-4
+Q8_SMALL_MAX_ROWS = 2
 PREPACK_ROWS_HINT = 32  # the batch size oneDNN picks a prepacked layout for; any number of rows works with it
 
 
@@ -129,6 +133,7 @@ class KernelPolicy:
         """The policy for a model computing in ``dtype``, less the ``disabled`` kernels (--disable-kernels)."""
         cpu = probe_cpu(kernels)
         runs = {"q_matmul": cpu.q_matmul and dtype == torch.float32, "amx": cpu.amx and dtype == torch.bfloat16,
+                "q8_small": cpu.amx and dtype == torch.bfloat16 and "amx" not in disabled,  # reads the AMX units
                 "prepack": cpu.onednn and (dtype == torch.float32 or (dtype == torch.bfloat16 and cpu.bf16_matmul)),
                 "fused_silu": cpu.silu_bf16 if dtype == torch.bfloat16 else cpu.silu_fp32 and dtype == torch.float32}
         assert set(runs) == set(OPTIONAL_KERNELS)
@@ -153,18 +158,26 @@ class KernelPolicy:
         """Routes of an 8-bit [out, in] linear (Q8_0, or Q5_0 widened to Q8_0's form)."""
         if self.uses("q_matmul") and shape[1] % GROUP_SIZE == 0:
             return (Route(Q_MATMUL_MAX_ROWS, "q_matmul"), Route(ALL_ROWS, "dense"))
-        return (Route(ALL_ROWS, "amx" if self.uses("amx") and amx_fits(shape) else "dense"),)
+        if self.uses("amx") and amx_fits(shape):
+            return (*self._q8_small(), Route(ALL_ROWS, "amx"))
+        return (Route(ALL_ROWS, "dense"),)
+
+    def _q8_small(self) -> tuple[Route, ...]:
+        """The route of 1-2 rows times 8-bit AMX units, where they are built and it runs."""
+        return (Route(Q8_SMALL_MAX_ROWS, "q8_small"),) if self.uses("q8_small") else ()
 
     def head_routes(self, shape: tuple[int, int], has_q8: bool) -> tuple[Route, ...]:
         """Routes of a packed model's LM head (``has_q8``: the file stores it as Q8_0)."""
         q_matmul = has_q8 and self.uses("q_matmul") and shape[1] % GROUP_SIZE == 0
         amx = has_q8 and self.uses("amx") and amx_fits(shape)
-        if (q_matmul or amx) and shape[0] * shape[1] * self.dtype.itemsize > HEAD_DENSE_MAX_BYTES:
-            return (Route(ALL_ROWS, "q_matmul" if q_matmul else "amx"),)
+        too_large = shape[0] * shape[1] * self.dtype.itemsize > HEAD_DENSE_MAX_BYTES
         if q_matmul:
-            return (Route(Q_MATMUL_MAX_ROWS, "q_matmul"), Route(ALL_ROWS, "dense"))
-        amx_route = (Route(Q8_AMX_MAX_ROWS, "amx"),) if amx else ()
-        return (Route(TORCH_SMALL_MAX_ROWS, "torch_int8"), *amx_route, Route(ALL_ROWS, "dense"))
+            return (Route(ALL_ROWS if too_large else Q_MATMUL_MAX_ROWS, "q_matmul"),) + (
+                () if too_large else (Route(ALL_ROWS, "dense"),))
+        if amx:  # torch's int8 kernel is slower than either AMX route here, at any number of rows
+            return (*self._q8_small(), Route(ALL_ROWS if too_large else Q8_AMX_MAX_ROWS, "amx")) + (
+                () if too_large else (Route(ALL_ROWS, "dense"),))
+        return (Route(TORCH_SMALL_MAX_ROWS, "torch_int8"), Route(ALL_ROWS, "dense"))
 
     def describe(self) -> list[str]:
         """A few lines for the start-up log: the CPU, the dtype and each weight type's routes."""

@@ -283,11 +283,18 @@ class _Int8Forms(_RoutedWeight):
     def _build_q_matmul(self) -> None:
         self.q_bytes, self.q_scale, self.q_offset = pack_for_q_matmul(self._q8.q, self._q8.scale, None)
 
-    def _build_amx(self) -> None:
-        self.amx = self.kernels.q8_amx_pack(self._q8.q, self._q8.scale)
+    def _build_amx(self) -> None:  # also q8_small's form: built once for both routes
+        if not hasattr(self, "amx"):
+            self.amx = self.kernels.q8_amx_pack(self._q8.q, self._q8.scale)
 
     def _run_amx(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.q8_amx_matmul(x if x.dtype == self.dtype else x.to(self.dtype), self.amx, self.shape[0])
+
+    def _build_q8_small(self) -> None:  # reads the AMX units
+        self._build_amx()
+
+    def _run_q8_small(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.q8_small_matmul(x.float(), self.amx, self.shape[0]).to(self.dtype)
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor | None:
         """Rows ``ids`` of the weight in the compute dtype (exact values, rounded once), gathered from the AMX or the
