@@ -2,6 +2,9 @@
 # JustAPI, llama.cpp's server and vLLM's CPU build, all serving SmolLM2-135M on loopback, measured by one client,
 # `justapi bench`, in one run: S1 (single stream), W1 (mixed lengths), W2 (shared prefix) and a W1-like rate sweep.
 #   benchmarks/peers_bench.sh [sweep]
+# Another model: BENCH_GGUF=PATH BENCH_NAME=NAME [BENCH_HF_DIR=DIR] benchmarks/peers_bench.sh: JustAPI and llama.cpp
+# serve the GGUF, vLLM the dequantized HF copy in DIR (../shared/peers/setup_gemma3.sh makes Gemma 3's), or no vLLM
+# without one. The peers' start scripts pin SmolLM2 (env.sh), so this script starts them itself with their flags.
 # The three servers are started together (idle, each uses ~0% CPU) and measured one after another by each
 # `justapi bench serve` call. Needs the peers installed with the recipes in ../shared/peers (README there).
 # Results: bench_results/peers_{S1,W1,W2}.json, bench_results/sweep.{json,png}, bench_results/peers_bench.txt
@@ -13,8 +16,11 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 STEER=${STEER:-$ROOT/../shared/peers}
 source "$STEER/env.sh"
+if [ -n "${BENCH_GGUF:-}" ]; then
+  GGUF=$BENCH_GGUF; SERVED_NAME=${BENCH_NAME:?BENCH_NAME names the served model}; HF_DIR=${BENCH_HF_DIR:-}
+fi
 PORT_JUSTAPI=${PORT_JUSTAPI:-8010}
-OUT=$ROOT/bench_results
+OUT=$ROOT/bench_results${BENCH_GGUF:+/$SERVED_NAME}  # another model: its own folder
 mkdir -p "$OUT" "$PEERS/run" "$PEERS/logs"
 # llama.cpp's ggml AMX kernels crashed on the AMX machines (general protection fault); --no-repack avoids them.
 # Without AMX (AVX2 or AVX-512 only) llama-server keeps its default repacking.
@@ -23,7 +29,7 @@ J=$ROOT/.venv/bin/justapi
 up() { curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$1/v1/models" 2>/dev/null | grep -q 200; }
 
 up "$PORT_JUSTAPI" || {
-  setsid "$J" serve --port "$PORT_JUSTAPI" --served-model-name "$SERVED_NAME" \
+  setsid "$J" serve --model "$GGUF" --port "$PORT_JUSTAPI" --served-model-name "$SERVED_NAME" \
     > "$PEERS/logs/justapi.log" 2>&1 < /dev/null &
   echo $! > "$PEERS/run/justapi.pid"
   "$STEER/wait_ready.sh" "$PORT_JUSTAPI" 300 "$PEERS/run/justapi.pid" "$PEERS/logs/justapi.log"; }
@@ -39,14 +45,36 @@ if [ -n "${JUSTAPI_BEFORE:-}" ]; then
     "$STEER/wait_ready.sh" "$PORT_BEFORE" 900 "$PEERS/run/justapi_before.pid" "$PEERS/logs/justapi_before.log"; }
   URLS+=(--base-url "http://127.0.0.1:$PORT_BEFORE" --name justapi-before)
 fi
-up "$PORT_LLAMA_SERVER" || "$STEER/start_llama_server.sh"
-up "$PORT_VLLM" || "$STEER/start_vllm.sh"
-
-URLS+=(--base-url "http://127.0.0.1:$PORT_LLAMA_SERVER" --name llama.cpp
-      --base-url "http://127.0.0.1:$PORT_VLLM" --name vllm-cpu-fp32)
+start_llama_server() {  # start_llama_server.sh's command line, on $GGUF
+  if [ -z "${BENCH_GGUF:-}" ]; then "$STEER/start_llama_server.sh"; return; fi
+  local np=${LLAMA_NP:-32} t=${LLAMA_THREADS:-$(nproc)}
+  # shellcheck disable=SC2086 # the extra flags are words
+  setsid "$PEERS/build/llama.cpp/bin/llama-server" -m "$GGUF" -a "$SERVED_NAME" --host 127.0.0.1 \
+    --port "$PORT_LLAMA_SERVER" -np "$np" -cb -c $(( np * ${LLAMA_CTX_PER_SLOT:-1024} )) -t "$t" -tb "$t" \
+    -b 2048 -ub 512 --metrics ${LLAMA_EXTRA:-} > "$PEERS/logs/llama_server.log" 2>&1 < /dev/null &
+  echo $! > "$PEERS/run/llama_server.pid"
+  "$STEER/wait_ready.sh" "$PORT_LLAMA_SERVER" 300 "$PEERS/run/llama_server.pid" "$PEERS/logs/llama_server.log"
+}
+start_vllm() {  # start_vllm.sh's command line and environment, on $HF_DIR
+  if [ -z "${BENCH_GGUF:-}" ]; then "$STEER/start_vllm.sh"; return; fi
+  export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4} VLLM_CPU_NUM_OF_RESERVED_CPU=0
+  export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0-$(( $(nproc) - 1 ))}
+  LD_PRELOAD="/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:$PEERS/venvs/vllm/lib/libiomp5.so" setsid \
+    "$PEERS/venvs/vllm/bin/python" "$STEER/vllm_cli.py" serve "$HF_DIR" --served-model-name "$SERVED_NAME" \
+    --host 127.0.0.1 --port "$PORT_VLLM" --dtype "${VLLM_DTYPE:-float32}" --max-model-len 2048 \
+    --max-num-seqs "${VLLM_MAX_NUM_SEQS:-32}" --enable-prefix-caching > "$PEERS/logs/vllm_server.log" 2>&1 < /dev/null &
+  echo $! > "$PEERS/run/vllm.pid"
+  "$STEER/wait_ready.sh" "$PORT_VLLM" 900 "$PEERS/run/vllm.pid" "$PEERS/logs/vllm_server.log"
+}
+up "$PORT_LLAMA_SERVER" || start_llama_server
+URLS+=(--base-url "http://127.0.0.1:$PORT_LLAMA_SERVER" --name llama.cpp)
+if [ -z "${BENCH_GGUF:-}" ] || [ -n "$HF_DIR" ]; then
+  up "$PORT_VLLM" || start_vllm
+  URLS+=(--base-url "http://127.0.0.1:$PORT_VLLM" --name vllm-cpu-fp32)
+fi
 LOG=$OUT/peers_bench.txt
 {
-  echo "# $(date -u +%FT%TZ) $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)"
+  echo "# $(date -u +%FT%TZ) $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2), $(basename "$GGUF")"
   echo "## S1: 4 requests one at a time, 128 prompt + 128 output tokens (decode tok/s = 1000 / TPOT p50)"
   timeout 900 "$J" bench serve "${URLS[@]}" --workload random --num-requests 4 --max-concurrency 1 \
     --input-len 128 --output-len 128 --json "$OUT/peers_S1.json"
