@@ -39,7 +39,7 @@ if [ -n "${JUSTAPI_BEFORE:-}" ]; then
   up "$PORT_BEFORE" || {
     # shellcheck disable=SC2086 # the extra flags are words
     PYTHONPATH="$JUSTAPI_BEFORE" TORCH_EXTENSIONS_DIR="$JUSTAPI_BEFORE/.torch_extensions" setsid \
-      "$ROOT/.venv/bin/python" -m justapi.cli serve ${JUSTAPI_BEFORE_ARGS:-} --port "$PORT_BEFORE" \
+      "$ROOT/.venv/bin/python" -m justapi.cli serve ${JUSTAPI_BEFORE_ARGS:-} --model "$GGUF" --port "$PORT_BEFORE" \
       --served-model-name "$SERVED_NAME" > "$PEERS/logs/justapi_before.log" 2>&1 < /dev/null &
     echo $! > "$PEERS/run/justapi_before.pid"
     "$STEER/wait_ready.sh" "$PORT_BEFORE" 900 "$PEERS/run/justapi_before.pid" "$PEERS/logs/justapi_before.log"; }

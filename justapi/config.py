@@ -27,11 +27,17 @@ class ArchTraits:
 
 
 ARCHS = {
-    "llama": ArchTraits(rope_style="norm"),
+    # a llama file with {arch}.attention.sliding_window (Mistral 7B v0.1's 4096) attends through that window
+    "llama": ArchTraits(rope_style="norm", sliding_window=True),
     "qwen2": ArchTraits(),
     "qwen3": ArchTraits(),
-    # Gemma 3's GGUF stores its norm weights as 1 + w (llama.cpp's converter), so its RMSNorm is Llama's; its
-    # attention scale is head_dim ** -0.5, as llama.cpp uses for every size but 27B
+    # Phi-3: fused attn_qkv and gate/up (ffn_up) tensors, which the model reads as stored; a window where the file
+    # gives one (Phi-3 mini's 2047, on every layer)
+    "phi3": ArchTraits(sliding_window=True),
+    # Gemma 2 and 3: the GGUF stores norm weights as 1 + w (llama.cpp's converter), so their RMSNorm is Llama's;
+    # the attention scale is head_dim ** -0.5, as llama.cpp uses for every size but 27B. Gemma 2 also soft-caps
+    # attention scores and logits ({arch}.attn_logit_softcapping, final_logit_softcapping: ModelConfig)
+    "gemma2": ArchTraits(mlp_act="gelu_tanh", embed_scale=True, post_norms=True, sliding_window=True, global_every=2),
     "gemma3": ArchTraits(mlp_act="gelu_tanh", embed_scale=True, post_norms=True, sliding_window=True, global_every=6,
                          local_rope_theta=10000.0),
 }
@@ -96,6 +102,9 @@ class ModelConfig:
     qk_norm: bool
     # per layer, the attention window in tokens (each token sees itself and the window - 1 before it), None: all
     layer_windows: tuple[int | None, ...] = ()
+    pooling: str = "last"  # what /v1/embeddings pools: the file's {arch}.pooling_type, else the last token
+    attn_softcap: float | None = None  # attention scores s -> c·tanh(s / c) before the softmax (Gemma 2)
+    final_softcap: float | None = None  # logits likewise
 
     def __post_init__(self) -> None:
         assert self.arch in SUPPORTED_ARCHS, self.arch

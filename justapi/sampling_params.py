@@ -7,6 +7,26 @@ from dataclasses import dataclass, field
 from .structured.spec import StructuredOutput
 
 
+POOLING_KINDS = ("last", "mean")
+
+
+@dataclass(frozen=True)
+class Pooling:
+    """An embedding request: nothing is sampled; the prompt's final hidden states (after the last norm) are pooled,
+    the last token's or the mean of all, L2-normalized unless told not to, and cut to ``dimensions`` first (then
+    normalized) where given."""
+
+    kind: str = "last"
+    normalize: bool = True
+    dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in POOLING_KINDS:
+            raise ValueError(f"pooling {self.kind!r} is not supported; supported: {', '.join(POOLING_KINDS)}")
+        if self.dimensions is not None and (not isinstance(self.dimensions, int) or self.dimensions < 1):
+            raise ValueError(f"dimensions must be a positive integer, got {self.dimensions!r}")
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request. ``temperature=0`` is greedy; ``None`` for max_tokens means "to the context end"."""
@@ -27,6 +47,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
     speculative: bool = True  # False: never draft for this request, even when the engine speculates
     structured: StructuredOutput | None = None  # the output must match this JSON schema / regex / choice / grammar
+    pooling: Pooling | None = None  # an embedding request (prefill only): see Pooling
+
+    @classmethod
+    def for_embedding(cls, pooling: Pooling) -> SamplingParams:
+        """An embedding request's settings: one prefill, nothing sampled, never a draft."""
+        return cls(max_tokens=1, temperature=0.0, speculative=False, pooling=pooling)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -84,9 +84,10 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     assert_clean_error(cli_in_process("serve", "--model", path), "unsupported architecture 'gpt2'", "llama, qwen2, qwen3")
 
 
-def rewrite_gguf(src: str, dst: str, drop_keys=(), drop_tensors=(), replace=None) -> str:
+def rewrite_gguf(src: str, dst: str, drop_keys=(), drop_tensors=(), replace=None, extra_tensors=None) -> str:
     """``src`` written again as ``dst`` without the metadata keys starting with any of ``drop_keys``, without the
-    tensors ``drop_tensors``, and with ``replace(tensor) -> (raw array, raw dtype)`` for the tensors it names."""
+    tensors ``drop_tensors``, with ``replace(tensor) -> (raw array, raw dtype)`` for the tensors it names, and with
+    ``extra_tensors`` (name -> fp32 array) added."""
     reader = open_gguf(src)
     w = gguf.GGUFWriter(dst, reader.fields["general.architecture"].contents())
     for key, field in reader.fields.items():
@@ -105,6 +106,8 @@ def rewrite_gguf(src: str, dst: str, drop_keys=(), drop_tensors=(), replace=None
         else:
             w.add_tensor(t.name, np.array(t.data),
                          raw_dtype=t.tensor_type if t.tensor_type != gguf.GGMLQuantizationType.F32 else None)
+    for name, arr in (extra_tensors or {}).items():
+        w.add_tensor(name, arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -88,10 +88,17 @@ def write_tiny_model(
     embd_qtype: str = "F32",
     sliding_window: int = 8,
     head_dim: int | None = None,
+    pooling: str | None = None,
+    llama_window: int | None = None,
 ) -> str:
     """A random model whose linear weights are stored as ``qtype`` and its token embedding as ``embd_qtype`` (F32
     or a type gguf quantizes, e.g. Q8_0 as SmolLM2's); returns ``path``. ``gemma3``: its extra norms, QK norm,
     ``sliding_window`` on all but every sixth layer, RoPE base 1e6 for the global layers (the file's; 1e4 local).
+
+    ``phi3``: Q/K/V fused in attn_qkv, gate and up in one ffn_up of twice the rows. ``gemma2``: Gemma 3 without QK
+    norm, a window on every other layer, attention scores and logits soft-capped at 50 and 30 (transformers'
+    defaults, which its GGUF loader does not read). ``llama_window``: a Mistral-style window on every llama layer.
+    ``pooling``: the file's pooling type (an embedding model's).
 
     ``vocab_from``: another GGUF file whose tokenizer (every ``tokenizer.*`` key) the model takes, e.g. a tiny
     random draft model for SmolLM2.
@@ -109,6 +116,8 @@ def write_tiny_model(
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(num_layers)
     w.add_context_length(context_length)
+    if pooling is not None:  # an embedding model's {arch}.pooling_type: "mean" or "last"
+        w.add_pooling_type(gguf.PoolingType[pooling.upper()])
     w.add_embedding_length(hidden)
     w.add_feed_forward_length(intermediate)
     w.add_head_count(num_heads)
@@ -116,11 +125,16 @@ def write_tiny_model(
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(1e6 if arch == "gemma3" else 10000.0)
     w.add_vocab_size(vocab_size)
-    if arch in ("qwen3", "gemma3"):
+    if arch in ("qwen3", "gemma2", "gemma3"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    if arch == "gemma3":
+    if arch in ("gemma2", "gemma3"):
         w.add_sliding_window(sliding_window)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(50.0)
+        w.add_final_logit_softcapping(30.0)
+    if llama_window is not None:
+        w.add_sliding_window(llama_window)
     if source is not None:
         for key, f in source.fields.items():
             if key.startswith("tokenizer.") and f.types[0] == gguf.GGUFValueType.ARRAY:
@@ -169,9 +183,13 @@ def write_tiny_model(
     for i in range(num_layers):
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", (1 + rand(hidden, scale=0.1)))
-        add_linear(p + "attn_q.weight", rand(num_heads * head_dim, hidden))
-        add_linear(p + "attn_k.weight", rand(num_kv_heads * head_dim, hidden))
-        add_linear(p + "attn_v.weight", rand(num_kv_heads * head_dim, hidden))
+        qkv = [rand(num_heads * head_dim, hidden), rand(num_kv_heads * head_dim, hidden),
+               rand(num_kv_heads * head_dim, hidden)]
+        if arch == "phi3":
+            add_linear(p + "attn_qkv.weight", np.concatenate(qkv))
+        else:
+            for name, arr in zip(("attn_q", "attn_k", "attn_v"), qkv):
+                add_linear(p + name + ".weight", arr)
         if arch == "qwen2":
             w.add_tensor(p + "attn_q.bias", rand(num_heads * head_dim))
             w.add_tensor(p + "attn_k.bias", rand(num_kv_heads * head_dim))
@@ -181,10 +199,14 @@ def write_tiny_model(
             w.add_tensor(p + "attn_k_norm.weight", (1 + rand(head_dim, scale=0.1)))
         add_linear(p + "attn_output.weight", rand(hidden, num_heads * head_dim))
         w.add_tensor(p + "ffn_norm.weight", (1 + rand(hidden, scale=0.1)))
-        add_linear(p + "ffn_gate.weight", rand(intermediate, hidden))
-        add_linear(p + "ffn_up.weight", rand(intermediate, hidden))
+        gate, up = rand(intermediate, hidden), rand(intermediate, hidden)
+        if arch == "phi3":
+            add_linear(p + "ffn_up.weight", np.concatenate([gate, up]))
+        else:
+            add_linear(p + "ffn_gate.weight", gate)
+            add_linear(p + "ffn_up.weight", up)
         add_linear(p + "ffn_down.weight", rand(hidden, intermediate))
-        if arch == "gemma3":
+        if arch in ("gemma2", "gemma3"):
             w.add_tensor(p + "post_attention_norm.weight", (1 + rand(hidden, scale=0.1)))
             w.add_tensor(p + "post_ffw_norm.weight", (1 + rand(hidden, scale=0.1)))
     w.add_tensor("output_norm.weight", (1 + rand(hidden, scale=0.1)))

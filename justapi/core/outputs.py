@@ -71,6 +71,7 @@ class RunnerOutput:
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
+    embeddings: dict[str, list[float]] = field(default_factory=dict)  # embedding requests whose prefill ended
 
 
 @dataclass
@@ -83,3 +84,4 @@ class EngineCoreOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     num_prompt_tokens: int
     num_cached_tokens: int
+    embedding: list[float] | None = None  # an embedding request's result, with its finish

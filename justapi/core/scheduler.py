@@ -251,7 +251,7 @@ class Scheduler:
             req = self.waiting[0]
             if req.imported_kv is not None:
                 req.num_computed_tokens = req.num_prompt_tokens  # its prompt's KV arrives with it
-            else:
+            elif not _pools_every_row(req):  # a mean-pooled embedding needs every prompt row: no cached prefix
                 self.kv.match_prefix(req)
             remaining = req.num_tokens - req.num_computed_tokens
             is_decode = remaining == 1
@@ -331,6 +331,9 @@ class Scheduler:
                     break
             if self.cache is not None and was_prefilling and req.num_computed_tokens >= req.num_prompt_tokens:
                 self.kv.cache_computed(req)  # share the prompt with requests arriving while this one decodes
+            embedding = result.embeddings.get(rid)
+            if embedding is not None:  # an embedding request: done once its prompt is
+                status = RequestStatus.FINISHED_STOPPED
             if status is not None:
                 self._finish(req, status)
             elif self.hand_off_after_prefill and was_prefilling and new_ids:
@@ -338,7 +341,7 @@ class Scheduler:
             if new_ids or status is not None:
                 logprobs = result.logprobs.get(rid)
                 logprobs = logprobs[: len(new_ids)] if logprobs is not None else None
-                outputs.append(self._output(req, new_ids, logprobs, status and status.value))
+                outputs.append(self._output(req, new_ids, logprobs, status and status.value, embedding))
         return outputs
 
     def _count_spec(self, num_nodes: int, depth: int, accepted: int) -> None:
@@ -353,9 +356,10 @@ class Scheduler:
             st.spec_proposed_at[k] += 1
             st.spec_accepted_at[k] += k < accepted
 
-    def _output(self, req: Request, new_ids, logprobs, reason) -> EngineCoreOutput:
+    def _output(self, req: Request, new_ids, logprobs, reason, embedding=None) -> EngineCoreOutput:
         return EngineCoreOutput(
-            req.request_id, list(new_ids), logprobs, reason, req.num_prompt_tokens, max(req.num_cached_tokens, 0)
+            req.request_id, list(new_ids), logprobs, reason, req.num_prompt_tokens, max(req.num_cached_tokens, 0),
+            embedding,
         )
 
     def _hand_off(self, req: Request) -> None:
@@ -402,3 +406,9 @@ class Scheduler:
     @property
     def num_cached_blocks(self) -> int:
         return self.kv.num_cached_blocks
+
+
+def _pools_every_row(req: Request) -> bool:
+    """An embedding request averaging all its prompt's final hidden states (they are computed, never cached)."""
+    pooling = req.sampling_params.pooling
+    return pooling is not None and pooling.kind == "mean"

@@ -1,4 +1,4 @@
-"""The offline API: ``LLM(model=...).generate(prompts, params)`` and ``LLM.chat(messages)``."""
+"""The offline API: ``LLM(model=...).generate(prompts, params)``, ``LLM.chat(messages)`` and ``LLM.embed(prompts)``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from ..config import EngineConfig
 from ..core.outputs import Logprob
 from ..model.gguf_loader import ModelLoadError, default_model_path
-from ..sampling_params import SamplingParams
+from ..sampling_params import Pooling, SamplingParams
 from .engine_core import EngineCore
 
 Prompt = str | list[int]
@@ -24,6 +24,7 @@ class CompletionOutput:
     finish_reason: str | None
     logprobs: list[Logprob] | None
     stop_reason: str | int | None = None
+    embedding: list[float] | None = None  # an embedding request's vector (SamplingParams.pooling)
 
 
 @dataclass
@@ -93,10 +94,17 @@ class LLM:
                 if out.finished:
                     i, j = pending.pop(out.request_id)
                     results[i].outputs[j] = CompletionOutput(
-                        j, out.text, out.token_ids, out.finish_reason, out.logprobs, out.stop_reason
+                        j, out.text, out.token_ids, out.finish_reason, out.logprobs, out.stop_reason, out.embedding
                     )
                     results[i].num_cached_tokens = out.num_cached_tokens
         return results
+
+    def embed(self, prompts: Prompt | list[Prompt], dimensions: int | None = None,
+              normalize: bool = True) -> list[list[float]]:
+        """The embedding of each prompt, pooled as the model's file says (ModelConfig.pooling), in one batch."""
+        pooling = Pooling(self.engine.model_config.pooling, normalize, dimensions)
+        results = self.generate(prompts, SamplingParams.for_embedding(pooling))
+        return [r.outputs[0].embedding for r in results]
 
     def chat(
         self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None

@@ -25,6 +25,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     logprobs: list[Logprob] | None = field(default=None)
+    embedding: list[float] | None = None  # an embedding request's pooled vector, once finished
 
 
 class _RequestText:
@@ -87,6 +88,7 @@ class OutputProcessor:
             num_prompt_tokens=out.num_prompt_tokens,
             num_cached_tokens=out.num_cached_tokens,
             logprobs=st.logprobs,
+            embedding=out.embedding,
         )
         if finished:
             del self.requests[out.request_id]

@@ -181,6 +181,9 @@ class PdEngine(ModelFront):
     # --- requests -----------------------------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """As EngineCore.check_request, against the smallest worker pool."""
+        if params.pooling is not None:
+            raise ValueError("embeddings are not served with --disaggregate (a prompt's prefill is all they are: "
+                             "serve them from a plain server)")
         self.check_token_ids(prompt_token_ids)
         return self._admission.check_admissible(len(prompt_token_ids), params.max_tokens)
 

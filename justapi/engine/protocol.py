@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..config import EngineConfig
+from ..config import EngineConfig, ModelConfig
 from ..core.stats import PdSnapshot, SchedulerSnapshot
 from ..model.tokenizer import Tokenizer
 from ..sampling_params import SamplingParams
@@ -27,6 +27,7 @@ class Engine(Protocol):
     """What AsyncLLM and the server may use of an engine."""
 
     config: EngineConfig
+    model_config: ModelConfig
     tokenizer: Tokenizer
 
     @property

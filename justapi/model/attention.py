@@ -77,6 +77,7 @@ def paged_attention(
     batch_invariant: bool = False,
     compute_dtype: torch.dtype | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of query rows ``q`` [num_tokens, num_heads, head_dim] over their sequences' cached K/V.
 
@@ -87,9 +88,11 @@ def paged_attention(
     The cache may be fp32 or bf16; ``q`` and the result are fp32 (on the torch path, gathered K/V are widened).
     ``compute_dtype``: the model's (None: the cache's); the fused path computes in the cache's dtype only where it
     is the model's (see _sequence_attention_fused). ``window``: the layer's sliding window (module docstring).
+    ``softcap`` (Gemma 2): scores s become c·tanh(s / c) before the softmax, which neither torch's fused kernel nor
+    the C++ kernel computes: such a model takes the plain-matmul paths.
     """
     use_kernel = (kernels is not None and q.device.type == "cpu" and q.dtype == torch.float32
-                  and k_cache.dtype in (torch.float32, torch.bfloat16))
+                  and k_cache.dtype in (torch.float32, torch.bfloat16) and softcap is None)
     if use_kernel and meta.decode_rows is not None and meta.decode_rows.numel() == q.shape[0]:
         # decode rows only (they are then rows 0..n-1 in order): no gather of the queries, no scatter of the result
         return kernels.decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
@@ -102,13 +105,13 @@ def paged_attention(
                 qd, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, window or 0
             )
         else:
-            out[meta.decode_rows] = _decode_attention(qd, k_cache, v_cache, meta, scale, window)
+            out[meta.decode_rows] = _decode_attention(qd, k_cache, v_cache, meta, scale, window, softcap)
     for span in meta.seqs:
         if span.num_query_tokens == 1 and span.mask is None and meta.decode_rows is not None:
             continue  # done in the decode batch
         rows = slice(span.query_start, span.query_start + span.num_query_tokens)
-        if batch_invariant:
-            out[rows] = _sequence_attention(q[rows], k_cache, v_cache, span, scale, window)
+        if batch_invariant or softcap is not None:
+            out[rows] = _sequence_attention(q[rows], k_cache, v_cache, span, scale, window, softcap)
         else:
             out[rows] = _sequence_attention_fused(q[rows], k_cache, v_cache, span, scale, compute_dtype, window)
     return out
@@ -131,7 +134,12 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
     return _gather_blocks(cache, block_table).flatten(1, 2)[:, :length]
 
 
-def _sequence_attention(q, k_cache, v_cache, span: SeqSpan, scale: float, window: int | None = None) -> torch.Tensor:
+def _capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
+def _sequence_attention(q, k_cache, v_cache, span: SeqSpan, scale: float, window: int | None = None,
+                        softcap: float | None = None) -> torch.Tensor:
     num_q, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
     group = num_heads // num_kv_heads
@@ -139,7 +147,7 @@ def _sequence_attention(q, k_cache, v_cache, span: SeqSpan, scale: float, window
     k = _gather(k_cache, span.block_table, ctx).to(q.dtype).transpose(1, 2)  # [kvh, d, ctx]
     v = _gather(v_cache, span.block_table, ctx).to(q.dtype)  # [kvh, ctx, d]
     qh = q.view(num_q, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * num_q, head_dim)
-    scores = torch.bmm(qh, k).view(num_kv_heads, group, num_q, ctx) * scale
+    scores = _capped(torch.bmm(qh, k).view(num_kv_heads, group, num_q, ctx) * scale, softcap)
     visible = _visibility(span, q.device, window)  # [num_q, ctx]
     scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(num_kv_heads, group * num_q, ctx)
@@ -210,7 +218,7 @@ def _visibility(span: SeqSpan, device, window: int | None = None) -> torch.Tenso
 
 
 def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                      window: int | None = None) -> torch.Tensor:
+                      window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """One new token per sequence, all sequences at once, contexts padded to the longest and masked.
 
     ::
@@ -226,7 +234,7 @@ def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float
     k = _gather_blocks(k_cache, tables.flatten()).view(num_kv_heads, num_seqs, -1, head_dim)[:, :, :length].to(q.dtype)
     v = _gather_blocks(v_cache, tables.flatten()).view(num_kv_heads, num_seqs, -1, head_dim)[:, :, :length].to(q.dtype)
     qh = q.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1)  # [kvh, B, group, d]
-    scores = torch.matmul(qh, k.transpose(2, 3)) * scale  # [kvh, B, group, L]
+    scores = _capped(torch.matmul(qh, k.transpose(2, 3)) * scale, softcap)  # [kvh, B, group, L]
     slots = torch.arange(length, device=q.device).unsqueeze(0)
     hidden = slots >= meta.decode_context_lens.unsqueeze(1)  # [B, L]: padding past each context
     if window is not None:  # the query sits at context_len - 1

@@ -111,8 +111,9 @@ def read_model_config(reader, path: str) -> ModelConfig:
     scaling = field_value(reader, f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         raise ModelLoadError(f"{path}: RoPE scaling {scaling!r} is not supported yet")
-    if "rope_freqs.weight" in {t.name for t in reader.tensors}:
-        raise ModelLoadError(f"{path}: per-frequency RoPE factors (rope_freqs.weight) are not supported yet")
+    factors = sorted(t.name for t in reader.tensors if t.name.startswith(("rope_freqs", "rope_factors")))
+    if factors:
+        raise ModelLoadError(f"{path}: per-frequency RoPE factors ({factors[0]}) are not supported yet")
     hidden = int(need("embedding_length"))
     num_heads = int(need("attention.head_count"))
     num_kv_heads = int(field_value(reader, f"{arch}.attention.head_count_kv", num_heads))
@@ -137,10 +138,22 @@ def read_model_config(reader, path: str) -> ModelConfig:
         rope_theta=float(field_value(reader, f"{arch}.rope.freq_base", 10000.0)),
         context_length=int(field_value(reader, f"{arch}.context_length", 2048)),
         tie_word_embeddings="output.weight" not in names,
-        qkv_bias="blk.0.attn_q.bias" in names,
+        qkv_bias="blk.0.attn_q.bias" in names or "blk.0.attn_qkv.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
         layer_windows=_layer_windows(reader, arch, int(need("block_count"))),
+        pooling=POOLING_TYPES.get(field_value(reader, f"{arch}.pooling_type"), "last"),
+        attn_softcap=_positive(field_value(reader, f"{arch}.attn_logit_softcapping")),
+        final_softcap=_positive(field_value(reader, f"{arch}.final_logit_softcapping")),
     )
+
+
+def _positive(value) -> float | None:
+    return float(value) if value else None
+
+
+# llama.cpp's {arch}.pooling_type values; absent or "none" (0): a decoder's embedding is its last token's, as
+# llama.cpp and vLLM default for decoder-only models; "cls" and "rank" are named so requests can be refused clearly
+POOLING_TYPES = {0: "last", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
 
 
 def _layer_windows(reader, arch: str, num_layers: int) -> tuple[int | None, ...]:

@@ -1,8 +1,9 @@
-"""The Llama family (llama, qwen2 with QKV biases, qwen3 with QK norm) and Gemma 3 over a paged KV cache.
+"""The Llama family (llama, qwen2 with QKV biases, qwen3 with QK norm, phi3 with fused tensors) and Gemma 2/3 over a
+paged KV cache.
 
-Gemma 3 is Llama with the differences config.ARCHS names: embeddings scaled by sqrt(hidden), a norm on each
-sublayer's output before its residual add, GELU (tanh) in the MLP, and five sliding-window layers (RoPE base
-10,000) to each global one (the file's base).
+Gemma is Llama with the differences config.ARCHS names: embeddings scaled by sqrt(hidden), a norm on each
+sublayer's output before its residual add, GELU (tanh) in the MLP, sliding-window layers (Gemma 3: five to each
+global one, RoPE base 10,000; Gemma 2: every other one) and, for Gemma 2, soft-capped attention scores and logits.
 
 ``forward`` takes one flat batch: the new tokens of many sequences, each with its own positions and blocks.
 Q/K/V and gate/up projections are fused into one matmul each at load time.
@@ -99,19 +100,21 @@ class LlamaModel:
         for i in range(config.num_layers):
             p = f"blk.{i}."
             post = traits.post_norms
-            bias = None
-            if config.qkv_bias:
-                bias = torch.cat([take(p + "attn_q.bias"), take(p + "attn_k.bias"), take(p + "attn_v.bias")])
+            # Phi-3 stores Q/K/V as one attn_qkv tensor and gate/up as one ffn_up of twice the rows: taken as stored
+            fused_qkv = p + "attn_qkv.weight" in tensors
+            qkv_names = ["attn_qkv"] if fused_qkv else ["attn_q", "attn_k", "attn_v"]
+            gate_up_names = ["ffn_gate", "ffn_up"] if p + "ffn_gate.weight" in tensors else ["ffn_up"]
+            bias = torch.cat([take(p + n + ".bias") for n in qkv_names]) if config.qkv_bias else None
             self.layers.append(
                 LayerWeights(
                     attn_norm=take(p + "attn_norm.weight"),
-                    qkv=matrix(p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"),
+                    qkv=matrix(*(p + n + ".weight" for n in qkv_names)),
                     qkv_bias=bias,
                     q_norm=take(p + "attn_q_norm.weight") if config.qk_norm else None,
                     k_norm=take(p + "attn_k_norm.weight") if config.qk_norm else None,
                     o=matrix(p + "attn_output.weight"),
                     ffn_norm=take(p + "ffn_norm.weight"),
-                    gate_up=matrix(p + "ffn_gate.weight", p + "ffn_up.weight"),
+                    gate_up=matrix(*(p + n + ".weight" for n in gate_up_names)),
                     down=matrix(p + "ffn_down.weight"),
                     post_attn_norm=take(p + "post_attention_norm.weight").float() if post else None,
                     post_ffn_norm=take(p + "post_ffw_norm.weight").float() if post else None,
@@ -186,8 +189,10 @@ class LlamaModel:
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         logits_rows: torch.Tensor,
-    ) -> torch.Tensor:
-        """Logits (fp32) for the rows ``logits_rows`` of the flat batch; writes every new token's K/V."""
+        hidden_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits (fp32) for the rows ``logits_rows`` of the flat batch; writes every new token's K/V. With
+        ``hidden_rows``, also those rows' final hidden states (after the last norm, fp32: what embeddings pool)."""
         cfg = self.config
         bi = self.batch_invariant
         if self.tp is None:
@@ -235,7 +240,7 @@ class LlamaModel:
                     k = self.rope.rotate(rms_norm(k, layer.k_norm, eps).float(), cos, sin)
                 write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             attn = paged_attention(q, k_cache, v_cache, meta, self.scale, self.kernels, bi, x.dtype,
-                                   layer.window).to(x.dtype)
+                                   layer.window, cfg.attn_softcap).to(x.dtype)
             o = linear(attn.reshape(n, self.q_size), layer.o, None, bi)
             o = o if self.tp is None else self.comm.all_reduce(o)
             if layer.post_attn_norm is not None:
@@ -255,13 +260,18 @@ class LlamaModel:
             residual = down if self.tp is None else self.comm.all_reduce(down)
             if layer.post_ffn_norm is not None:
                 residual = rms_norm(residual, layer.post_ffn_norm, eps)
-        x, residual = x[logits_rows], residual[logits_rows]  # only the rows that give logits (row-wise from here)
+        rows = logits_rows if hidden_rows is None else torch.cat([logits_rows, hidden_rows])
+        x, residual = x[rows], residual[rows]  # only the rows that give logits or states (row-wise from here)
         if fused:
             x = self.kernels.add_rms_norm(x, residual, self.norm, eps)[1]
         else:
             x = rms_norm(x + residual, self.norm, eps)
-        logits = linear(x, self.lm_head, None, bi).float()
-        return logits if self.tp is None else self.comm.gather_vocab(logits)
+        n_logits = len(logits_rows)
+        logits = linear(x[:n_logits], self.lm_head, None, bi).float() if n_logits else x.new_empty(0, 0).float()
+        logits = logits if self.tp is None or not n_logits else self.comm.gather_vocab(logits)
+        if cfg.final_softcap:  # Gemma 2: c·tanh(logits / c)
+            logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+        return logits if hidden_rows is None else (logits, x[n_logits:].float())
 
 
 def shard_selection(name: str, tp, head_dim: int):

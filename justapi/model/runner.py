@@ -28,6 +28,7 @@ class _RequestState:
     params: SamplingParams
     seed: int
     matcher: object = None  # structured.grammars.Matcher of a request with structured output
+    pooled: torch.Tensor | None = None  # an embedding request's pooled hidden states so far (mean: their sum)
 
 
 def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
@@ -78,12 +79,14 @@ class FlatBatch:
         self.spans: list[SeqSpan] = []
         self.tables: list[list[int]] = []  # each span's block ids (made tensors in forward, where needed)
         self.logits_rows: list[int] = []
+        self.hidden_rows: list[int] = []  # rows whose final hidden states embeddings pool
 
     def add(self, token_ids: list[int], positions: list[int], first_slot: int, block_ids: list[int],
-            mask: torch.Tensor | None = None, logits: str | None = None) -> None:
+            mask: torch.Tensor | None = None, logits: str | None = None, hidden: str | None = None) -> None:
         """A sequence's new tokens, stored at slot positions ``first_slot ..``, seeing everything before them.
 
-        ``logits``: "last" (the row after the last token), "all", or None (no row: a prefill chunk mid-prompt).
+        ``logits``: "last" (the row after the last token), "all", or None (no row: a prefill chunk mid-prompt);
+        ``hidden`` the same for final hidden states (an embedding request's).
         """
         bs = self.block_size
         n = len(token_ids)
@@ -94,13 +97,15 @@ class FlatBatch:
         self.slots.extend(block_ids[p // bs] * bs + p % bs for p in range(first_slot, end))
         self.tables.append(block_ids[: -(-end // bs)])
         self.spans.append(SeqSpan(row, n, end, None, mask, positions))
-        if logits == "last":
-            self.logits_rows.append(row + n - 1)
-        elif logits == "all":
-            self.logits_rows.extend(range(row, row + n))
+        for kind, rows in ((logits, self.logits_rows), (hidden, self.hidden_rows)):
+            if kind == "last":
+                rows.append(row + n - 1)
+            elif kind == "all":
+                rows.extend(range(row, row + n))
 
-    def forward(self, model: LlamaModel, kv_caches) -> torch.Tensor:
-        """Run the model; logits [len(logits_rows), vocab] (fp32)."""
+    def forward(self, model: LlamaModel, kv_caches) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the model; logits [len(logits_rows), vocab] and hidden states [len(hidden_rows), hidden] (fp32;
+        None without hidden rows)."""
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.tensor(self.slots, dtype=torch.long, device=dev), seqs=self.spans)
         decode = [i for i, s in enumerate(self.spans) if s.num_query_tokens == 1 and s.mask is None]
@@ -109,13 +114,15 @@ class FlatBatch:
         for span, table in zip(self.spans, self.tables):
             if not (span.num_query_tokens == 1 and span.mask is None):  # the decode batch reads its own tables
                 span.block_table = torch.tensor(table, dtype=torch.long, device=dev)
-        return model.forward(
+        out = model.forward(
             torch.tensor(self.input_ids, dtype=torch.long, device=dev),
             torch.tensor(self.positions, dtype=torch.long, device=dev),
             meta,
             kv_caches,
             torch.tensor(self.logits_rows, dtype=torch.long, device=dev),
+            torch.tensor(self.hidden_rows, dtype=torch.long, device=dev) if self.hidden_rows else None,
         )
+        return out if self.hidden_rows else (out, None)
 
 
 def _add_decode_batch(meta: AttentionMetadata, spans: list[SeqSpan], tables: list[list[int]], device: str) -> None:
@@ -200,11 +207,19 @@ class ModelRunner:
             ))
         batch = FlatBatch(self.block_size, self.device)
         sample_ids: list[str] = []
+        pooled: list[tuple[str, int, bool]] = []  # embedding requests: hidden rows in the batch, prompt done
         for rid, n in sched.num_scheduled_tokens.items():
             st = self.states[rid]
             start = starts[rid]
             tree = trees.get(rid)
-            if tree:  # the last real token, then the draft nodes, each at its own slot
+            if st.params.pooling is not None:  # prefill only: hidden states instead of logits
+                end = start + n
+                done = end == st.num_prompt_tokens
+                every = st.params.pooling.kind == "mean"
+                batch.add(st.token_ids[start:end], list(range(start, end)), start, st.block_ids,
+                          hidden="all" if every else "last" if done else None)
+                pooled.append((rid, n if every else int(done), done))
+            elif tree:  # the last real token, then the draft nodes, each at its own slot
                 mask = None if tree.is_chain else tree.attention_mask(self.device)
                 batch.add([st.token_ids[start]] + tree.tokens, [start] + [start + d for d in tree.depths], start,
                           st.block_ids, mask, logits="all")
@@ -219,8 +234,28 @@ class ModelRunner:
                           logits="last" if done else None)
                 if done:
                     sample_ids.append(rid)
-        logits = batch.forward(self.model, self.kv_caches)
-        return self._sample(logits, sample_ids, trees, starts)
+        logits, hidden = batch.forward(self.model, self.kv_caches)
+        out = self._sample(logits, sample_ids, trees, starts) if sample_ids else RunnerOutput()
+        self._pool(hidden, pooled, out)
+        return out
+
+    def _pool(self, hidden: torch.Tensor | None, pooled: list[tuple[str, int, bool]], out: RunnerOutput) -> None:
+        """Fold each embedding request's hidden rows into its pooled state; a request whose prompt is done gets its
+        vector (Pooling: the mean or the last row, cut to ``dimensions``, L2-normalized)."""
+        offset = 0
+        for rid, rows, done in pooled:
+            st = self.states[rid]
+            part = hidden[offset : offset + rows].sum(0, dtype=torch.float64) if rows else None
+            offset += rows
+            if part is not None:
+                st.pooled = part if st.pooled is None else st.pooled + part
+            if done:
+                pooling = st.params.pooling
+                vec = st.pooled / st.num_prompt_tokens if pooling.kind == "mean" else st.pooled
+                vec = vec[: pooling.dimensions] if pooling.dimensions else vec
+                if pooling.normalize:
+                    vec = vec / vec.norm().clamp_min(1e-12)
+                out.embeddings[rid] = vec.float().tolist()
 
     def _sample(self, logits: torch.Tensor, sample_ids: list[str], trees: dict[str, DraftTree],
                 starts: dict[str, int]) -> RunnerOutput:

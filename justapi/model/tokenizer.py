@@ -83,6 +83,7 @@ class Tokenizer:
         self.bos_token_id = field_value(reader, "tokenizer.ggml.bos_token_id")
         self.eos_token_id = field_value(reader, "tokenizer.ggml.eos_token_id")
         self.add_bos = bool(field_value(reader, "tokenizer.ggml.add_bos_token", model == "llama"))
+        self.add_eos = bool(field_value(reader, "tokenizer.ggml.add_eos_token", False))  # embedding models' files
         eos = {self.eos_token_id}
         for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
             value = field_value(reader, key)
@@ -104,11 +105,15 @@ class Tokenizer:
         return self._hf.convert_ids_to_tokens(int(token_id)) or ""
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; special-token strings in it are parsed; BOS is prepended when the file asks."""
+        """Token ids of ``text``; special-token strings in it are parsed; BOS is prepended and EOS appended when the
+        file asks (an embedding model pools its last token, EOS, as llama.cpp does)."""
         ids = self._hf.encode(text, add_special_tokens=False)
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             if not ids or ids[0] != self.bos_token_id:
                 ids = [self.bos_token_id] + ids
+        if add_special_tokens and self.add_eos and self.eos_token_id is not None:
+            if not ids or ids[-1] != self.eos_token_id:
+                ids = ids + [self.eos_token_id]
         return ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:

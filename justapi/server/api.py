@@ -16,12 +16,15 @@ from ..config import ServerConfig
 from ..engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from ..engine.protocol import Engine
 from ..model.chat_template import ChatTemplateError
+from ..sampling_params import Pooling, SamplingParams
 from .chat_tools import ChatTools
 from .chunks import ChatChunks, CompletionChunks
 from .errors import ApiError, BodyLimit, engine_error, error_response, install_error_handlers
 from .metrics import Metrics
-from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, message_dicts
-from .serving import Choice, chat_logprobs, completion_logprobs, make_choices, new_id, now, run_choices, sse, usage
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeRequest,
+                       message_dicts)
+from .serving import (Choice, chat_logprobs, completion_logprobs, embedding_data, make_choices, new_id, now,
+                      run_choices, sse, usage)
 
 log = logging.getLogger("justapi.server")
 
@@ -172,6 +175,31 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
                              "finish_reason": c.final.finish_reason, "stop_reason": c.final.stop_reason}
                             for c in choices],
                 "usage": usage(choices)}
+
+    @app.post("/v1/embeddings")
+    async def embeddings(req: EmbeddingRequest, raw: Request):
+        llm = state.ready_llm()
+        _check_model(req.model)
+        engine = state.engine
+        hidden = engine.model_config.hidden_size
+        if req.dimensions is not None and not 1 <= req.dimensions <= hidden:
+            raise ApiError(400, f"dimensions must be in 1..{hidden} for this model, got {req.dimensions}",
+                           param="dimensions")
+        try:
+            pooling = Pooling(engine.model_config.pooling, dimensions=req.dimensions)
+        except ValueError as e:
+            raise ApiError(400, f"this model cannot serve embeddings: {e}") from None
+        tok = engine.tokenizer
+        params = SamplingParams.for_embedding(pooling)
+        choices = [Choice(i, i, tok.encode(x) if isinstance(x, str) else list(x), params)
+                   for i, x in enumerate(req.inputs())]
+        for c in choices:
+            _validate(llm, c)
+        await _collect(raw, llm, new_id("embd"), choices)
+        tokens = sum(len(c.prompt_ids) for c in choices)
+        return {"object": "list", "model": model_name,
+                "data": [embedding_data(c.index, c.final.embedding, req.encoding_format) for c in choices],
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):

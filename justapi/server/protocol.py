@@ -152,6 +152,41 @@ class ChatCompletionRequest(_SamplingRequest):
         return tool_request(self.tools, self.tool_choice, self.parallel_tool_calls)
 
 
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit per request
+
+
+class EmbeddingRequest(BaseModel):
+    """OpenAI's embeddings request; ``input`` is text, texts, token ids or lists of token ids."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _non_empty(cls, v: Any) -> Any:
+        if isinstance(v, list) and (not v or any(isinstance(x, list) and not x for x in v)):
+            raise ValueError("input must not be empty")
+        if isinstance(v, str) and not v:
+            raise ValueError("input must not be an empty string")
+        return v
+
+    @field_validator("input")
+    @classmethod
+    def _not_too_many(cls, v: Any) -> Any:
+        if isinstance(v, list) and v and not isinstance(v[0], int) and len(v) > MAX_EMBEDDING_INPUTS:
+            raise ValueError(f"at most {MAX_EMBEDDING_INPUTS} inputs per request, got {len(v)}")
+        return v
+
+    def inputs(self) -> list[str | list[int]]:
+        """One entry per embedding: a text or its token ids."""
+        v = self.input
+        return [v] if isinstance(v, str) or isinstance(v[0], int) else list(v)
+
+
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None

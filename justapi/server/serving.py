@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import time
 import uuid
 from dataclasses import replace
 from typing import AsyncIterator
+
+import numpy as np
 
 from ..engine.async_llm import AsyncLLM
 from ..engine.llm import child_seed
@@ -107,6 +110,14 @@ def chat_logprobs(tokenizer: Tokenizer, out_logprobs) -> dict | None:
 
     return {"content": [dict(entry(lp.token_id, lp.logprob), top_logprobs=[entry(t, v) for t, v in lp.top])
                         for lp in out_logprobs]}
+
+
+def embedding_data(index: int, vector: list[float], encoding_format: str) -> dict:
+    """One entry of an embeddings response: the vector as floats, or as base64 of little-endian float32 (what
+    OpenAI's clients decode)."""
+    if encoding_format == "base64":
+        vector = base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+    return {"object": "embedding", "index": index, "embedding": vector}
 
 
 def sse(payload: dict | str) -> str:

@@ -48,7 +48,7 @@ class DraftProposer:
             batch.add(tokens[first : start + 1], list(range(first, start + 1)), first, blocks, logits="last")
             self.positions[rid] = start + 1
             trees[rid] = DraftTree()
-        logits = batch.forward(self.model, self.kv_caches)
+        logits, _ = batch.forward(self.model, self.kv_caches)
         frontier = {rid: [ROOT] for rid, *_ in requests}  # nodes whose children come from the latest logits
         self._expand(trees, frontier, logits, [rid for rid, *_ in requests])
         max_depth = max(depth for *_, depth in requests)
@@ -66,7 +66,7 @@ class DraftProposer:
                 batch.add([tree.tokens[i] for i in nodes], [start + level] * len(nodes), start + 1 + lo, blocks,
                           mask, logits="all")
                 order.append(rid)
-            logits = batch.forward(self.model, self.kv_caches)
+            logits, _ = batch.forward(self.model, self.kv_caches)
             self._expand(trees, frontier, logits, order)
         return trees
 

@@ -1,0 +1,108 @@
+"""Dense families beyond Llama and Gemma 3 (issue 27 item 4), each a small declarative difference (config.ARCHS,
+and what the file states), held to transformers on tiny random GGUFs: phi3 (fused Q/K/V and gate/up tensors),
+gemma2 (soft-capped attention and logits, a window on every other layer) and a Mistral-style window on llama."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from justapi import LLM, SamplingParams
+from justapi.model.gguf_loader import ModelLoadError
+from hf_reference import hf_model
+from paged_helpers import paged_prefill_logits
+from test_model import load_model
+from tiny_gguf import write_tiny_model
+
+IDS = [(7 * i + 3) % 260 + 3 for i in range(45)]  # 45 tokens: many 4-token blocks, several 6-token chunks
+
+
+def _greedy_by_whole_passes(ref_model, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation, each token from a whole forward pass (its own cache plays no part)."""
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            out.append(int(ref_model(torch.tensor([prompt + out])).logits[0, -1].argmax()))
+    return out
+
+
+def _engine_greedy(path: str, prompt: list[int], n: int, **options) -> list[int]:
+    llm = LLM(path, pool_blocks=64, block_size=4, show_progress=False, **options)
+    return llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].token_ids
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_tiny_phi3_matches_transformers(tmp_path, tied):
+    """Phi-3's attn_qkv and ffn_up (gate then up, twice the rows) are read as stored: prefill logits within 1e-4 of
+    transformers' Phi3ForCausalLM, and greedy text equal on the default (packed-weight, C++ kernel) engine too."""
+    path = write_tiny_model(str(tmp_path / "phi3.gguf"), "phi3", tied=tied, seed=5)
+    model = load_model(path)
+    assert model.config.arch == "phi3" and model.layers[0].gate_up.shape[0] == 2 * model.config.intermediate_size
+    ref_model = hf_model(path, pad_token_id=0)  # Phi3Config's default pad id (32000) is past the tiny vocabulary
+    assert type(ref_model).__name__ == "Phi3ForCausalLM"
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([IDS])).logits[0]
+    assert (paged_prefill_logits(model, IDS, block_size=4, chunk=6) - ref).abs().max().item() < 1e-4
+    assert _engine_greedy(path, IDS[:5], 16, dtype="float32") == _greedy_by_whole_passes(ref_model, IDS[:5], 16)
+
+
+def test_tiny_gemma2_matches_transformers_with_soft_caps(tmp_path):
+    """Gemma 2: soft-capped attention scores (50) and logits (30), a window of 8 on layers 0, 2, 4 and global
+    attention on 1, 3, 5, Gemma's norms and scaling, against transformers' Gemma2ForCausalLM (eager attention, the
+    one that caps), prefilled in chunks and decoded past the window; without the caps the logits differ."""
+    path = write_tiny_model(str(tmp_path / "gemma2.gguf"), "gemma2", tokenizer="llama", num_layers=6, seed=3,
+                            weight_scale=0.6)
+    model = load_model(path)
+    assert [layer.window for layer in model.layers] == [8, None] * 3
+    assert (model.config.attn_softcap, model.config.final_softcap) == (50.0, 30.0)
+    ref_model = hf_model(path, query_pre_attn_scalar=model.config.head_dim, attn_implementation="eager")
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([IDS])).logits[0]
+    got = paged_prefill_logits(model, IDS, block_size=4, chunk=6)
+    assert (got - ref).abs().max().item() < 1e-4
+    uncapped = load_model(path)
+    uncapped.config = type(model.config)(**{**vars(model.config), "attn_softcap": None, "final_softcap": None})
+    assert (paged_prefill_logits(uncapped, IDS, block_size=4, chunk=6) - ref).abs().max().item() > 1e-2
+    prompt = IDS[:5]
+    assert _engine_greedy(path, prompt, 24) == _greedy_by_whole_passes(ref_model, prompt, 24)
+
+
+def test_a_llama_file_with_a_sliding_window_attends_like_mistral(tmp_path):
+    """A llama file carrying llama.attention.sliding_window (Mistral 7B v0.1's kind) attends through that window
+    on every layer, in every attention path: logits against transformers' MistralForCausalLM holding the same
+    weights with the same window (transformers reads llama files as LlamaForCausalLM, without one), and greedy
+    text past the window with the C++ decode kernel."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    path = write_tiny_model(str(tmp_path / "mistral.gguf"), "llama", llama_window=8, seed=7)
+    model = load_model(path)
+    assert [layer.window for layer in model.layers] == [8, 8]
+    llama = hf_model(path)
+    fields = {k: v for k, v in llama.config.to_dict().items() if k not in ("architectures", "model_type")}
+    ref_model = MistralForCausalLM(MistralConfig(**{**fields, "sliding_window": 8})).eval()
+    ref_model.load_state_dict(llama.state_dict())
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([IDS])).logits[0]
+        plain = llama(torch.tensor([IDS])).logits[0]
+    assert (paged_prefill_logits(model, IDS, block_size=4, chunk=6) - ref).abs().max().item() < 1e-4
+    assert (plain - ref).abs().max().item() > 1e-2  # the window matters at this length
+    prompt = IDS[:5]
+    assert _engine_greedy(path, prompt, 24, dtype="float32") == _greedy_by_whole_passes(ref_model, prompt, 24)
+
+
+def test_phi3_with_tensor_parallelism_or_rope_factors_fails_in_one_line(tmp_path):
+    """What is not served yet says so at start-up: phi3 under --tp (its fused tensors are not sharded), a file with
+    per-frequency RoPE factors (Phi-3 128k's rope_factors_long)."""
+    import numpy as np
+
+    from justapi.distributed.tp import TpPlan
+    from justapi.model.gguf_loader import open_gguf, read_model_config
+    from test_cli_and_inputs import rewrite_gguf
+
+    path = write_tiny_model(str(tmp_path / "phi3.gguf"), "phi3")
+    with pytest.raises(ValueError, match="phi3's fused"):
+        TpPlan.make(read_model_config(open_gguf(path), path), 0, 2)
+    bad = rewrite_gguf(path, str(tmp_path / "factors.gguf"),
+                       extra_tensors={"rope_factors_long.weight": np.ones(4, dtype=np.float32)})
+    with pytest.raises(ModelLoadError, match="rope_factors_long"):
+        read_model_config(open_gguf(bad), bad)
