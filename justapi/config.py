@@ -24,6 +24,7 @@ class ArchTraits:
     # for a model that transformers and JustAPI run without a window)
     global_every: int = 0  # with a sliding window: every Nth layer attends globally (Gemma 3: 6); 0: every layer
     local_rope_theta: float | None = None  # the sliding layers' RoPE base where it differs (Gemma 3: 10,000)
+    moe_norm_top_k: bool = False  # mixture of experts: the top-k routing weights renormalized to sum to 1
 
 
 ARCHS = {
@@ -31,6 +32,10 @@ ARCHS = {
     "llama": ArchTraits(rope_style="norm", sliding_window=True),
     "qwen2": ArchTraits(),
     "qwen3": ArchTraits(),
+    # mixtures of experts (model/moe.py): Qwen2-MoE with a shared expert and raw top-k softmax weights, Qwen3-MoE
+    # (QK norm) with renormalized ones (llama.cpp's and transformers' GGUF defaults for each)
+    "qwen2moe": ArchTraits(),
+    "qwen3moe": ArchTraits(moe_norm_top_k=True),
     # Phi-3: fused attn_qkv and gate/up (ffn_up) tensors, which the model reads as stored; a window where the file
     # gives one (Phi-3 mini's 2047, on every layer)
     "phi3": ArchTraits(sliding_window=True),
@@ -104,6 +109,8 @@ class ModelConfig:
     layer_windows: tuple[int | None, ...] = ()
     pooling: str = "last"  # what /v1/embeddings pools: the file's {arch}.pooling_type, else the last token
     attn_softcap: float | None = None  # attention scores s -> c·tanh(s / c) before the softmax (Gemma 2)
+    num_experts: int = 0  # a mixture of experts' experts per layer ({arch}.expert_count); 0: a dense MLP
+    num_experts_used: int = 0  # experts per token ({arch}.expert_used_count)
     final_softcap: float | None = None  # logits likewise
 
     def __post_init__(self) -> None:

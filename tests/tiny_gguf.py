@@ -90,6 +90,8 @@ def write_tiny_model(
     head_dim: int | None = None,
     pooling: str | None = None,
     llama_window: int | None = None,
+    num_experts: int = 4,
+    experts_used: int = 2,
 ) -> str:
     """A random model whose linear weights are stored as ``qtype`` and its token embedding as ``embd_qtype`` (F32
     or a type gguf quantizes, e.g. Q8_0 as SmolLM2's); returns ``path``. ``gemma3``: its extra norms, QK norm,
@@ -98,7 +100,9 @@ def write_tiny_model(
     ``phi3``: Q/K/V fused in attn_qkv, gate and up in one ffn_up of twice the rows. ``gemma2``: Gemma 3 without QK
     norm, a window on every other layer, attention scores and logits soft-capped at 50 and 30 (transformers'
     defaults, which its GGUF loader does not read). ``llama_window``: a Mistral-style window on every llama layer.
-    ``pooling``: the file's pooling type (an embedding model's).
+    ``pooling``: the file's pooling type (an embedding model's). ``qwen2moe`` / ``qwen3moe``: ``num_experts``
+    experts of width ``intermediate`` in 3-D tensors, ``experts_used`` a token; qwen2moe adds a shared expert of
+    the same width with its sigmoid gate, and QKV biases; qwen3moe has QK norm.
 
     ``vocab_from``: another GGUF file whose tokenizer (every ``tokenizer.*`` key) the model takes, e.g. a tiny
     random draft model for SmolLM2.
@@ -125,7 +129,7 @@ def write_tiny_model(
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(1e6 if arch == "gemma3" else 10000.0)
     w.add_vocab_size(vocab_size)
-    if arch in ("qwen3", "gemma2", "gemma3"):
+    if arch in ("qwen3", "qwen3moe", "gemma2", "gemma3"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     if arch in ("gemma2", "gemma3"):
@@ -135,6 +139,13 @@ def write_tiny_model(
         w.add_final_logit_softcapping(30.0)
     if llama_window is not None:
         w.add_sliding_window(llama_window)
+    moe = arch in ("qwen2moe", "qwen3moe")
+    if moe:
+        w.add_expert_count(num_experts)
+        w.add_expert_used_count(experts_used)
+        w.add_expert_feed_forward_length(intermediate)
+    if arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(intermediate)
     if source is not None:
         for key, f in source.fields.items():
             if key.startswith("tokenizer.") and f.types[0] == gguf.GGUFValueType.ARRAY:
@@ -190,22 +201,33 @@ def write_tiny_model(
         else:
             for name, arr in zip(("attn_q", "attn_k", "attn_v"), qkv):
                 add_linear(p + name + ".weight", arr)
-        if arch == "qwen2":
+        if arch in ("qwen2", "qwen2moe"):
             w.add_tensor(p + "attn_q.bias", rand(num_heads * head_dim))
             w.add_tensor(p + "attn_k.bias", rand(num_kv_heads * head_dim))
             w.add_tensor(p + "attn_v.bias", rand(num_kv_heads * head_dim))
-        if arch in ("qwen3", "gemma3"):
+        if arch in ("qwen3", "qwen3moe", "gemma3"):
             w.add_tensor(p + "attn_q_norm.weight", (1 + rand(head_dim, scale=0.1)))
             w.add_tensor(p + "attn_k_norm.weight", (1 + rand(head_dim, scale=0.1)))
         add_linear(p + "attn_output.weight", rand(hidden, num_heads * head_dim))
         w.add_tensor(p + "ffn_norm.weight", (1 + rand(hidden, scale=0.1)))
-        gate, up = rand(intermediate, hidden), rand(intermediate, hidden)
-        if arch == "phi3":
-            add_linear(p + "ffn_up.weight", np.concatenate([gate, up]))
+        if moe:
+            w.add_tensor(p + "ffn_gate_inp.weight", rand(num_experts, hidden, scale=1.0))
+            w.add_tensor(p + "ffn_gate_exps.weight", rand(num_experts, intermediate, hidden))
+            w.add_tensor(p + "ffn_up_exps.weight", rand(num_experts, intermediate, hidden))
+            w.add_tensor(p + "ffn_down_exps.weight", rand(num_experts, hidden, intermediate))
+            if arch == "qwen2moe":
+                add_linear(p + "ffn_gate_shexp.weight", rand(intermediate, hidden))
+                add_linear(p + "ffn_up_shexp.weight", rand(intermediate, hidden))
+                add_linear(p + "ffn_down_shexp.weight", rand(hidden, intermediate))
+                w.add_tensor(p + "ffn_gate_inp_shexp.weight", rand(hidden))
         else:
-            add_linear(p + "ffn_gate.weight", gate)
-            add_linear(p + "ffn_up.weight", up)
-        add_linear(p + "ffn_down.weight", rand(hidden, intermediate))
+            gate, up = rand(intermediate, hidden), rand(intermediate, hidden)
+            if arch == "phi3":
+                add_linear(p + "ffn_up.weight", np.concatenate([gate, up]))
+            else:
+                add_linear(p + "ffn_gate.weight", gate)
+                add_linear(p + "ffn_up.weight", up)
+            add_linear(p + "ffn_down.weight", rand(hidden, intermediate))
         if arch in ("gemma2", "gemma3"):
             w.add_tensor(p + "post_attention_norm.weight", (1 + rand(hidden, scale=0.1)))
             w.add_tensor(p + "post_ffw_norm.weight", (1 + rand(hidden, scale=0.1)))

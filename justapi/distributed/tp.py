@@ -43,6 +43,7 @@ class TpPlan:
     kv_heads: tuple[int, ...]  # global KV heads, in local order (repeats where replicated)
     ffn: tuple[int, int]  # intermediate rows [start, end)
     vocab: tuple[int, int]  # vocabulary rows [start, end)
+    experts: tuple[int, int] = (0, 0)  # a mixture of experts' experts this rank holds [start, end)
 
     @classmethod
     def make(cls, cfg: ModelConfig, rank: int, size: int) -> TpPlan:
@@ -50,8 +51,9 @@ class TpPlan:
         if size > 1 and cfg.arch == "phi3":  # shard_selection cuts separate Q/K/V and gate/up tensors only
             raise ValueError(f"--tp {size}: phi3's fused attn_qkv and gate/up tensors are not sharded yet; "
                              "serve it with --tp 1")
-        for dim, value in (("attention heads", cfg.num_heads), ("intermediate (MLP) rows", cfg.intermediate_size),
-                           ("vocabulary entries", cfg.vocab_size)):
+        dims = [("attention heads", cfg.num_heads), ("intermediate (MLP) rows", cfg.intermediate_size),
+                ("vocabulary entries", cfg.vocab_size)] + ([("experts", cfg.num_experts)] if cfg.num_experts else [])
+        for dim, value in dims:
             if size > value:
                 raise ValueError(f"--tp {size} exceeds the model's {value} {dim}: every rank needs at least one")
         h, k = cfg.num_heads, cfg.num_kv_heads
@@ -68,7 +70,7 @@ class TpPlan:
             q = tuple(range(a, b))
             kv = tuple(i // group for i in q)
         return cls(rank, size, q, kv, even_range(cfg.intermediate_size, size, rank),
-                   even_range(cfg.vocab_size, size, rank))
+                   even_range(cfg.vocab_size, size, rank), even_range(cfg.num_experts, size, rank))
 
 
 def head_rows(heads: tuple[int, ...], head_dim: int) -> torch.Tensor:

@@ -124,12 +124,21 @@ def read_model_config(reader, path: str) -> ModelConfig:
     if emb is None:
         raise ModelLoadError(f"{path}: tensor token_embd.weight is missing")
     vocab = int(field_value(reader, f"{arch}.vocab_size", int(emb.shape[1]) if tokens is None else len(tokens)))
+    experts = int(field_value(reader, f"{arch}.expert_count", 0) or 0)
+    used = int(field_value(reader, f"{arch}.expert_used_count", 0) or 0)
+    if experts and not 0 < used <= experts:
+        raise ModelLoadError(f"{path}: metadata key {arch}.expert_used_count is {used}, not 1..{experts}")
+    # a mixture of experts' dense MLP width may be absent: its experts' then (the tensor-parallel plan splits it)
+    ffn = field_value(reader, f"{arch}.feed_forward_length") or (
+        field_value(reader, f"{arch}.expert_feed_forward_length") if experts else None)
+    if ffn is None:
+        raise ModelLoadError(f"{path}: metadata key {arch}.feed_forward_length is missing")
     return ModelConfig(
         path=path,
         arch=arch,
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
+        intermediate_size=int(ffn),
         num_layers=int(need("block_count")),
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
@@ -144,6 +153,8 @@ def read_model_config(reader, path: str) -> ModelConfig:
         pooling=POOLING_TYPES.get(field_value(reader, f"{arch}.pooling_type"), "last"),
         attn_softcap=_positive(field_value(reader, f"{arch}.attn_logit_softcapping")),
         final_softcap=_positive(field_value(reader, f"{arch}.final_logit_softcapping")),
+        num_experts=experts,
+        num_experts_used=used,
     )
 
 

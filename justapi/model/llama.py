@@ -23,6 +23,7 @@ from .gguf_loader import Q8_SUFFIX, ModelLoadError
 from . import hugepages
 from .layers import RotaryEmbedding, linear, rms_norm
 from .kernel_policy import KernelPolicy
+from .moe import MoeWeights, moe_mlp
 from .quant import DenseWeight, Int4Weight, Int8RowWeight, Int8Weight, Q4Unpacked, Q8Unpacked, cat_q4, cat_q8
 
 
@@ -39,11 +40,12 @@ class LayerWeights:
     k_norm: torch.Tensor | None
     o: Linear
     ffn_norm: torch.Tensor
-    gate_up: Linear  # [2 * intermediate, hidden]
-    down: Linear
+    gate_up: Linear | None  # [2 * intermediate, hidden]; None in a mixture of experts (``moe``)
+    down: Linear | None
     post_attn_norm: torch.Tensor | None = None  # Gemma: the attention output normed before the residual add
     post_ffn_norm: torch.Tensor | None = None  # ... and the MLP's
     window: int | None = None  # sliding-window attention (attention.py); None: the whole context
+    moe: MoeWeights | None = None  # a mixture of experts' MLP, in place of gate_up and down
 
 
 class LlamaModel:
@@ -80,6 +82,11 @@ class LlamaModel:
                 return t
             return t.to(device)
 
+        def dense(name: str, required: bool = True) -> torch.Tensor | None:
+            """A tensor as loaded, packed ones dequantized to the compute dtype (a mixture of experts' 2-D parts)."""
+            t = take(name, required)
+            return t if t is None or isinstance(t, torch.Tensor) else t.dequantize().to(device, policy.dtype)
+
         def matrix(*names: str) -> Linear:
             """The weights ``names`` stacked along the output dimension: packed if all are 4-bit or all 8-bit, else
             dense (Gemma 3's Q6_K rows, or a fusion of 4- and 8-bit parts)."""
@@ -104,6 +111,7 @@ class LlamaModel:
             fused_qkv = p + "attn_qkv.weight" in tensors
             qkv_names = ["attn_qkv"] if fused_qkv else ["attn_q", "attn_k", "attn_v"]
             gate_up_names = ["ffn_gate", "ffn_up"] if p + "ffn_gate.weight" in tensors else ["ffn_up"]
+            moe = self._moe_weights(dense, p, config, traits) if config.num_experts else None
             bias = torch.cat([take(p + n + ".bias") for n in qkv_names]) if config.qkv_bias else None
             self.layers.append(
                 LayerWeights(
@@ -114,8 +122,9 @@ class LlamaModel:
                     k_norm=take(p + "attn_k_norm.weight") if config.qk_norm else None,
                     o=matrix(p + "attn_output.weight"),
                     ffn_norm=take(p + "ffn_norm.weight"),
-                    gate_up=matrix(*(p + n + ".weight" for n in gate_up_names)),
-                    down=matrix(p + "ffn_down.weight"),
+                    gate_up=None if moe else matrix(*(p + n + ".weight" for n in gate_up_names)),
+                    down=None if moe else matrix(p + "ffn_down.weight"),
+                    moe=moe,
                     post_attn_norm=take(p + "post_attention_norm.weight").float() if post else None,
                     post_ffn_norm=take(p + "post_ffw_norm.weight").float() if post else None,
                     window=config.window(i),
@@ -129,6 +138,7 @@ class LlamaModel:
         self.embed_scale = (torch.tensor(config.hidden_size ** 0.5).to(device, self.dtype)
                             if traits.embed_scale else None)
         self.gelu = traits.mlp_act == "gelu_tanh"
+        self._gate_act = (lambda t: F.gelu(t, approximate="tanh")) if self.gelu else F.silu
         head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
         q8_forms = {n: tensors.pop(n + Q8_SUFFIX, None) for n in ("output.weight", "token_embd.weight")}  # load_tensors
         head_q8 = q8_forms[head]
@@ -154,6 +164,22 @@ class LlamaModel:
         if self.huge_pages:
             self._weights_to_huge_pages()
 
+    def _moe_weights(self, dense, p: str, config: ModelConfig, traits) -> MoeWeights:
+        """Layer ``p``'s experts as dense stacks (gate and up fused), the router in fp32, and the shared expert,
+        which under tensor parallelism rank 0 alone computes (the MLP's all-reduce adds it once). ``dense(name,
+        required)``: a tensor of the file in the compute dtype."""
+        gate_up = torch.cat([dense(p + "ffn_gate_exps.weight"), dense(p + "ffn_up_exps.weight")], dim=1).contiguous()
+        w = MoeWeights(dense(p + "ffn_gate_inp.weight").float(), gate_up, dense(p + "ffn_down_exps.weight"),
+                       self.tp.experts[0] if self.tp is not None else 0, config.num_experts_used,
+                       traits.moe_norm_top_k)
+        up = dense(p + "ffn_up_shexp.weight", False)
+        if up is not None:
+            gate, down = dense(p + "ffn_gate_shexp.weight"), dense(p + "ffn_down_shexp.weight")
+            shared_gate = dense(p + "ffn_gate_inp_shexp.weight").float().flatten()
+            if self.tp is None or self.tp.rank == 0:
+                w.shared_gate_up, w.shared_down, w.shared_gate = torch.cat([gate, up]).contiguous(), down, shared_gate
+        return w
+
     def _weights_to_huge_pages(self) -> None:
         """Every plain weight tensor (the linears' packed and dense forms, norms, embedding) copied into one
         huge-page arena. oneDNN's prepacked bf16 copies are opaque tensors and stay where oneDNN put them."""
@@ -168,7 +194,7 @@ class LlamaModel:
         """This model, its layers and their quantized weights: every object holding weight tensors."""
         owners = [self] + self.layers
         for owner in list(owners):
-            owners += [w for w in vars(owner).values() if isinstance(w, (*PACKED, Int8RowWeight))]
+            owners += [w for w in vars(owner).values() if isinstance(w, (*PACKED, Int8RowWeight, MoeWeights))]
         return owners
 
     def weight_bytes(self) -> int:
@@ -250,13 +276,16 @@ class LlamaModel:
             else:
                 x = x + o
                 h = rms_norm(x, layer.ffn_norm, eps)
-            gate_up = linear(h, layer.gate_up, None, bi)
-            if fused_silu and gate_up.shape[1] % 32 == 0:  # bit-identical to the two torch ops below
-                act = self.kernels.silu_mul(gate_up)
+            if layer.moe is not None:
+                down = moe_mlp(h, layer.moe, self._gate_act).to(x.dtype)
             else:
-                gate, up = gate_up.chunk(2, dim=-1)
-                act = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up
-            down = linear(act, layer.down, None, bi)
+                gate_up = linear(h, layer.gate_up, None, bi)
+                if fused_silu and gate_up.shape[1] % 32 == 0:  # bit-identical to the two torch ops below
+                    act = self.kernels.silu_mul(gate_up)
+                else:
+                    gate, up = gate_up.chunk(2, dim=-1)
+                    act = self._gate_act(gate) * up
+                down = linear(act, layer.down, None, bi)
             residual = down if self.tp is None else self.comm.all_reduce(down)
             if layer.post_ffn_norm is not None:
                 residual = rms_norm(residual, layer.post_ffn_norm, eps)
@@ -292,4 +321,6 @@ def shard_selection(name: str, tp, head_dim: int):
         return 0, torch.arange(*tp.ffn)
     if kind == "ffn_down":
         return 1, torch.arange(*tp.ffn)
-    return None  # norms: replicated
+    if kind in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):  # the rank's experts, whole
+        return 0, torch.arange(*tp.experts)
+    return None  # norms, a mixture of experts' router and shared expert: replicated
