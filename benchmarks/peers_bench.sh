@@ -38,9 +38,10 @@ if [ -n "${JUSTAPI_BEFORE:-}" ]; then
   PORT_BEFORE=$((PORT_JUSTAPI + 1))
   up "$PORT_BEFORE" || {
     # shellcheck disable=SC2086 # the extra flags are words
-    PYTHONPATH="$JUSTAPI_BEFORE" TORCH_EXTENSIONS_DIR="$JUSTAPI_BEFORE/.torch_extensions" setsid \
-      "$ROOT/.venv/bin/python" -m justapi.cli serve ${JUSTAPI_BEFORE_ARGS:-} --model "$GGUF" --port "$PORT_BEFORE" \
-      --served-model-name "$SERVED_NAME" > "$PEERS/logs/justapi_before.log" 2>&1 < /dev/null &
+    # run from DIR: `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH
+    (cd "$JUSTAPI_BEFORE" && PYTHONPATH="$JUSTAPI_BEFORE" TORCH_EXTENSIONS_DIR="$JUSTAPI_BEFORE/.torch_extensions" \
+      exec setsid "$ROOT/.venv/bin/python" -m justapi.cli serve ${JUSTAPI_BEFORE_ARGS:-} --model "$GGUF" \
+      --port "$PORT_BEFORE" --served-model-name "$SERVED_NAME" > "$PEERS/logs/justapi_before.log" 2>&1 < /dev/null) &
     echo $! > "$PEERS/run/justapi_before.pid"
     "$STEER/wait_ready.sh" "$PORT_BEFORE" 900 "$PEERS/run/justapi_before.pid" "$PEERS/logs/justapi_before.log"; }
   URLS+=(--base-url "http://127.0.0.1:$PORT_BEFORE" --name justapi-before)

@@ -166,6 +166,40 @@ def test_q8_amx_matmul_expands_q8_0_exactly_and_rounds_once(cpp_kernels, n, k):
         cpp_kernels.q8_small_matmul(torch.randn(5, k), packed, n)
 
 
+@pytest.mark.parametrize("group, zero", [(32, True), (16, False), (16, True)], ids=["g32-zero", "g16", "g16-zero"])
+def test_8bit_units_with_zeros_or_16_wide_groups(cpp_kernels, group, zero):
+    """The 8-bit units of Q5_1/Q5_K (a zero per group) and Q6_K (groups of 16): on AMX tiles, each weight expanded
+    once (q · scale + zero, one rounding) to bf16, products summed in fp32 and rounded once; through q8_small, the
+    weights exact: within those roundings of the exact product, for 1-4 rows, 6-64 rows and pairs of blocks."""
+    from justapi.model.quant import Q8Unpacked
+
+    if not cpp_kernels.int4_amx_available():
+        pytest.skip("this CPU (or this build) has no AMX")
+    g = torch.Generator().manual_seed(5)
+    n, k = 48, 160
+    q = torch.randint(-32, 32, (n, k), dtype=torch.int8, generator=g)
+    scale = (torch.rand(n, k // group, generator=g) * 0.01 + 1e-4).to(torch.float16).float()
+    zeros = (torch.randn(n, k // group, generator=g) * 0.05).to(torch.float16).float() if zero else None
+    w = Q8Unpacked(q, scale, zeros, group)
+    exact_w = w.dequantize().double()
+    packed = cpp_kernels.q8_amx_pack(q, scale, zeros, group)
+    unit = dict(group=group, has_zero=zero)
+    for rows in (6, 17, 64, 130):
+        x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+        got = cpp_kernels.q8_amx_matmul(x, packed, n, **unit).double()
+        bf16_w = w.dequantize().to(torch.bfloat16).double()
+        exact = x.double() @ bf16_w.T
+        assert ((got - exact).abs() <= exact.abs() * 2 ** -8 + 1e-4).all(), rows
+    for rows in (1, 2, 3, 4):
+        x = torch.randn(rows, k, generator=g)
+        got = cpp_kernels.q8_small_matmul(x, packed, n, **unit).double()
+        exact = x.double() @ exact_w.T
+        bound = (x.double().abs() @ exact_w.abs().T) * k * 2 ** -23 + 1e-6
+        assert ((got - exact).abs() <= bound).all(), rows
+    with pytest.raises(RuntimeError, match="does not match"):
+        cpp_kernels.q8_small_matmul(torch.randn(1, k), packed, n, group=32 if group == 16 else 16, has_zero=zero)
+
+
 def _rows_to_16_bits(x: torch.Tensor) -> torch.Tensor:
     """q_matmul's rounding of fp32 rows: per group of 32, round(x * 32258 / amax) * (amax / 32258), ties to even."""
     groups = x.view(x.shape[0], -1, 32)

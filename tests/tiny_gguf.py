@@ -46,27 +46,74 @@ def spm_vocab() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
-def quantize_q4_k(arr: np.ndarray) -> np.ndarray:
-    """``arr`` [out, in] as Q4_K blocks, quantized as llama.cpp's reference does in outline (gguf cannot): each group
-    of 32 spans its own min..max in 15 steps (``w ≈ d·sc·q − dmin·m``), the groups' steps and mins quantized to 6
-    bits against their super-block's largest (``d``, ``dmin``), packed in ggml's layout (get_scale_min_k4)."""
+def _pack_k_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """8 six-bit scales and mins per super-block in ggml's 12 bytes (get_scale_min_k4's layout)."""
+    scales = np.zeros((len(sc), 12), dtype=np.uint8)
+    scales[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    scales[:, 4:8] = m[:, :4] | ((m[:, 4:] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:] & 0xF) | ((m[:, 4:] & 0xF) << 4)
+    return scales
+
+
+def _k_groups(arr: np.ndarray, levels: int):
+    """Groups of 32 spanning their own min..max in ``levels`` steps, the steps and mins quantized to 6 bits against
+    their super-block's largest: (d, dmin, sc, m, q) as Q4_K and Q5_K store them."""
     g = arr.astype(np.float32).reshape(-1, 8, 32)  # [super-blocks, groups, 32]
     lo = np.minimum(g.min(-1), 0)
-    step = np.maximum((g.max(-1) - lo) / 15, 1e-8)
+    step = np.maximum((g.max(-1) - lo) / levels, 1e-8)
     d = (step.max(-1, keepdims=True) / 63).astype(np.float16).astype(np.float32)
     dmin = (-lo.min(-1, keepdims=True) / 63).astype(np.float16).astype(np.float32)
     sc = np.clip(np.round(step / d), 1, 63).astype(np.uint8)
     m = np.clip(np.round(-lo / np.maximum(dmin, 1e-8)), 0, 63).astype(np.uint8)
-    q = np.clip(np.round((g + (dmin * m)[..., None]) / (d * sc)[..., None]), 0, 15).astype(np.uint8)
-    scales = np.zeros((len(g), 12), dtype=np.uint8)
-    scales[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
-    scales[:, 4:8] = m[:, :4] | ((m[:, 4:] >> 4) << 6)
-    scales[:, 8:12] = (sc[:, 4:] & 0xF) | ((m[:, 4:] & 0xF) << 4)
-    pairs = q.reshape(len(g), 4, 2, 32)  # groups 2i and 2i + 1 share 32 bytes: low and high nibbles
-    qs = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(len(g), 128)
-    blocks = np.concatenate([d.astype(np.float16).view(np.uint8), dmin.astype(np.float16).view(np.uint8), scales, qs],
-                            axis=1)
+    q = np.clip(np.round((g + (dmin * m)[..., None]) / (d * sc)[..., None]), 0, levels).astype(np.uint8)
+    return d, dmin, sc, m, q
+
+
+def quantize_q4_k(arr: np.ndarray) -> np.ndarray:
+    """``arr`` [out, in] as Q4_K blocks, quantized as llama.cpp's reference does in outline (gguf cannot): each group
+    of 32 spans its own min..max in 15 steps (``w ≈ d·sc·q − dmin·m``), the groups' steps and mins quantized to 6
+    bits against their super-block's largest (``d``, ``dmin``), packed in ggml's layout (get_scale_min_k4)."""
+    d, dmin, sc, m, q = _k_groups(arr, 15)
+    pairs = q.reshape(len(q), 4, 2, 32)  # groups 2i and 2i + 1 share 32 bytes: low and high nibbles
+    qs = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(len(q), 128)
+    blocks = np.concatenate([d.astype(np.float16).view(np.uint8), dmin.astype(np.float16).view(np.uint8),
+                             _pack_k_scales(sc, m), qs], axis=1)
     return blocks.reshape(arr.shape[0], -1)
+
+
+def quantize_q5_k(arr: np.ndarray) -> np.ndarray:
+    """``arr`` [out, in] as Q5_K blocks (as quantize_q4_k, 31 steps a group): d, dmin, the 12 scale bytes, qh (bit i
+    of byte l: the fifth bit of group i's weight l), qs (groups 2i and 2i + 1 in the low and high nibbles of run i)."""
+    d, dmin, sc, m, q = _k_groups(arr, 31)
+    n = len(q)
+    qh = np.zeros((n, 32), dtype=np.uint8)
+    for i in range(8):
+        qh |= ((q[:, i] >> 4) & 1) << i
+    low = q & 0x0F
+    qs = (low[:, 0::2] | (low[:, 1::2] << 4)).reshape(n, 128)
+    blocks = np.concatenate([d.astype(np.float16).view(np.uint8), dmin.astype(np.float16).view(np.uint8),
+                             _pack_k_scales(sc, m), qh, qs], axis=1)
+    return blocks.reshape(arr.shape[0], -1)
+
+
+def quantize_q6_k(arr: np.ndarray) -> np.ndarray:
+    """``arr`` [out, in] as Q6_K blocks: 16 groups of 16, each ``w ≈ d·sc·(q − 32)`` with int8 sc against the
+    super-block's d; ql holds the low nibbles, qh the top two bits, in ggml's layout (gguf's dequantize reads it)."""
+    g = arr.astype(np.float32).reshape(-1, 16, 16)
+    n = len(g)
+    step = np.maximum(np.abs(g).max(-1) / 31, 1e-8)  # [n, 16]
+    d = (step.max(-1, keepdims=True) / 127).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(step / d), 1, 127).astype(np.int8)
+    q = (np.clip(np.round(g / (d * sc)[..., None]), -32, 31) + 32).astype(np.uint8).reshape(n, 2, 128)
+    ql = (q[:, :, :64] & 0x0F) | ((q[:, :, 64:] & 0x0F) << 4)  # [n, 2, 64]
+    top = (q >> 4).reshape(n, 2, 4, 32)
+    qh = top[:, :, 0] | (top[:, :, 1] << 2) | (top[:, :, 2] << 4) | (top[:, :, 3] << 6)  # [n, 2, 32]
+    blocks = np.concatenate([ql.reshape(n, 128), qh.reshape(n, 64), sc.view(np.uint8),
+                             d.astype(np.float16).view(np.uint8)], axis=1)
+    return blocks.reshape(arr.shape[0], -1)
+
+
+K_QUANTIZERS = {"Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k, "Q6_K": quantize_q6_k}  # gguf quantizes none
 
 
 def write_tiny_model(
@@ -173,9 +220,9 @@ def write_tiny_model(
     def add_linear(name, arr):
         if qtype == "F32":
             w.add_tensor(name, arr)
-        elif qtype == "Q4_K":
-            w.add_tensor(name, quantize_q4_k(arr), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
-        elif qtype in ("Q2_K", "Q3_K", "Q5_K", "Q6_K"):
+        elif qtype in K_QUANTIZERS:
+            w.add_tensor(name, K_QUANTIZERS[qtype](arr), raw_dtype=gguf.GGMLQuantizationType[qtype])
+        elif qtype in ("Q2_K", "Q3_K"):
             # gguf cannot quantize K-quants; random blocks whose bytes stay below 0x3C keep every fp16 scale finite
             qt = gguf.GGMLQuantizationType[qtype]
             block, nbytes = gguf.GGML_QUANT_SIZES[qt]

@@ -20,8 +20,9 @@
 //
 // Expanded, row r is the AMX B-tile row [out0: in 2r, 2r+1 | out1: ... | out15: ...] (bf16 pairs, "VNNI" order).
 //
-// The same passes multiply a Q8_0 weight (a 4-bit model's LM head, its 8-bit token embedding) from 8-bit units
-// (Q8Unit below): the driver, matmul_amx, takes the unit format as a template parameter.
+// The same passes multiply 8-bit weights (Q8_0 and Q5_0, widened exactly; Q5_1, Q5_K and Q6_K with their zeros or
+// 16-wide groups) from 8-bit units (Q8Unit below): the driver, matmul_amx, takes the unit format as a template
+// parameter.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -40,9 +41,10 @@
 namespace {
 
 constexpr int64_t kUnitBytes = 320;     // a 4-bit unit (layout above)
-constexpr int64_t kQ8UnitBytes = 576;   // an 8-bit unit (Q8Unit below)
+// an 8-bit unit (Q8Unit below): 512 bytes of integers, then S sets of 16 fp32 scales (S = 32 / group size), then,
+// with zeros, S sets of 16 fp32 zeros
+constexpr int64_t q8_unit_bytes(int64_t sets, bool zero) { return 512 + 64 * sets * (zero ? 2 : 1); }
 struct Q4Unit;  // the unit formats matmul_amx takes (defined where AMX is built in)
-struct Q8Unit;
 constexpr int64_t kMaxRows = 64;  // rows per pass over the weight: four 16-row accumulator tiles
 constexpr int64_t kPairRows = 32;  // rows per pass over a pair of blocks: 2 x 2 accumulator tiles
 
@@ -61,6 +63,14 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// GCC 12 at -O3 may treat the ldtilecfg builtin as reading only part of its 64 bytes and drop the zeroing of the
+// unused tiles' fields (seen after an unrelated change: garbage there, and a #GP at the load); a compiler barrier
+// keeps every store to the config
+inline void load_tile_config(TileConfig& cfg) {
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
 // Linux hands out the AMX tile state only to processes that ask for it (once per process)
 bool amx_permitted() {
   static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
@@ -74,22 +84,36 @@ struct Q4Unit {
   static void expand(const uint8_t* unit, uint16_t* b);
 };
 
-// Q8_0 (the LM head of a 4-bit SmolLM2, its 8-bit token embedding, tied): w = q * d, q int8, d one fp16 scale per
-// 32 weights, in fp32 — exact (an 8-bit integer times an 11-bit significand) — then rounded to bf16: the values
-// gguf's dequantize gives, rounded as torch's conversion to bf16 rounds them. Unit: 16 rows r x 32 bytes (byte b:
-// q of output b/2 at input 2r + b%2, as an int8), then 16 scales (fp32), outputs 0..15: 576 bytes.
+// 8-bit weights: w = q * s (+ z), q int8, s (and z) fp32 per output and group of 32 inputs, or of 16 (kSets = 2:
+// rows 0..7 of a unit, inputs 0..15, read set 0; rows 8..15 set 1). Q8_0: q * d, exact in fp32 (an 8-bit integer
+// times an 11-bit significand) — the values gguf's dequantize gives —, then rounded to bf16 as torch's conversion
+// rounds them. Unit: 16 rows r x 32 bytes (byte b: q of output b/2 at input 2r + b%2, as an int8), then the scales,
+// then the zeros (see q8_unit_bytes).
+template <int kSets, bool kZero>
 struct Q8Unit {
-  static constexpr int64_t kBytes = kQ8UnitBytes;
+  static constexpr int64_t kBytes = q8_unit_bytes(kSets, kZero);
   static void expand(const uint8_t* unit, uint16_t* b) {
-    const __m512 scales = _mm512_loadu_ps(reinterpret_cast<const float*>(unit + 512));
     const __m512i lo_idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     const __m512i hi_idx = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
-    const __m512 s_lo = _mm512_permutexvar_ps(lo_idx, scales), s_hi = _mm512_permutexvar_ps(hi_idx, scales);
-    for (int r = 0; r < 16; ++r) {
-      const int8_t* row = reinterpret_cast<const int8_t*>(unit + 32 * r);
-      const __m512 q_lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
-      const __m512 q_hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16))));
-      _mm512_store_si512(b + 32 * r, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(q_hi, s_hi), _mm512_mul_ps(q_lo, s_lo)));
+    const float* terms = reinterpret_cast<const float*>(unit + 512);
+    for (int set = 0; set < kSets; ++set) {
+      const __m512 scales = _mm512_loadu_ps(terms + 16 * set);
+      const __m512 s_lo = _mm512_permutexvar_ps(lo_idx, scales), s_hi = _mm512_permutexvar_ps(hi_idx, scales);
+      __m512 z_lo = _mm512_setzero_ps(), z_hi = _mm512_setzero_ps();
+      if (kZero) {
+        const __m512 zeros = _mm512_loadu_ps(terms + 16 * (kSets + set));
+        z_lo = _mm512_permutexvar_ps(lo_idx, zeros), z_hi = _mm512_permutexvar_ps(hi_idx, zeros);
+      }
+      for (int r = set * 16 / kSets; r < (set + 1) * 16 / kSets; ++r) {
+        const int8_t* row = reinterpret_cast<const int8_t*>(unit + 32 * r);
+        const __m512 q_lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
+        const __m512 q_hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16))));
+        // q * s is exact in fp32 for every source format (at most 24 significant bits: Q6_K's d·sc has 18 and
+        // |q| <= 32), so the fused multiply-add rounds once, where gguf's dequantization rounds its sum
+        const __m512 w_lo = kZero ? _mm512_fmadd_ps(q_lo, s_lo, z_lo) : _mm512_mul_ps(q_lo, s_lo);
+        const __m512 w_hi = kZero ? _mm512_fmadd_ps(q_hi, s_hi, z_hi) : _mm512_mul_ps(q_hi, s_hi);
+        _mm512_store_si512(b + 32 * r, (__m512i)_mm512_cvtne2ps_pbh(w_hi, w_lo));
+      }
     }
   }
 };
@@ -139,7 +163,7 @@ inline void configure_tiles(int64_t rows) {
   if (full > 0) cfg.rows[4] = 16, cfg.colsb[4] = 64;
   if (rem > 0) cfg.rows[5] = static_cast<uint8_t>(rem), cfg.colsb[5] = 64;
   cfg.rows[6] = 16, cfg.colsb[6] = 64;
-  _tile_loadconfig(&cfg);
+  load_tile_config(cfg);
 }
 
 // one pass of up to kMaxRows rows of x (from xm) over one block of 16 outputs, into o (row stride n); b_tile(g)
@@ -195,7 +219,7 @@ inline void configure_pair_tiles(int64_t rows) {
   if (bottom > 0)
     for (int t : {2, 3, 5}) cfg.rows[t] = static_cast<uint8_t>(bottom), cfg.colsb[t] = 64;
   for (int t : {6, 7}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-  _tile_loadconfig(&cfg);
+  load_tile_config(cfg);
 }
 
 // one pass of up to kPairRows rows of x (from xm) over blocks blk and blk + 1 (expanded into e0 and e1), into o
@@ -288,8 +312,9 @@ void matmul_amx(const uint16_t* x, int64_t m, int64_t k, const uint8_t* packed, 
 // The weights stay exact (no bf16 rounding); products accumulate in fp32 in order of the groups.
 constexpr int64_t kQ8SmallRows = 4;
 
-template <int M>
+template <int M, int kSets, bool kZero>
 void q8_small_rows(const float* x, int64_t k, const uint8_t* packed, int64_t n, float* out) {
+  using Unit = Q8Unit<kSets, kZero>;
   const int64_t groups = k / 32, blocks = n / 16;
   const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
   const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
@@ -297,28 +322,36 @@ void q8_small_rows(const float* x, int64_t k, const uint8_t* packed, int64_t n, 
     for (int64_t blk = b0; blk < b1; ++blk) {
       __m512 total[M];
       for (int i = 0; i < M; ++i) total[i] = _mm512_setzero_ps();
-      const uint8_t* units = packed + blk * groups * kQ8UnitBytes;
+      const uint8_t* units = packed + blk * groups * Unit::kBytes;
       for (int64_t g = 0; g < groups; ++g) {
-        const uint8_t* unit = units + g * kQ8UnitBytes;
-        __m512 lo[M], hi[M];  // outputs 0..7 and 8..15, each lane one (output, parity)
-        for (int i = 0; i < M; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
-        for (int r = 0; r < 16; ++r) {
-          const int8_t* row = reinterpret_cast<const int8_t*>(unit + 32 * r);
-          const __m512 w_lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
-          const __m512 w_hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16))));
-          for (int i = 0; i < M; ++i) {
-            double pair;  // x[2r], x[2r + 1] of this group, repeated over the 8 outputs
-            std::memcpy(&pair, x + i * k + g * 32 + 2 * r, 8);
-            const __m512 xp = _mm512_castpd_ps(_mm512_set1_pd(pair));
-            lo[i] = _mm512_fmadd_ps(w_lo, xp, lo[i]);
-            hi[i] = _mm512_fmadd_ps(w_hi, xp, hi[i]);
+        const uint8_t* unit = units + g * Unit::kBytes;
+        const float* terms = reinterpret_cast<const float*>(unit + 512);
+        for (int set = 0; set < kSets; ++set) {
+          __m512 lo[M], hi[M];  // outputs 0..7 and 8..15, each lane one (output, parity)
+          float xsum[M];  // the set's inputs summed: what its zeros multiply
+          for (int i = 0; i < M; ++i) lo[i] = hi[i] = _mm512_setzero_ps(), xsum[i] = 0.0f;
+          for (int r = set * 16 / kSets; r < (set + 1) * 16 / kSets; ++r) {
+            const int8_t* row = reinterpret_cast<const int8_t*>(unit + 32 * r);
+            const __m512 w_lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
+            const __m512 w_hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16))));
+            for (int i = 0; i < M; ++i) {
+              const float* xr = x + i * k + g * 32 + 2 * r;
+              double pair;  // x[2r], x[2r + 1] of this group, repeated over the 8 outputs
+              std::memcpy(&pair, xr, 8);
+              const __m512 xp = _mm512_castpd_ps(_mm512_set1_pd(pair));
+              lo[i] = _mm512_fmadd_ps(w_lo, xp, lo[i]);
+              hi[i] = _mm512_fmadd_ps(w_hi, xp, hi[i]);
+              if (kZero) xsum[i] += xr[0] + xr[1];
+            }
           }
-        }
-        const __m512 scales = _mm512_loadu_ps(reinterpret_cast<const float*>(unit + 512));
-        for (int i = 0; i < M; ++i) {
-          const __m512 sums = _mm512_add_ps(_mm512_permutex2var_ps(lo[i], even, hi[i]),
-                                            _mm512_permutex2var_ps(lo[i], odd, hi[i]));
-          total[i] = _mm512_fmadd_ps(sums, scales, total[i]);
+          const __m512 scales = _mm512_loadu_ps(terms + 16 * set);
+          for (int i = 0; i < M; ++i) {
+            const __m512 sums = _mm512_add_ps(_mm512_permutex2var_ps(lo[i], even, hi[i]),
+                                              _mm512_permutex2var_ps(lo[i], odd, hi[i]));
+            total[i] = _mm512_fmadd_ps(sums, scales, total[i]);
+            if (kZero)
+              total[i] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[i]), _mm512_loadu_ps(terms + 16 * (kSets + set)), total[i]);
+          }
         }
       }
       for (int i = 0; i < M; ++i) _mm512_storeu_ps(out + i * n + blk * 16, total[i]);
@@ -400,60 +433,91 @@ torch::Tensor int4_amx_matmul(torch::Tensor x, torch::Tensor packed, int64_t out
   return amx_matmul<Q4Unit>("int4_amx_matmul", kUnitBytes, x, packed, out_features);
 }
 
-// q [n, k] int8, scale [n, k / 32] fp32 (Q8_0's fp16 scales) -> the 8-bit units of Q8Unit, uint8
-torch::Tensor q8_amx_pack(torch::Tensor q, torch::Tensor scale) {
+// q [n, k] int8, scale [n, k / group] fp32, zero (optional) like scale, group 32 or 16 -> the 8-bit units of
+// Q8Unit<32 / group, zero>, uint8
+torch::Tensor q8_amx_pack(torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> zero, int64_t group) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kInt8, "q8_amx_pack: q [out, in] int8 expected");
-  const int64_t n = q.size(0), k = q.size(1);
+  TORCH_CHECK(group == 32 || group == 16, "q8_amx_pack: groups of 32 or 16 inputs expected");
+  const int64_t n = q.size(0), k = q.size(1), sets = 32 / group;
   TORCH_CHECK(n % 16 == 0 && k % 32 == 0, "q8_amx_pack: out must be a multiple of 16 and in of 32");
   TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.dim() == 2 && scale.size(0) == n &&
-                  scale.size(1) == k / 32, "q8_amx_pack: scale [out, in / 32] fp32 expected");
+                  scale.size(1) == k / group, "q8_amx_pack: scale [out, in / group] fp32 expected");
+  const bool has_zero = zero.has_value();
+  TORCH_CHECK(!has_zero || (zero->scalar_type() == torch::kFloat32 && zero->sizes() == scale.sizes()),
+              "q8_amx_pack: zero shaped and typed as scale expected");
   q = q.contiguous();
   scale = scale.contiguous();
-  const int64_t groups = k / 32, blocks = n / 16;
-  auto packed = torch::empty({blocks * groups * kQ8UnitBytes}, torch::kUInt8);
+  const torch::Tensor z = has_zero ? zero->contiguous() : scale;
+  const int64_t groups = k / 32, blocks = n / 16, unit_bytes = q8_unit_bytes(sets, has_zero);
+  auto packed = torch::empty({blocks * groups * unit_bytes}, torch::kUInt8);
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
+  const float* zp = z.data_ptr<float>();
   uint8_t* dst = packed.data_ptr<uint8_t>();
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; ++blk)
       for (int64_t g = 0; g < groups; ++g) {
-        uint8_t* unit = dst + (blk * groups + g) * kQ8UnitBytes;
+        uint8_t* unit = dst + (blk * groups + g) * unit_bytes;
         for (int r = 0; r < 16; ++r)
           for (int b = 0; b < 32; ++b)
             unit[32 * r + b] = static_cast<uint8_t>(qp[(blk * 16 + b / 2) * k + g * 32 + 2 * r + b % 2]);
-        float s[16];
-        for (int o = 0; o < 16; ++o) s[o] = sp[(blk * 16 + o) * groups + g];
-        std::memcpy(unit + 512, s, sizeof(s));
+        float* terms = reinterpret_cast<float*>(unit + 512);
+        for (int64_t set = 0; set < sets; ++set)
+          for (int o = 0; o < 16; ++o) {
+            const int64_t at = (blk * 16 + o) * (k / group) + g * sets + set;
+            terms[16 * set + o] = sp[at];
+            if (has_zero) terms[16 * (sets + set) + o] = zp[at];
+          }
       }
   });
   return packed;
 }
 
-// x [rows, in] bf16, packed from q8_amx_pack, out_features -> [rows, out] bf16
-torch::Tensor q8_amx_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
-  return amx_matmul<Q8Unit>("q8_amx_matmul", kQ8UnitBytes, x, packed, out_features);
+// x [rows, in] bf16, packed from q8_amx_pack (with this group and zeros or not), out_features -> [rows, out] bf16
+torch::Tensor q8_amx_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features, int64_t group,
+                            bool has_zero) {
+  TORCH_CHECK(group == 32 || group == 16, "q8_amx_matmul: groups of 32 or 16 inputs expected");
+  const int64_t bytes = q8_unit_bytes(32 / group, has_zero);
+  if (group == 32 && !has_zero) return amx_matmul<Q8Unit<1, false>>("q8_amx_matmul", bytes, x, packed, out_features);
+  if (group == 32) return amx_matmul<Q8Unit<1, true>>("q8_amx_matmul", bytes, x, packed, out_features);
+  if (!has_zero) return amx_matmul<Q8Unit<2, false>>("q8_amx_matmul", bytes, x, packed, out_features);
+  return amx_matmul<Q8Unit<2, true>>("q8_amx_matmul", bytes, x, packed, out_features);
 }
 
-// x [rows <= 4, in] fp32, packed from q8_amx_pack, out_features -> [rows, out] fp32: q8_small_rows above
-torch::Tensor q8_small_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
+#ifdef JUSTAPI_AMX
+namespace {
+template <int kSets, bool kZero>
+void q8_small_dispatch(int64_t m, const float* x, int64_t k, const uint8_t* packed, int64_t n, float* out) {
+  switch (m) {
+    case 1: q8_small_rows<1, kSets, kZero>(x, k, packed, n, out); break;
+    case 2: q8_small_rows<2, kSets, kZero>(x, k, packed, n, out); break;
+    case 3: q8_small_rows<3, kSets, kZero>(x, k, packed, n, out); break;
+    case 4: q8_small_rows<4, kSets, kZero>(x, k, packed, n, out); break;
+    default: break;
+  }
+}
+}  // namespace
+#endif
+
+// x [rows <= 4, in] fp32, packed from q8_amx_pack (this group, zeros or not), out_features -> [rows, out] fp32
+torch::Tensor q8_small_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features, int64_t group,
+                              bool has_zero) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "q8_small_matmul: x [rows, in] fp32 expected");
+  TORCH_CHECK(group == 32 || group == 16, "q8_small_matmul: groups of 32 or 16 inputs expected");
   x = x.contiguous();
   const int64_t m = x.size(0), k = x.size(1), n = out_features;
-  TORCH_CHECK(m <= 4, "q8_small_matmul: at most 4 rows");
-  TORCH_CHECK(n % 16 == 0 && k % 32 == 0 && packed.numel() == n / 16 * k / 32 * kQ8UnitBytes,
+  TORCH_CHECK(m <= kQ8SmallRows, "q8_small_matmul: at most 4 rows");
+  TORCH_CHECK(n % 16 == 0 && k % 32 == 0 && packed.numel() == n / 16 * k / 32 * q8_unit_bytes(32 / group, has_zero),
               "q8_small_matmul: packed weight does not match the input width");
   auto out = torch::empty({m, n}, x.options());
 #ifdef JUSTAPI_AMX
   const float* xp = x.data_ptr<float>();
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  switch (m) {
-    case 1: q8_small_rows<1>(xp, k, pp, n, op); break;
-    case 2: q8_small_rows<2>(xp, k, pp, n, op); break;
-    case 3: q8_small_rows<3>(xp, k, pp, n, op); break;
-    case 4: q8_small_rows<4>(xp, k, pp, n, op); break;
-    default: break;
-  }
+  if (group == 32 && !has_zero) q8_small_dispatch<1, false>(m, xp, k, pp, n, op);
+  else if (group == 32) q8_small_dispatch<1, true>(m, xp, k, pp, n, op);
+  else if (!has_zero) q8_small_dispatch<2, false>(m, xp, k, pp, n, op);
+  else q8_small_dispatch<2, true>(m, xp, k, pp, n, op);
 #else
   TORCH_CHECK(false, "q8_small_matmul: built without AMX (the units it reads are AMX's)");
 #endif

@@ -535,13 +535,15 @@ torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
 bool int4_amx_available();
 torch::Tensor int4_amx_pack(torch::Tensor q, torch::Tensor scale, torch::Tensor zero);
 torch::Tensor int4_amx_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features);
-torch::Tensor q8_amx_pack(torch::Tensor q, torch::Tensor scale);
+torch::Tensor q8_amx_pack(torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> zero, int64_t group);
 bool silu_mul_available(bool bf16);
 torch::Tensor argmax_rows(torch::Tensor logits);
 void mask_logits(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows);
 torch::Tensor silu_mul(torch::Tensor gate_up);
-torch::Tensor q8_amx_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features);
-torch::Tensor q8_small_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features);
+torch::Tensor q8_amx_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features, int64_t group,
+                            bool has_zero);
+torch::Tensor q8_small_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features, int64_t group,
+                              bool has_zero);
 
 // q_matmul.cpp
 bool q_matmul_available();
@@ -561,9 +563,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "each row's first maximum (or first NaN), as logits.max(dim=-1).indices");
   m.def("silu_mul_available", &silu_mul_available, "whether silu_mul runs here on bf16 (True) or fp32 rows (AVX-512; AVX2: fp32)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up from fused [rows, 2 * width] gate/up rows, as torch rounds it");
-  m.def("q8_amx_pack", &q8_amx_pack, "Q8_0 weight (q, scale) -> the layout q8_amx_matmul reads");
-  m.def("q8_amx_matmul", &q8_amx_matmul, "x @ w.T, bf16 rows x a packed Q8_0 weight, on AMX tiles");
-  m.def("q8_small_matmul", &q8_small_matmul, "x @ w.T, 1-4 fp32 rows x q8_amx_pack's units, AVX-512 FMAs (fp32 out)");
+  m.def("q8_amx_pack", &q8_amx_pack, "8-bit weight (q, scale[, zero], group 32 or 16) -> the layout q8_amx_matmul reads",
+        py::arg("q"), py::arg("scale"), py::arg("zero") = py::none(), py::arg("group") = 32);
+  m.def("q8_amx_matmul", &q8_amx_matmul, "x @ w.T, bf16 rows x a packed 8-bit weight, on AMX tiles", py::arg("x"),
+        py::arg("packed"), py::arg("out_features"), py::arg("group") = 32, py::arg("has_zero") = false);
+  m.def("q8_small_matmul", &q8_small_matmul, "x @ w.T, 1-4 fp32 rows x q8_amx_pack's units, AVX-512 FMAs (fp32 out)",
+        py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("group") = 32, py::arg("has_zero") = false);
   m.def("q_matmul_available", &q_matmul_available, "whether q_matmul can run here (an AVX2 + FMA build)");
   m.def("q_matmul", &q_matmul, "x @ w.T, fp32 rows (rounded to 16-bit integers) x a packed 4-bit or Q8_0 weight, on AVX2");
 }

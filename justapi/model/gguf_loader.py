@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 from ..config import ARCHS, SUPPORTED_ARCHS, ModelConfig
-from .quant import Q4Unpacked, Q8Unpacked, unpack_q4, unpack_q4_k, unpack_q5_0, unpack_q8_0
+from .quant import (Q4Unpacked, Q8Unpacked, unpack_q4, unpack_q4_k, unpack_q5_0, unpack_q5_1, unpack_q5_k,
+                    unpack_q6_k, unpack_q8_0)
 
 
 class ModelLoadError(Exception):
@@ -233,8 +234,8 @@ def load_tensors(
 
     With ``keep_packed``, the 2-D weights the engine's integer kernels multiply stay packed, other than the token
     embedding (looked up, not multiplied): Q4_0/Q4_1/Q4_K as Q4Unpacked, for the 4-bit kernels (with ``dtype``
-    fp32, carrying the file's fp32 dequantization too, for the dense copy that larger batches multiply), Q8_0 and
-    Q5_0 as Q8Unpacked, for the 8-bit ones; and a Q8_0 LM head (``output.weight``, or the token embedding, which a
+    fp32, carrying the file's fp32 dequantization too, for the dense copy that larger batches multiply), Q8_0,
+    Q5_0, Q5_1, Q5_K and Q6_K as Q8Unpacked, for the 8-bit ones; and a Q8_0 LM head (``output.weight``, or the token embedding, which a
     model without one uses as its head) comes both dequantized and, under its name + ``Q8_SUFFIX``, as Q8Unpacked. ``select(name)`` → None (the whole tensor) or a Selection: only
     those rows or columns are read from the file and dequantized (a tensor-parallel rank's shard, model.llama
     ``shard_selection``), so a rank never holds more of a tensor than its slice and whole quantization blocks.
@@ -244,7 +245,8 @@ def load_tensors(
     qt = gguf.GGMLQuantizationType
     unpack_4bit = {qt.Q4_0: lambda raw, shape: unpack_q4(raw, False, shape),
                    qt.Q4_1: lambda raw, shape: unpack_q4(raw, True, shape), qt.Q4_K: unpack_q4_k}
-    unpack_8bit = {qt.Q8_0: unpack_q8_0, qt.Q5_0: unpack_q5_0}
+    unpack_8bit = {qt.Q8_0: unpack_q8_0, qt.Q5_0: unpack_q5_0, qt.Q5_1: unpack_q5_1, qt.Q5_K: unpack_q5_k,
+                   qt.Q6_K: unpack_q6_k}
 
     for t in reader.tensors:
         if not _dequantizable(t.tensor_type):
@@ -261,7 +263,7 @@ def load_tensors(
             if dtype == torch.float32:
                 out[t.name].exact = torch.from_numpy(gguf.quants.dequantize(raw, t.tensor_type).reshape(shape))
             continue
-        if packable and not head and t.tensor_type in unpack_8bit:  # exact: the fp32 dense copy is q · d
+        if packable and not head and t.tensor_type in unpack_8bit:  # exact: Q8Unpacked.dequantize() is gguf's
             out[t.name] = unpack_8bit[t.tensor_type](raw, shape)
             continue
         if packable and head and t.tensor_type == qt.Q8_0:

@@ -154,9 +154,10 @@ class KernelPolicy:
         large = "amx" if self.uses("amx") and amx_fits(shape) else "dense"
         return (Route(TORCH_SMALL_MAX_ROWS, "torch_int4"), Route(ALL_ROWS, large))
 
-    def q8_routes(self, shape: tuple[int, int]) -> tuple[Route, ...]:
-        """Routes of an 8-bit [out, in] linear (Q8_0, or Q5_0 widened to Q8_0's form)."""
-        if self.uses("q_matmul") and shape[1] % GROUP_SIZE == 0:
+    def q8_routes(self, shape: tuple[int, int], plain: bool = True) -> tuple[Route, ...]:
+        """Routes of an 8-bit [out, in] linear (``plain``: Q8_0's form, groups of 32 and no zero, the only one
+        q_matmul reads; the AMX units also take zeros and groups of 16)."""
+        if plain and self.uses("q_matmul") and shape[1] % GROUP_SIZE == 0:
             return (Route(Q_MATMUL_MAX_ROWS, "q_matmul"), Route(ALL_ROWS, "dense"))
         if self.uses("amx") and amx_fits(shape):
             return (*self._q8_small(), Route(ALL_ROWS, "amx"))

@@ -93,8 +93,8 @@ class LlamaModel:
             parts = [take(n) for n in names]
             if all(isinstance(p, Q4Unpacked) for p in parts):
                 return Int4Weight(cat_q4(parts), policy)
-            if all(isinstance(p, Q8Unpacked) for p in parts):
-                return Int8Weight(cat_q8(parts), policy)
+            if all(isinstance(p, Q8Unpacked) for p in parts) and (fused := cat_q8(parts)) is not None:
+                return Int8Weight(fused, policy)
             dtype = next((p.dtype for p in parts if isinstance(p, torch.Tensor)), policy.dtype)
             dense = [p if isinstance(p, torch.Tensor) else p.dequantize().to(device, dtype) for p in parts]
             w = dense[0] if len(dense) == 1 else torch.cat(dense).contiguous()

@@ -88,14 +88,24 @@ def unpack_q4_k(raw: np.ndarray, shape: tuple[int, int]) -> Q4Unpacked:
 
 @dataclass
 class Q8Unpacked:
-    """A GGUF Q8_0 weight as integers and per-group scales: ``w = q · d``, 32 weights a group, d in fp16."""
+    """An 8-bit weight as integers and per-group terms: ``w = q · scale (+ zero)`` over groups of ``group`` inputs.
+    Q8_0: q and its fp16 d, groups of 32; Q5_0: q − 16 and d; Q5_1: q in [0, 31], d and the min m as zero; Q5_K: q,
+    d·sc and −dmin·m; Q6_K: q − 32 and d·sc over groups of 16. Every product q · scale is exact in fp32."""
 
     q: torch.Tensor  # [out, in] int8
-    scale: torch.Tensor  # [out, in / 32] fp32 (fp16 values)
+    scale: torch.Tensor  # [out, in / group] fp32
+    zero: torch.Tensor | None = None  # [out, in / group] fp32
+    group: int = GROUP_SIZE  # 32, or 16 (Q6_K)
+
+    @property
+    def plain(self) -> bool:
+        """Q8_0's own form (groups of 32, no zero): the one every 8-bit kernel reads."""
+        return self.zero is None and self.group == GROUP_SIZE
 
     def dequantize(self) -> torch.Tensor:
-        """The fp32 weight (each product exact), as gguf's dequantize gives it."""
-        return self.q.float() * self.scale.repeat_interleave(GROUP_SIZE, dim=1)
+        """The fp32 weight, as gguf's dequantize gives it (each product exact, the zero added with one rounding)."""
+        w = self.q.float() * self.scale.repeat_interleave(self.group, dim=1)
+        return w if self.zero is None else w + self.zero.repeat_interleave(self.group, dim=1)
 
 
 def unpack_q8_0(raw: np.ndarray, shape: tuple[int, int]) -> Q8Unpacked:
@@ -114,17 +124,70 @@ def unpack_q5_0(raw: np.ndarray, shape: tuple[int, int]) -> Q8Unpacked:
     rows, cols = shape
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows * cols // GROUP_SIZE, 22)
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32).reshape(rows, cols // GROUP_SIZE)
-    qh = blocks[:, 2:6].copy().view("<u4")  # [blocks, 1]
-    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4  # [blocks, 32]
-    qs = blocks[:, 6:]
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=1) | high
-    q = (q.astype(np.int16) - 16).astype(np.int8).reshape(rows, cols)
+    q = (_q5_integers(blocks[:, 6:], blocks[:, 2:6]).astype(np.int16) - 16).astype(np.int8).reshape(rows, cols)
     return Q8Unpacked(torch.from_numpy(q), torch.from_numpy(d))
 
 
-def cat_q8(parts: list[Q8Unpacked]) -> Q8Unpacked:
-    """Stack 8-bit weights along the output dimension (fused QKV and gate/up projections)."""
-    return Q8Unpacked(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+def _q5_integers(qs: np.ndarray, qh: np.ndarray) -> np.ndarray:
+    """5-bit integers of Q5_0/Q5_1 blocks: weight j < 16 in the low nibble of qs[j], j + 16 in its high one, the
+    fifth bit of weight j in bit j of the little-endian 32-bit qh. [blocks, 32] uint8 in [0, 31]."""
+    high = ((qh.copy().view("<u4") >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=1) | high
+
+
+def unpack_q5_1(raw: np.ndarray, shape: tuple[int, int]) -> Q8Unpacked:
+    """Q5_1 (blocks of d(2) m(2) qh(4) qs(16)): ``w = d·q + m``, so q as is, scale d, zero m; exact."""
+    rows, cols = shape
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows * cols // GROUP_SIZE, 24)
+    terms = lambda a, b: torch.from_numpy(  # noqa: E731
+        blocks[:, a:b].copy().view(np.float16).astype(np.float32).reshape(rows, cols // GROUP_SIZE))
+    q = _q5_integers(blocks[:, 8:], blocks[:, 4:8]).view(np.int8).reshape(rows, cols)
+    return Q8Unpacked(torch.from_numpy(q), terms(0, 2), terms(2, 4))
+
+
+def unpack_q5_k(raw: np.ndarray, shape: tuple[int, int]) -> Q8Unpacked:
+    """Q5_K (super-blocks of 256: d(2) dmin(2) scales(12) qh(32) qs(128)), 8 groups of 32 with 6-bit sc_j and m_j:
+    ``w = d·sc_j·q − dmin·m_j``, so scale d·sc_j, zero −dmin·m_j; group i's low nibbles in the 32-byte run i // 2 of
+    qs (low or high half by i % 2), its fifth bits in bit i of qh's 32 bytes."""
+    import gguf
+
+    rows, cols = shape
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows * cols // 256, 176)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])  # [blocks, 8] each
+    qh, qs = blocks[:, 16:48], blocks[:, 48:]
+    low = ((qs.reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F).reshape(-1, 8, 32)
+    high = ((qh.reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1) << 4
+    q = (low | high).view(np.int8).reshape(rows, cols)
+    groups = (rows, cols // GROUP_SIZE)
+    return Q8Unpacked(torch.from_numpy(q), torch.from_numpy((d * sc.astype(np.float32)).reshape(groups)),
+                      torch.from_numpy((-dmin * m.astype(np.float32)).reshape(groups)))
+
+
+def unpack_q6_k(raw: np.ndarray, shape: tuple[int, int]) -> Q8Unpacked:
+    """Q6_K (super-blocks of 256: ql(128) qh(64) scales(16, int8) d(2)), 16 groups of 16: ``w = d·sc_j·(q − 32)``,
+    so q − 32 (in [−32, 31]) and scale d·sc_j over groups of 16; bits laid out as gguf's dequantize reads them."""
+    rows, cols = shape
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows * cols // 256, 210)
+    ql, qh, sc, d = blocks[:, :128], blocks[:, 128:192], blocks[:, 192:208], blocks[:, 208:210]
+    d = d.copy().view(np.float16).astype(np.float32)
+    scale = d * sc.copy().view(np.int8).astype(np.float32)  # [blocks, 16]
+    low = ((ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F).reshape(-1, 8, 32)
+    high = ((qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3)
+    q = (low | (high.reshape(-1, 8, 32) << 4)).astype(np.int16) - 32
+    return Q8Unpacked(torch.from_numpy(q.astype(np.int8).reshape(rows, cols)),
+                      torch.from_numpy(scale.reshape(rows, cols // 16)), None, 16)
+
+
+def cat_q8(parts: list[Q8Unpacked]) -> Q8Unpacked | None:
+    """Stack 8-bit weights along the output dimension (fused QKV and gate/up projections); None where their forms
+    differ (groups, zeros): the caller then keeps them dense."""
+    first = parts[0]
+    if any(p.group != first.group or (p.zero is None) != (first.zero is None) for p in parts):
+        return None
+    zero = None if first.zero is None else torch.cat([p.zero for p in parts])
+    return Q8Unpacked(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), zero, first.group)
 
 
 def cat_q4(parts: list[Q4Unpacked]) -> Q4Unpacked:
@@ -285,16 +348,19 @@ class _Int8Forms(_RoutedWeight):
 
     def _build_amx(self) -> None:  # also q8_small's form: built once for both routes
         if not hasattr(self, "amx"):
-            self.amx = self.kernels.q8_amx_pack(self._q8.q, self._q8.scale)
+            w = self._q8
+            self.amx = self.kernels.q8_amx_pack(w.q, w.scale, w.zero, w.group)
+            self.unit = dict(group=w.group, has_zero=w.zero is not None)  # the unit format, for the kernels
 
     def _run_amx(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.q8_amx_matmul(x if x.dtype == self.dtype else x.to(self.dtype), self.amx, self.shape[0])
+        return self.kernels.q8_amx_matmul(x if x.dtype == self.dtype else x.to(self.dtype), self.amx, self.shape[0],
+                                          **self.unit)
 
     def _build_q8_small(self) -> None:  # reads the AMX units
         self._build_amx()
 
     def _run_q8_small(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.q8_small_matmul(x.float(), self.amx, self.shape[0]).to(self.dtype)
+        return self.kernels.q8_small_matmul(x.float(), self.amx, self.shape[0], **self.unit).to(self.dtype)
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor | None:
         """Rows ``ids`` of the weight in the compute dtype (exact values, rounded once), gathered from the AMX or the
@@ -318,14 +384,15 @@ class _Int8Forms(_RoutedWeight):
 
 
 class Int8Weight(_Int8Forms):
-    """An 8-bit [out, in] linear (GGUF Q8_0, or Q5_0 widened exactly to Q8_0's form) in the forms its routes read
-    (KernelPolicy.q8_routes): amx, the integers on AMX tiles; q_matmul, on AVX2; dense, the dequantized weight."""
+    """An 8-bit [out, in] linear (Q8Unpacked: GGUF Q8_0, Q5_0, Q5_1, Q5_K, Q6_K) in the forms its routes read
+    (KernelPolicy.q8_routes): amx and q8_small, the integers in AMX units (on tiles, or AVX-512 FMAs for 1-2 rows);
+    q_matmul, on AVX2 (Q8_0's plain form only); dense, the dequantized weight."""
 
     def __init__(self, w: Q8Unpacked, policy: KernelPolicy) -> None:
         self.shape = tuple(w.q.shape)
         self.policy, self.dtype, self.kernels = policy, policy.dtype, policy.kernels
         self._q8 = w
-        self._bind(policy.q8_routes(self.shape))
+        self._bind(policy.q8_routes(self.shape, w.plain))
         del self._q8
 
     @property
