@@ -90,7 +90,43 @@ def test_moe_experts_split_across_two_ranks_give_one_ranks_text(tmp_path):
     llm = LLM(path, tp=2, **opts)
     try:
         moe = llm.engine.model.layers[0].moe
-        assert moe.gate_up.shape[0] == 4 and moe.first_expert == 0 and moe.shared_gate_up is not None
+        assert len(moe.gate_up) == 4 and moe.first_expert == 0 and moe.shared_gate_up is not None
         assert [r.token_ids for r in llm.generate(prompts, params)] == want
     finally:
         llm.engine.close()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0"])
+def test_quantized_experts_stay_packed_one_weight_per_expert(tmp_path, qtype):
+    """--dtype auto keeps each expert of a Q4_K or Q8_0 stack packed (4- or 8-bit, through the same kernel routes
+    as any linear), reads only its own experts under --tp 2, holds fewer bytes than the dense stack, and stays
+    within a small KL of the exact path."""
+    from justapi.model.quant import Int4Weight, Int8Weight
+
+    path = write_tiny_model(str(tmp_path / f"moe-{qtype}.gguf"), "qwen3moe", hidden=256, intermediate=256,
+                            num_heads=4, num_kv_heads=2, qtype=qtype, weight_scale=0.05, num_experts=4,
+                            experts_used=2, seed=2)
+    opts = dict(pool_blocks=64, show_progress=False)
+    exact = LLM(path, dtype="float32", **opts)
+    auto = LLM(path, **opts)
+    moe = auto.engine.model.layers[0].moe
+    kind = Int4Weight if qtype == "Q4_K" else Int8Weight
+    assert len(moe.gate_up) == 4 and all(isinstance(w, kind) for w in moe.gate_up + moe.down)
+    assert moe.gate_up[0].shape == (512, 256) and moe.down[0].shape == (256, 256)
+    dense_bytes = 3 * 4 * 256 * 256 * 2  # the three bf16 stacks
+    packed_bytes = sum(t.numel() * t.element_size() for w in moe.gate_up + moe.down for t in w.forms().values())
+    assert packed_bytes < dense_bytes
+    ids = IDS[:30]
+    a = torch.log_softmax(paged_prefill_logits(exact.engine.model, ids), -1)
+    b = torch.log_softmax(paged_prefill_logits(auto.engine.model, ids), -1)
+    assert (a.exp() * (a - b)).sum(-1).max().item() < 0.02
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    want = auto.generate([ids], params)[0].outputs[0].logprobs[0].top
+    tp = LLM(path, tp=2, **opts)
+    try:
+        half = tp.engine.model.layers[0].moe
+        assert len(half.gate_up) == 2 and all(isinstance(w, kind) for w in half.gate_up)
+        got = tp.generate([ids], params)[0].outputs[0].logprobs[0].top
+        assert [t for t, _ in got][:2] == [t for t, _ in want][:2]
+    finally:
+        tp.engine.close()

@@ -218,6 +218,14 @@ def write_tiny_model(
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
     def add_linear(name, arr):
+        if arr.ndim == 3:  # stacked experts: each [out, in] quantized as a matrix, the stack kept
+            flat = arr.reshape(-1, arr.shape[-1])
+            packed = _quantized(flat)
+            if packed is None:
+                w.add_tensor(name, arr)
+            else:
+                w.add_tensor(name, packed[0].reshape(arr.shape[0], arr.shape[1], -1), raw_dtype=packed[1])
+            return
         if qtype == "F32":
             w.add_tensor(name, arr)
         elif qtype in K_QUANTIZERS:
@@ -231,6 +239,15 @@ def write_tiny_model(
         else:
             qt = gguf.GGMLQuantizationType[qtype]
             w.add_tensor(name, gguf.quants.quantize(arr, qt), raw_dtype=qt)
+
+    def _quantized(arr):
+        """(raw bytes, type) of ``arr`` [rows, in] as ``qtype`` where it is quantized, else None."""
+        if qtype == "F32":
+            return None
+        qt = gguf.GGMLQuantizationType[qtype]
+        if qtype in K_QUANTIZERS:
+            return K_QUANTIZERS[qtype](arr), qt
+        return gguf.quants.quantize(arr, qt), qt
 
     embd = rand(vocab_size, hidden, scale=1.0)
     if embd_qtype == "F32":
@@ -259,9 +276,9 @@ def write_tiny_model(
         w.add_tensor(p + "ffn_norm.weight", (1 + rand(hidden, scale=0.1)))
         if moe:
             w.add_tensor(p + "ffn_gate_inp.weight", rand(num_experts, hidden, scale=1.0))
-            w.add_tensor(p + "ffn_gate_exps.weight", rand(num_experts, intermediate, hidden))
-            w.add_tensor(p + "ffn_up_exps.weight", rand(num_experts, intermediate, hidden))
-            w.add_tensor(p + "ffn_down_exps.weight", rand(num_experts, hidden, intermediate))
+            add_linear(p + "ffn_gate_exps.weight", rand(num_experts, intermediate, hidden))
+            add_linear(p + "ffn_up_exps.weight", rand(num_experts, intermediate, hidden))
+            add_linear(p + "ffn_down_exps.weight", rand(num_experts, hidden, intermediate))
             if arch == "qwen2moe":
                 add_linear(p + "ffn_gate_shexp.weight", rand(intermediate, hidden))
                 add_linear(p + "ffn_up_shexp.weight", rand(intermediate, hidden))

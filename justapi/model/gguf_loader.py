@@ -210,7 +210,8 @@ def _select_raw(raw: np.ndarray, qtype, shape: tuple[int, ...], sel: Selection |
     dim, idx = sel
     idx = idx.numpy()
     quantized = raw.dtype == np.uint8 and qtype not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
-    if dim == 0 and (len(shape) == 2 or not quantized):  # rows (a 1-D tensor's elements): a row is stored whole
+    if dim == 0 and (len(shape) in (2, 3) or not quantized):  # rows (a 1-D tensor's elements; a 3-D one's experts)
+        # are stored whole
         return raw[idx], (len(idx),) + tuple(shape[1:]), None
     if dim == 1 and not quantized:
         return raw[:, idx], (shape[0], len(idx)), None
@@ -236,7 +237,8 @@ def load_tensors(
     embedding (looked up, not multiplied): Q4_0/Q4_1/Q4_K as Q4Unpacked, for the 4-bit kernels (with ``dtype``
     fp32, carrying the file's fp32 dequantization too, for the dense copy that larger batches multiply), Q8_0,
     Q5_0, Q5_1, Q5_K and Q6_K as Q8Unpacked, for the 8-bit ones; and a Q8_0 LM head (``output.weight``, or the token embedding, which a
-    model without one uses as its head) comes both dequantized and, under its name + ``Q8_SUFFIX``, as Q8Unpacked. ``select(name)`` → None (the whole tensor) or a Selection: only
+    model without one uses as its head) comes both dequantized and, under its name + ``Q8_SUFFIX``, as Q8Unpacked.
+    A 3-D tensor of such a type (a mixture of experts' stacked experts) comes as a list, one packed matrix per expert. ``select(name)`` → None (the whole tensor) or a Selection: only
     those rows or columns are read from the file and dequantized (a tensor-parallel rank's shard, model.llama
     ``shard_selection``), so a rank never holds more of a tensor than its slice and whole quantization blocks.
     """
@@ -258,6 +260,15 @@ def load_tensors(
         raw, shape, left = _select_raw(t.data, t.tensor_type, shape, sel)
         packable = keep_packed and left is None and len(shape) == 2
         head = t.name in ("output.weight", "token_embd.weight")
+        if keep_packed and left is None and len(shape) == 3 and t.tensor_type in {**unpack_4bit, **unpack_8bit}:
+            # a mixture of experts' stacked experts: each expert's [out, in] matrix packed on its own
+            unpack = {**unpack_4bit, **unpack_8bit}[t.tensor_type]
+            experts = np.asarray(raw).reshape(shape[0], -1)
+            out[t.name] = [unpack(experts[e], shape[1:]) for e in range(shape[0])]
+            if dtype == torch.float32 and t.tensor_type in unpack_4bit:
+                for e, w in enumerate(out[t.name]):
+                    w.exact = torch.from_numpy(gguf.quants.dequantize(experts[e], t.tensor_type).reshape(shape[1:]))
+            continue
         if packable and not head and t.tensor_type in unpack_4bit:
             out[t.name] = unpack_4bit[t.tensor_type](raw, shape)
             if dtype == torch.float32:

@@ -72,25 +72,23 @@ class LlamaModel:
         policy = policy or KernelPolicy.make(dense_dtype, None)
 
         # a file loaded with its integer weights packed (gguf_loader's keep_packed): its other linears are routed too
-        packed_file = any(isinstance(t, (Q4Unpacked, Q8Unpacked)) for t in tensors.values())
+        packed_file = any(isinstance(t, (Q4Unpacked, Q8Unpacked, list)) for t in tensors.values())
 
         def take(name: str, required: bool = True) -> torch.Tensor | None:
             t = tensors.pop(name, None)
             if t is None and required:
                 raise ModelLoadError(f"{config.path}: tensor {name} is missing")
-            if t is None or isinstance(t, (Q4Unpacked, Q8Unpacked)):
+            if t is None or isinstance(t, (Q4Unpacked, Q8Unpacked, list)):  # packed: a matrix, or a list of experts
                 return t
             return t.to(device)
 
-        def dense(name: str, required: bool = True) -> torch.Tensor | None:
-            """A tensor as loaded, packed ones dequantized to the compute dtype (a mixture of experts' 2-D parts)."""
-            t = take(name, required)
-            return t if t is None or isinstance(t, torch.Tensor) else t.dequantize().to(device, policy.dtype)
-
         def matrix(*names: str) -> Linear:
-            """The weights ``names`` stacked along the output dimension: packed if all are 4-bit or all 8-bit, else
-            dense (Gemma 3's Q6_K rows, or a fusion of 4- and 8-bit parts)."""
-            parts = [take(n) for n in names]
+            """The weights ``names`` stacked along the output dimension (see ``linear_of``)."""
+            return linear_of([take(n) for n in names])
+
+        def linear_of(parts: list) -> Linear:
+            """Weights stacked along the output dimension: packed if all are 4-bit or all 8-bit of one form, else
+            dense (a fusion of 4- and 8-bit parts, or a type no integer kernel reads)."""
             if all(isinstance(p, Q4Unpacked) for p in parts):
                 return Int4Weight(cat_q4(parts), policy)
             if all(isinstance(p, Q8Unpacked) for p in parts) and (fused := cat_q8(parts)) is not None:
@@ -111,7 +109,7 @@ class LlamaModel:
             fused_qkv = p + "attn_qkv.weight" in tensors
             qkv_names = ["attn_qkv"] if fused_qkv else ["attn_q", "attn_k", "attn_v"]
             gate_up_names = ["ffn_gate", "ffn_up"] if p + "ffn_gate.weight" in tensors else ["ffn_up"]
-            moe = self._moe_weights(dense, p, config, traits) if config.num_experts else None
+            moe = self._moe_weights(take, linear_of, p, config, traits) if config.num_experts else None
             bias = torch.cat([take(p + n + ".bias") for n in qkv_names]) if config.qkv_bias else None
             self.layers.append(
                 LayerWeights(
@@ -164,20 +162,23 @@ class LlamaModel:
         if self.huge_pages:
             self._weights_to_huge_pages()
 
-    def _moe_weights(self, dense, p: str, config: ModelConfig, traits) -> MoeWeights:
-        """Layer ``p``'s experts as dense stacks (gate and up fused), the router in fp32, and the shared expert,
-        which under tensor parallelism rank 0 alone computes (the MLP's all-reduce adds it once). ``dense(name,
-        required)``: a tensor of the file in the compute dtype."""
-        gate_up = torch.cat([dense(p + "ffn_gate_exps.weight"), dense(p + "ffn_up_exps.weight")], dim=1).contiguous()
-        w = MoeWeights(dense(p + "ffn_gate_inp.weight").float(), gate_up, dense(p + "ffn_down_exps.weight"),
-                       self.tp.experts[0] if self.tp is not None else 0, config.num_experts_used,
-                       traits.moe_norm_top_k)
-        up = dense(p + "ffn_up_shexp.weight", False)
+    def _moe_weights(self, take, linear_of, p: str, config: ModelConfig, traits) -> MoeWeights:
+        """Layer ``p``'s experts, each expert's gate and up fused (``linear_of(parts)``: packed where all parts are,
+        else dense), the router in fp32, and the shared expert, which under tensor parallelism rank 0 alone computes
+        (the MLP's all-reduce adds it once)."""
+        gates, ups, downs = (take(p + f"ffn_{n}_exps.weight") for n in ("gate", "up", "down"))
+        experts = range(len(gates))  # a tensor's first dimension, or a list of packed experts
+        plain = lambda t: t if isinstance(t, torch.Tensor) else t.dequantize()  # noqa: E731  (router, gate: small)
+        w = MoeWeights(plain(take(p + "ffn_gate_inp.weight")).float(), [linear_of([gates[e], ups[e]]) for e in experts],
+                       [linear_of([downs[e]]) for e in experts], self.tp.experts[0] if self.tp is not None else 0,
+                       config.num_experts_used, traits.moe_norm_top_k)
+        up = take(p + "ffn_up_shexp.weight", False)
         if up is not None:
-            gate, down = dense(p + "ffn_gate_shexp.weight"), dense(p + "ffn_down_shexp.weight")
-            shared_gate = dense(p + "ffn_gate_inp_shexp.weight").float().flatten()
+            gate, down = take(p + "ffn_gate_shexp.weight"), take(p + "ffn_down_shexp.weight")
+            shared_gate = take(p + "ffn_gate_inp_shexp.weight")
             if self.tp is None or self.tp.rank == 0:
-                w.shared_gate_up, w.shared_down, w.shared_gate = torch.cat([gate, up]).contiguous(), down, shared_gate
+                w.shared_gate_up, w.shared_down = linear_of([gate, up]), linear_of([down])
+                w.shared_gate = plain(shared_gate).float().flatten()
         return w
 
     def _weights_to_huge_pages(self) -> None:
@@ -195,6 +196,9 @@ class LlamaModel:
         owners = [self] + self.layers
         for owner in list(owners):
             owners += [w for w in vars(owner).values() if isinstance(w, (*PACKED, Int8RowWeight, MoeWeights))]
+        for moe in [o for o in owners if isinstance(o, MoeWeights)]:  # packed experts hold their own forms
+            owners += [w for w in moe.gate_up + moe.down + [moe.shared_gate_up, moe.shared_down]
+                       if isinstance(w, PACKED)]
         return owners
 
     def weight_bytes(self) -> int:
