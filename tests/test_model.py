@@ -201,10 +201,10 @@ def test_q4_weights_stay_4bit_and_match_the_dequantized_weights(tmp_path, qtype)
     assert (a.exp() * (a - b)).sum(-1).max().item() < 0.01
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q3_K", "Q2_K"])
 def test_8bit_weights_stay_8bit_and_multiply_exactly(tmp_path, qtype):
-    """--dtype auto keeps Q8_0, Q5_0, Q5_1, Q5_K and Q6_K linears as 8-bit integers with their scales (and zeros;
-    Q6_K over groups of 16), which dequantize to exactly the file's values; Int8Weight's products on every route
+    """--dtype auto keeps Q8_0, Q5_0, Q5_1, Q5_K, Q6_K, Q3_K and Q2_K linears as 8-bit integers with their scales
+    (and zeros; the last three over groups of 16), which dequantize to exactly the file's values; Int8Weight's products on every route
     this CPU has are within bf16 rounding of the exact product, and the model within a small KL of the exact path."""
     import gguf
 
@@ -220,9 +220,10 @@ def test_8bit_weights_stay_8bit_and_multiply_exactly(tmp_path, qtype):
     want = torch.from_numpy(gguf.quants.dequantize(raw.data, raw.tensor_type).astype("float32")).reshape(256, 256)
     w = kept["blk.0.ffn_down.weight"]
     assert isinstance(w, Q8Unpacked) and w.q.dtype == torch.int8 and torch.equal(w.dequantize(), want)
-    assert (w.group, w.zero is not None) == {"Q6_K": (16, False), "Q5_1": (32, True), "Q5_K": (32, True)}.get(
-        qtype, (32, False))
-    low, high = {"Q5_0": (-16, 15), "Q6_K": (-32, 31), "Q5_1": (0, 31), "Q5_K": (0, 31)}.get(qtype, (-128, 127))
+    assert (w.group, w.zero is not None) == {"Q6_K": (16, False), "Q5_1": (32, True), "Q5_K": (32, True),
+                                             "Q3_K": (16, False), "Q2_K": (16, True)}.get(qtype, (32, False))
+    low, high = {"Q5_0": (-16, 15), "Q6_K": (-32, 31), "Q5_1": (0, 31), "Q5_K": (0, 31), "Q3_K": (-4, 3),
+                 "Q2_K": (0, 3)}.get(qtype, (-128, 127))
     assert low <= int(w.q.min()) and int(w.q.max()) <= high
 
     kernels = decode_kernels()

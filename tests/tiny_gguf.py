@@ -113,7 +113,52 @@ def quantize_q6_k(arr: np.ndarray) -> np.ndarray:
     return blocks.reshape(arr.shape[0], -1)
 
 
-K_QUANTIZERS = {"Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k, "Q6_K": quantize_q6_k}  # gguf quantizes none
+def _pack_two_bit(v: np.ndarray) -> np.ndarray:
+    """[n, 256] values in [0, 3] as Q2_K/Q3_K's 64 qs bytes: weight half·128 + i·32 + l at bits 2i of byte
+    half·32 + l."""
+    v = v.reshape(len(v), 2, 4, 32)
+    return (v[:, :, 0] | (v[:, :, 1] << 2) | (v[:, :, 2] << 4) | (v[:, :, 3] << 6)).reshape(len(v), 64)
+
+
+def quantize_q2_k(arr: np.ndarray) -> np.ndarray:
+    """``arr`` [out, in] as Q2_K blocks: 16 groups of 16 spanning min..max in 3 steps, 4-bit scales and mins against
+    the super-block's d and dmin (bytes: scales(16) qs(64) d dmin)."""
+    g = arr.astype(np.float32).reshape(-1, 16, 16)
+    lo = np.minimum(g.min(-1), 0)
+    step = np.maximum((g.max(-1) - lo) / 3, 1e-8)
+    d = (step.max(-1, keepdims=True) / 15).astype(np.float16).astype(np.float32)
+    dmin = np.maximum(-lo.min(-1, keepdims=True) / 15, 1e-8).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(step / d), 1, 15).astype(np.uint8)
+    m = np.clip(np.round(-lo / dmin), 0, 15).astype(np.uint8)
+    q = np.clip(np.round((g + (dmin * m)[..., None]) / (d * sc)[..., None]), 0, 3).astype(np.uint8)
+    blocks = np.concatenate([sc | (m << 4), _pack_two_bit(q.reshape(len(g), 256)),
+                             d.astype(np.float16).view(np.uint8), dmin.astype(np.float16).view(np.uint8)], axis=1)
+    return blocks.reshape(arr.shape[0], -1)
+
+
+def quantize_q3_k(arr: np.ndarray) -> np.ndarray:
+    """``arr`` [out, in] as Q3_K blocks: 16 groups of 16, ``w ≈ d·(sc − 32)·q`` with q in [−4, 3] (stored as q + 4:
+    two low bits in qs, the third in hmask) and 6-bit sc packed as gguf's dequantize unpacks them."""
+    g = arr.astype(np.float32).reshape(-1, 16, 16)
+    n = len(g)
+    step = np.maximum(np.abs(g).max(-1) / 4, 1e-8)
+    d = (step.max(-1, keepdims=True) / 31).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(step / d), 1, 31).astype(np.int16)  # stored as sc + 32
+    v = (np.clip(np.round(g / (d * sc)[..., None]), -4, 3) + 4).astype(np.uint8).reshape(n, 256)
+    hmask = np.zeros((n, 32), dtype=np.uint8)
+    for i in range(8):
+        hmask |= (v[:, 32 * i : 32 * (i + 1)] >> 2) << i
+    stored = (sc + 32).astype(np.uint8)  # [n, 16], 6 bits
+    scales = np.zeros((n, 12), dtype=np.uint8)
+    scales[:, :8] = (stored[:, :8] & 0x0F) | ((stored[:, 8:] & 0x0F) << 4)
+    for i in range(4):
+        scales[:, 8:] |= ((stored[:, 4 * i : 4 * i + 4] >> 4) & 3) << (2 * i)
+    blocks = np.concatenate([hmask, _pack_two_bit(v & 3), scales, d.astype(np.float16).view(np.uint8)], axis=1)
+    return blocks.reshape(arr.shape[0], -1)
+
+
+K_QUANTIZERS = {"Q2_K": quantize_q2_k, "Q3_K": quantize_q3_k, "Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k,
+                "Q6_K": quantize_q6_k}  # gguf quantizes none of them
 
 
 def write_tiny_model(
@@ -230,12 +275,6 @@ def write_tiny_model(
             w.add_tensor(name, arr)
         elif qtype in K_QUANTIZERS:
             w.add_tensor(name, K_QUANTIZERS[qtype](arr), raw_dtype=gguf.GGMLQuantizationType[qtype])
-        elif qtype in ("Q2_K", "Q3_K"):
-            # gguf cannot quantize K-quants; random blocks whose bytes stay below 0x3C keep every fp16 scale finite
-            qt = gguf.GGMLQuantizationType[qtype]
-            block, nbytes = gguf.GGML_QUANT_SIZES[qt]
-            raw = rng.integers(0, 0x3C, size=(arr.shape[0], arr.shape[1] // block * nbytes), dtype=np.uint8)
-            w.add_tensor(name, raw, raw_dtype=qt)
         else:
             qt = gguf.GGMLQuantizationType[qtype]
             w.add_tensor(name, gguf.quants.quantize(arr, qt), raw_dtype=qt)

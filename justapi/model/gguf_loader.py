@@ -12,8 +12,8 @@ import numpy as np
 import torch
 
 from ..config import ARCHS, SUPPORTED_ARCHS, ModelConfig
-from .quant import (Q4Unpacked, Q8Unpacked, unpack_q4, unpack_q4_k, unpack_q5_0, unpack_q5_1, unpack_q5_k,
-                    unpack_q6_k, unpack_q8_0)
+from .quant import (Q4Unpacked, Q8Unpacked, unpack_q2_k, unpack_q3_k, unpack_q4, unpack_q4_k, unpack_q5_0,
+                    unpack_q5_1, unpack_q5_k, unpack_q6_k, unpack_q8_0)
 
 
 class ModelLoadError(Exception):
@@ -236,7 +236,7 @@ def load_tensors(
     With ``keep_packed``, the 2-D weights the engine's integer kernels multiply stay packed, other than the token
     embedding (looked up, not multiplied): Q4_0/Q4_1/Q4_K as Q4Unpacked, for the 4-bit kernels (with ``dtype``
     fp32, carrying the file's fp32 dequantization too, for the dense copy that larger batches multiply), Q8_0,
-    Q5_0, Q5_1, Q5_K and Q6_K as Q8Unpacked, for the 8-bit ones; and a Q8_0 LM head (``output.weight``, or the token embedding, which a
+    Q5_0, Q5_1, Q5_K, Q6_K, Q3_K and Q2_K as Q8Unpacked, for the 8-bit ones; and a Q8_0 LM head (``output.weight``, or the token embedding, which a
     model without one uses as its head) comes both dequantized and, under its name + ``Q8_SUFFIX``, as Q8Unpacked.
     A 3-D tensor of such a type (a mixture of experts' stacked experts) comes as a list, one packed matrix per expert. ``select(name)`` → None (the whole tensor) or a Selection: only
     those rows or columns are read from the file and dequantized (a tensor-parallel rank's shard, model.llama
@@ -248,7 +248,7 @@ def load_tensors(
     unpack_4bit = {qt.Q4_0: lambda raw, shape: unpack_q4(raw, False, shape),
                    qt.Q4_1: lambda raw, shape: unpack_q4(raw, True, shape), qt.Q4_K: unpack_q4_k}
     unpack_8bit = {qt.Q8_0: unpack_q8_0, qt.Q5_0: unpack_q5_0, qt.Q5_1: unpack_q5_1, qt.Q5_K: unpack_q5_k,
-                   qt.Q6_K: unpack_q6_k}
+                   qt.Q6_K: unpack_q6_k, qt.Q3_K: unpack_q3_k, qt.Q2_K: unpack_q2_k}
 
     for t in reader.tensors:
         if not _dequantizable(t.tensor_type):

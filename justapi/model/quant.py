@@ -90,7 +90,8 @@ def unpack_q4_k(raw: np.ndarray, shape: tuple[int, int]) -> Q4Unpacked:
 class Q8Unpacked:
     """An 8-bit weight as integers and per-group terms: ``w = q · scale (+ zero)`` over groups of ``group`` inputs.
     Q8_0: q and its fp16 d, groups of 32; Q5_0: q − 16 and d; Q5_1: q in [0, 31], d and the min m as zero; Q5_K: q,
-    d·sc and −dmin·m; Q6_K: q − 32 and d·sc over groups of 16. Every product q · scale is exact in fp32."""
+    d·sc and −dmin·m; Q6_K: q − 32 and d·sc, Q3_K: q in [−4, 3] and d·sc, Q2_K: q in [0, 3], d·sc and −dmin·m,
+    over groups of 16. Every product q · scale is exact in fp32."""
 
     q: torch.Tensor  # [out, in] int8
     scale: torch.Tensor  # [out, in / group] fp32
@@ -178,6 +179,44 @@ def unpack_q6_k(raw: np.ndarray, shape: tuple[int, int]) -> Q8Unpacked:
     q = (low | (high.reshape(-1, 8, 32) << 4)).astype(np.int16) - 32
     return Q8Unpacked(torch.from_numpy(q.astype(np.int8).reshape(rows, cols)),
                       torch.from_numpy(scale.reshape(rows, cols // 16)), None, 16)
+
+
+def _two_bit_groups(qs: np.ndarray) -> np.ndarray:
+    """The 2-bit fields of Q2_K/Q3_K's 64 qs bytes as 16 groups of 16: [blocks, 16, 16] uint8 in [0, 3] (bytes of
+    each 32-byte half hold four groups' weights at bit offsets 0, 2, 4, 6)."""
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    return ((qs.reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 16, 16)
+
+
+def unpack_q2_k(raw: np.ndarray, shape: tuple[int, int]) -> Q8Unpacked:
+    """Q2_K (super-blocks of 256: scales(16) qs(64) d(2) dmin(2)), 16 groups of 16 with a 4-bit scale and min each:
+    ``w = d·sc·q − dmin·m``, q in [0, 3]: scale d·sc, zero −dmin·m over groups of 16."""
+    rows, cols = shape
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows * cols // 256, 84)
+    sc, qs = blocks[:, :16], blocks[:, 16:80]
+    d = blocks[:, 80:82].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 82:84].copy().view(np.float16).astype(np.float32)
+    groups = (rows, cols // 16)
+    return Q8Unpacked(torch.from_numpy(_two_bit_groups(qs).view(np.int8).reshape(rows, cols)),
+                      torch.from_numpy((d * (sc & 0x0F).astype(np.float32)).reshape(groups)),
+                      torch.from_numpy((-dmin * (sc >> 4).astype(np.float32)).reshape(groups)), 16)
+
+
+def unpack_q3_k(raw: np.ndarray, shape: tuple[int, int]) -> Q8Unpacked:
+    """Q3_K (super-blocks of 256: hmask(32) qs(64) scales(12) d(2)), 16 groups of 16 with 6-bit scales stored
+    offset by 32: ``w = d·(sc − 32)·q`` with q = the 2 low bits − 4 where the group's hmask bit is clear, in
+    [−4, 3]: scale d·(sc − 32) over groups of 16."""
+    rows, cols = shape
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows * cols // 256, 110)
+    hmask, qs, packed, d = blocks[:, :32], blocks[:, 32:96], blocks[:, 96:108], blocks[:, 108:110]
+    d = d.copy().view(np.float16).astype(np.float32)
+    low = (packed[:, :8].reshape(-1, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)).reshape(-1, 16)
+    high = (packed[:, 8:].reshape(-1, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)).reshape(-1, 16)
+    sc = ((low & 0x0F) | ((high & 0x03) << 4)).astype(np.int8) - 32
+    bit = (hmask.reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)).reshape(-1, 16, 16) & 1
+    q = _two_bit_groups(qs).astype(np.int8) - ((bit ^ 1) << 2).astype(np.int8)
+    return Q8Unpacked(torch.from_numpy(q.reshape(rows, cols)),
+                      torch.from_numpy((d * sc.astype(np.float32)).reshape(rows, cols // 16)), None, 16)
 
 
 def cat_q8(parts: list[Q8Unpacked]) -> Q8Unpacked | None:
