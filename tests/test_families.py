@@ -90,18 +90,33 @@ def test_a_llama_file_with_a_sliding_window_attends_like_mistral(tmp_path):
     assert _engine_greedy(path, prompt, 24, dtype="float32") == _greedy_by_whole_passes(ref_model, prompt, 24)
 
 
-def test_phi3_with_tensor_parallelism_or_rope_factors_fails_in_one_line(tmp_path):
-    """What is not served yet says so at start-up: phi3 under --tp (its fused tensors are not sharded), a file with
-    per-frequency RoPE factors (Phi-3 128k's rope_factors_long)."""
+def test_phi3_under_tensor_parallelism_gives_one_ranks_text(tmp_path):
+    """--tp 2 cuts Phi-3's fused attn_qkv (each rank's Q, K and V rows) and ffn_up (its gate and up rows) out of
+    the stored tensors: greedy text equals one rank's."""
+    path = write_tiny_model(str(tmp_path / "phi3.gguf"), "phi3", seed=5)
+    opts = dict(pool_blocks=64, dtype="float32", show_progress=False)
+    prompts = [IDS[:7], IDS[10:30]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = [r.token_ids for r in LLM(path, **opts).generate(prompts, params)]
+    llm = LLM(path, tp=2, **opts)
+    try:
+        layer = llm.engine.model.layers[0]
+        cfg = llm.engine.model_config
+        assert layer.qkv.shape[0] == (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim // 2
+        assert layer.gate_up.shape[0] == cfg.intermediate_size
+        assert [r.token_ids for r in llm.generate(prompts, params)] == want
+    finally:
+        llm.engine.close()
+
+
+def test_a_file_with_rope_factors_fails_in_one_line(tmp_path):
+    """Per-frequency RoPE factors (Phi-3 128k's rope_factors_long) are refused at start-up, naming the tensor."""
     import numpy as np
 
-    from justapi.distributed.tp import TpPlan
     from justapi.model.gguf_loader import open_gguf, read_model_config
     from test_cli_and_inputs import rewrite_gguf
 
     path = write_tiny_model(str(tmp_path / "phi3.gguf"), "phi3")
-    with pytest.raises(ValueError, match="phi3's fused"):
-        TpPlan.make(read_model_config(open_gguf(path), path), 0, 2)
     bad = rewrite_gguf(path, str(tmp_path / "factors.gguf"),
                        extra_tensors={"rope_factors_long.weight": np.ones(4, dtype=np.float32)})
     with pytest.raises(ModelLoadError, match="rope_factors_long"):

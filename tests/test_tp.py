@@ -97,7 +97,7 @@ def test_each_rank_reads_only_its_shard_from_the_file(tmp_path):
     whole_q4 = load_tensors(reader, path, torch.float32, False, keep_packed=True)
     for size in (2, 4):
         plan = TpPlan.make(cfg, size - 1, size)
-        select = lambda name: shard_selection(name, plan, cfg.head_dim)  # noqa: E731
+        select = lambda name: shard_selection(name, plan, cfg)  # noqa: E731
         mine = load_tensors(reader, path, torch.float32, False, select=select)
         mine_q4 = load_tensors(reader, path, torch.float32, False, keep_packed=True, select=select)
         for name, t in whole.items():

@@ -48,9 +48,6 @@ class TpPlan:
     @classmethod
     def make(cls, cfg: ModelConfig, rank: int, size: int) -> TpPlan:
         """The plan, or ValueError naming the dimension that cannot be split ``size`` ways."""
-        if size > 1 and cfg.arch == "phi3":  # shard_selection cuts separate Q/K/V and gate/up tensors only
-            raise ValueError(f"--tp {size}: phi3's fused attn_qkv and gate/up tensors are not sharded yet; "
-                             "serve it with --tp 1")
         dims = [("attention heads", cfg.num_heads), ("intermediate (MLP) rows", cfg.intermediate_size),
                 ("vocabulary entries", cfg.vocab_size)] + ([("experts", cfg.num_experts)] if cfg.num_experts else [])
         for dim, value in dims:

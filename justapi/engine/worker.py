@@ -32,7 +32,7 @@ class Worker:
         self.draft_model = self._load_draft(model_config) if config.draft_model else None
         select = None
         if plan is not None:
-            select = lambda name: shard_selection(name, plan, model_config.head_dim)  # noqa: E731
+            select = lambda name: shard_selection(name, plan, model_config)  # noqa: E731
         self.model = self._load(open_gguf(config.model), config.model, model_config, self.lead, select, plan, comm)
         self.runner: ModelRunner | None = None
 
