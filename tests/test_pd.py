@@ -13,6 +13,7 @@ import pytest
 from justapi import LLM, SamplingParams
 from justapi.config import EngineConfig
 from justapi.core.pd_scheduler import PdScheduler, WorkerInfo
+from justapi.sampling_params import Pooling
 from justapi.structured.spec import StructuredOutput
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"enum": ["a", "b"]}},
@@ -119,6 +120,8 @@ def test_greedy_output_identical_to_the_colocated_engine_and_no_leaked_blocks(ti
             assert problem is None, (rank, problem)
             assert held["running"] == held["handoffs"] == held["transfers"] == held["blocks_held_by_requests"] == 0
             assert held["free_blocks"] + held["cached_blocks"] == held["num_blocks"]
+        with pytest.raises(ValueError, match="embeddings are not served with --disaggregate"):
+            engine.add_request("embed", prompts[0], SamplingParams.for_embedding(Pooling()))
     finally:
         engine.close()
 
