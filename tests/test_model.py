@@ -264,13 +264,18 @@ def test_a_head_too_large_to_copy_serves_its_tied_embedding_from_its_q8_0_form(t
     if kernel is None:
         pytest.skip(f"neither the AMX nor the q_matmul kernels run on this CPU with {dtype}")
     g = torch.Generator().manual_seed(0)
-    q8 = Q8Unpacked(torch.randint(-128, 128, (512, 256), dtype=torch.int8, generator=g),
-                    torch.rand(512, 8, generator=g).half().float())
     monkeypatch.setattr(kernel_policy, "HEAD_DENSE_MAX_BYTES", 0)
-    head = Int8RowWeight(q8.dequantize().to(dtype), q8, policy)
-    assert head.routes[-1] == Route(ALL_ROWS, kernel) and not hasattr(head, "dense")
     ids = torch.tensor([0, 5, 17, 511, 3, 5, 256, 15, 16])
-    assert torch.equal(head.lookup(ids), q8.dequantize()[ids].to(dtype))
+    for group, zero in ((32, False), (16, False), (32, True), (16, True)):  # Q8_0; Q6_K, Q3_K; Q5_K; Q2_K
+        q8 = Q8Unpacked(torch.randint(-32, 32, (512, 256), dtype=torch.int8, generator=g),
+                        torch.rand(512, 256 // group, generator=g).half().float(),
+                        torch.randn(512, 256 // group, generator=g).half().float() if zero else None, group)
+        head = Int8RowWeight(q8.dequantize().to(dtype), q8, policy)
+        if not q8.plain and kernel == "q_matmul":  # q_matmul reads Q8_0's form only: such a head stays dense
+            assert head.lookup(ids) is None and hasattr(head, "dense")
+            continue
+        assert head.routes[-1] == Route(ALL_ROWS, kernel) and not hasattr(head, "dense")
+        assert torch.equal(head.lookup(ids), q8.dequantize()[ids].to(dtype)), (group, zero)
     monkeypatch.undo()
 
     # a whole model (the tiny tokenizer's 271 rows fit the AMX tiles' 16-row blocks only on the fp32 route)
@@ -348,19 +353,21 @@ def test_without_a_bf16_matmul_auto_computes_in_fp32_and_batches_equal_the_float
     assert (full.exp() * (full - one)).sum(-1).max().item() < 0.01
 
 
-def test_a_q8_0_token_embedding_also_loads_as_integers_and_scales_for_the_head(tmp_path):
-    """With --dtype auto a Q8_0 head (here the tied token embedding) comes dense and, under its name +
-    Q8_SUFFIX, as its Q8_0 integers and scales, which dequantize to exactly the dense weight."""
+@pytest.mark.parametrize("embd_qtype", ["Q8_0", "Q6_K"])
+def test_an_8bit_token_embedding_also_loads_as_integers_and_scales_for_the_head(tmp_path, embd_qtype):
+    """With --dtype auto an 8-bit head (here the tied token embedding: Q8_0, or Q6_K as in Q4_K_M files) comes dense
+    and, under its name + Q8_SUFFIX, as its integers and scales, which dequantize to exactly the dense weight."""
     import gguf
 
     from justapi.model.gguf_loader import Q8_SUFFIX
     from justapi.model.quant import Q8Unpacked
 
     path = write_tiny_model(str(tmp_path / "q.gguf"), "llama", hidden=256, intermediate=256, num_heads=4,
-                            num_kv_heads=2, qtype="Q4_0", embd_qtype="Q8_0")
+                            num_kv_heads=2, qtype="Q4_0", embd_qtype=embd_qtype)
     reader = open_gguf(path)
     kept = load_tensors(reader, path, torch.float32, False, keep_packed=True)
     q8 = kept["token_embd.weight" + Q8_SUFFIX]
+    assert q8.group == (16 if embd_qtype == "Q6_K" else 32)
     assert isinstance(q8, Q8Unpacked) and q8.q.dtype == torch.int8
     raw = next(t for t in reader.tensors if t.name == "token_embd.weight")
     want = torch.from_numpy(gguf.quants.dequantize(raw.data, raw.tensor_type).astype("float32")).reshape(q8.q.shape)

@@ -293,7 +293,8 @@ def write_tiny_model(
         w.add_tensor("token_embd.weight", embd)
     else:
         qt = gguf.GGMLQuantizationType[embd_qtype]
-        w.add_tensor("token_embd.weight", gguf.quants.quantize(embd, qt), raw_dtype=qt)
+        quantize = K_QUANTIZERS.get(embd_qtype, lambda a: gguf.quants.quantize(a, qt))
+        w.add_tensor("token_embd.weight", quantize(embd), raw_dtype=qt)
     for i in range(num_layers):
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", (1 + rand(hidden, scale=0.1)))

@@ -225,7 +225,7 @@ def _select_raw(raw: np.ndarray, qtype, shape: tuple[int, ...], sel: Selection |
     return raw, shape, sel
 
 
-Q8_SUFFIX = ":q8_0"  # load_tensors' key for a Q8_0 head's integers and scales: the tensor's name + this
+Q8_SUFFIX = ":q8"  # load_tensors' key for an 8-bit head's integers and terms: the tensor's name + this
 
 
 def load_tensors(
@@ -237,7 +237,8 @@ def load_tensors(
     embedding (looked up, not multiplied): Q4_0/Q4_1/Q4_K as Q4Unpacked, for the 4-bit kernels (with ``dtype``
     fp32, carrying the file's fp32 dequantization too, for the dense copy that larger batches multiply), Q8_0,
     Q5_0, Q5_1, Q5_K, Q6_K, Q3_K and Q2_K as Q8Unpacked, for the 8-bit ones; and a Q8_0 LM head (``output.weight``, or the token embedding, which a
-    model without one uses as its head) comes both dequantized and, under its name + ``Q8_SUFFIX``, as Q8Unpacked.
+    model without one uses as its head) of an 8-bit type comes both dequantized and, under its name + ``Q8_SUFFIX``,
+    as Q8Unpacked.
     A 3-D tensor of such a type (a mixture of experts' stacked experts) comes as a list, one packed matrix per expert. ``select(name)`` → None (the whole tensor) or a Selection: only
     those rows or columns are read from the file and dequantized (a tensor-parallel rank's shard, model.llama
     ``shard_selection``), so a rank never holds more of a tensor than its slice and whole quantization blocks.
@@ -277,8 +278,8 @@ def load_tensors(
         if packable and not head and t.tensor_type in unpack_8bit:  # exact: Q8Unpacked.dequantize() is gguf's
             out[t.name] = unpack_8bit[t.tensor_type](raw, shape)
             continue
-        if packable and head and t.tensor_type == qt.Q8_0:
-            out[t.name + Q8_SUFFIX] = unpack_q8_0(raw, shape)
+        if packable and head and t.tensor_type in unpack_8bit:  # Q8_0, or Q4_K_M files' Q6_K
+            out[t.name + Q8_SUFFIX] = unpack_8bit[t.tensor_type](raw, shape)
         try:
             if t.tensor_type == gguf.GGMLQuantizationType.F32:
                 arr = np.asarray(raw, dtype=np.float32)

@@ -167,9 +167,10 @@ class KernelPolicy:
         """The route of 1-2 rows times 8-bit AMX units, where they are built and it runs."""
         return (Route(Q8_SMALL_MAX_ROWS, "q8_small"),) if self.uses("q8_small") else ()
 
-    def head_routes(self, shape: tuple[int, int], has_q8: bool) -> tuple[Route, ...]:
-        """Routes of a packed model's LM head (``has_q8``: the file stores it as Q8_0)."""
-        q_matmul = has_q8 and self.uses("q_matmul") and shape[1] % GROUP_SIZE == 0
+    def head_routes(self, shape: tuple[int, int], has_q8: bool, plain: bool = True) -> tuple[Route, ...]:
+        """Routes of a packed model's LM head (``has_q8``: the file stores it in an 8-bit type; ``plain``: as Q8_0,
+        the one form q_matmul reads, see q8_routes)."""
+        q_matmul = has_q8 and plain and self.uses("q_matmul") and shape[1] % GROUP_SIZE == 0
         amx = has_q8 and self.uses("amx") and amx_fits(shape)
         too_large = shape[0] * shape[1] * self.dtype.itemsize > HEAD_DENSE_MAX_BYTES
         if q_matmul:

@@ -380,7 +380,6 @@ class _Int8Forms(_RoutedWeight):
     """The packed forms of an 8-bit weight (Q8_0's integers and per-32 scales: the file's Q8_0, or Q5_0 widened
     exactly), and rows read back from them, so that an embedding tied to a head needs no copy of its own."""
 
-    kernels_unit_bytes = 576  # an AMX Q8 unit (int4_matmul.cpp's Q8Unit): 16 x 32 int8, then 16 fp32 scales
 
     def _build_q_matmul(self) -> None:
         self.q_bytes, self.q_scale, self.q_offset = pack_for_q_matmul(self._q8.q, self._q8.scale, None)
@@ -405,21 +404,28 @@ class _Int8Forms(_RoutedWeight):
         """Rows ``ids`` of the weight in the compute dtype (exact values, rounded once), gathered from the AMX or the
         q_matmul layout (both hold, per block of outputs and group of 32 inputs, 16 steps of 2 inputs side by side
         for each output); None where neither is held."""
-        groups = self.shape[1] // GROUP_SIZE
-        if hasattr(self, "amx"):  # units of 16 outputs: 512 bytes of integers, then 16 fp32 scales
+        groups, n = self.shape[1] // GROUP_SIZE, len(ids)
+        sets, zeros = 1, None
+        if hasattr(self, "amx"):  # units of 16 outputs: 512 bytes of integers, then S sets of 16 fp32 scales (and zeros)
             blocks, per_block = self.shape[0] // 16, 16
-            units = self.amx.view(torch.int8).view(blocks, groups, self.kernels_unit_bytes)
-            q = units[ids // per_block, :, :512].reshape(len(ids), groups, 16, per_block, 2)
-            scales = self.amx.view(torch.float32).view(blocks, groups, -1)[ids // per_block, :, 128 + ids % per_block]
+            sets = GROUP_SIZE // self.unit["group"]
+            terms = self.amx.view(torch.float32).view(blocks, groups, -1)[ids // per_block, :, 128:]  # [n, groups, *]
+            terms = terms.view(n, groups, -1, 16)[torch.arange(n), :, :, ids % per_block]  # [n, groups, sets(, ×2)]
+            scales = terms[..., :sets]
+            zeros = terms[..., sets : 2 * sets] if self.unit["has_zero"] else None
+            q = self.amx.view(torch.int8).view(blocks, groups, -1)[ids // per_block, :, :512]
+            q = q.reshape(n, groups, 16, per_block, 2)
         elif hasattr(self, "q_bytes"):
             per_block = Q_MATMUL_OUTPUTS
             q = self.q_bytes.view(torch.int8).view(-1, groups, 16, per_block, 2)[ids // per_block]
-            scales = self.q_scale[ids // per_block, :, ids % per_block]
+            scales = self.q_scale[ids // per_block, :, ids % per_block].unsqueeze(-1)
         else:
             return None
-        q = q[torch.arange(len(ids)), :, :, ids % per_block]  # [rows, groups, 16, 2]
-        rows = q.float().reshape(len(ids), groups, GROUP_SIZE) * scales.unsqueeze(-1)
-        return rows.reshape(len(ids), -1).to(self.dtype)
+        q = q[torch.arange(n), :, :, ids % per_block]  # [rows, groups, 16, 2]: 32 inputs a group, `sets` sets
+        rows = q.float().reshape(n, groups, sets, GROUP_SIZE // sets) * scales.unsqueeze(-1)
+        if zeros is not None:
+            rows = rows + zeros.unsqueeze(-1)
+        return rows.reshape(n, -1).to(self.dtype)
 
 
 class Int8Weight(_Int8Forms):
@@ -458,7 +464,7 @@ class Int8RowWeight(_Int8Forms):
         self.shape = tuple(dense.shape)
         self.policy, self.dtype, self.kernels = policy, dense.dtype, policy.kernels
         self._w, self._q8 = dense, q8
-        self._bind(policy.head_routes(self.shape, q8 is not None))
+        self._bind(policy.head_routes(self.shape, q8 is not None, q8 is None or q8.plain))
         del self._w, self._q8
 
     def _build_torch_int8(self) -> None:
