@@ -24,7 +24,8 @@ from . import hugepages
 from .layers import RotaryEmbedding, linear, rms_norm
 from .kernel_policy import KernelPolicy
 from .moe import MoeWeights, moe_mlp
-from .quant import DenseWeight, Int4Weight, Int8RowWeight, Int8Weight, Q4Unpacked, Q8Unpacked, cat_q4, cat_q8
+from .quant import DenseWeight, Int4Weight, Int8RowWeight, Int8Weight
+from .unpack import Q4Unpacked, Q8Unpacked, cat_q4, cat_q8
 
 
 Linear = torch.Tensor | Int4Weight | Int8Weight | DenseWeight  # dense, or packed (model.quant)
