@@ -90,23 +90,30 @@ def test_a_llama_file_with_a_sliding_window_attends_like_mistral(tmp_path):
     assert _engine_greedy(path, prompt, 24, dtype="float32") == _greedy_by_whole_passes(ref_model, prompt, 24)
 
 
-def test_phi3_under_tensor_parallelism_gives_one_ranks_text(tmp_path):
-    """--tp 2 cuts Phi-3's fused attn_qkv (each rank's Q, K and V rows) and ffn_up (its gate and up rows) out of
-    the stored tensors: greedy text equals one rank's."""
-    path = write_tiny_model(str(tmp_path / "phi3.gguf"), "phi3", seed=5)
+def assert_tp2_gives_one_ranks_text(path: str, check_shard) -> None:
+    """Greedy text of two prompts (fp32) under --tp 2 equals one rank's; ``check_shard(model, config)`` first looks
+    at what rank 0 holds."""
     opts = dict(pool_blocks=64, dtype="float32", show_progress=False)
     prompts = [IDS[:7], IDS[10:30]]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     want = [r.token_ids for r in LLM(path, **opts).generate(prompts, params)]
     llm = LLM(path, tp=2, **opts)
     try:
-        layer = llm.engine.model.layers[0]
-        cfg = llm.engine.model_config
-        assert layer.qkv.shape[0] == (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim // 2
-        assert layer.gate_up.shape[0] == cfg.intermediate_size
+        check_shard(llm.engine.model, llm.engine.model_config)
         assert [r.token_ids for r in llm.generate(prompts, params)] == want
     finally:
         llm.engine.close()
+
+
+def test_phi3_under_tensor_parallelism_gives_one_ranks_text(tmp_path):
+    """--tp 2 cuts Phi-3's fused attn_qkv (each rank's Q, K and V rows) and ffn_up (its gate and up rows) out of
+    the stored tensors: greedy text equals one rank's."""
+    def check(model, cfg):
+        layer = model.layers[0]
+        assert layer.qkv.shape[0] == (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim // 2
+        assert layer.gate_up.shape[0] == cfg.intermediate_size
+
+    assert_tp2_gives_one_ranks_text(write_tiny_model(str(tmp_path / "phi3.gguf"), "phi3", seed=5), check)
 
 
 def test_a_file_with_rope_factors_fails_in_one_line(tmp_path):

@@ -191,14 +191,21 @@ def test_q4_weights_stay_4bit_and_match_the_dequantized_weights(tmp_path, qtype)
         ref = x.to(torch.bfloat16).float() @ w.dequantize().t()
         torch.testing.assert_close(got, ref, atol=0.05, rtol=0.02)  # bf16 output rounding; measured max ~0.01
 
-    exact = load_model(path)
-    cfg = read_model_config(reader, path)
-    q4 = LlamaModel(cfg, load_tensors(reader, path, torch.bfloat16, False, keep_packed=True), "cpu", False)
+    q4, kl = _packed_model_and_kl_to_exact(path)
     assert isinstance(q4.layers[0].gate_up, Int4Weight) and isinstance(q4.layers[0].qkv, Int4Weight)
+    assert kl < 0.01
+
+
+def _packed_model_and_kl_to_exact(path: str) -> tuple[LlamaModel, float]:
+    """The file's model with its weights packed (bf16 compute, pure torch), and the largest per-position KL of its
+    next-token distributions from the exact fp32 path's over a 37-token prompt."""
+    reader = open_gguf(path)
+    packed = LlamaModel(read_model_config(reader, path), load_tensors(reader, path, torch.bfloat16, False,
+                                                                      keep_packed=True), "cpu", False)
     ids = list(range(3, 40))
-    a = torch.log_softmax(paged_prefill_logits(exact, ids), -1)
-    b = torch.log_softmax(paged_prefill_logits(q4, ids), -1)
-    assert (a.exp() * (a - b)).sum(-1).max().item() < 0.01
+    a = torch.log_softmax(paged_prefill_logits(load_model(path), ids), -1)
+    b = torch.log_softmax(paged_prefill_logits(packed, ids), -1)
+    return packed, (a.exp() * (a - b)).sum(-1).max().item()
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q3_K", "Q2_K"])
@@ -239,14 +246,9 @@ def test_8bit_weights_stay_8bit_and_multiply_exactly(tmp_path, qtype):
                 got = weight.matmul(x).float()
                 assert (got - ref).abs().max().item() <= tol, (dtype, weight.routes, rows)
 
-    exact = load_model(path)
-    cfg = read_model_config(reader, path)
-    q8 = LlamaModel(cfg, load_tensors(reader, path, torch.bfloat16, False, keep_packed=True), "cpu", False)
+    q8, kl = _packed_model_and_kl_to_exact(path)
     assert isinstance(q8.layers[0].gate_up, Int8Weight) and isinstance(q8.layers[0].qkv, Int8Weight)
-    ids = list(range(3, 40))
-    a = torch.log_softmax(paged_prefill_logits(exact, ids), -1)
-    b = torch.log_softmax(paged_prefill_logits(q8, ids), -1)
-    assert (a.exp() * (a - b)).sum(-1).max().item() < 0.01
+    assert kl < 0.01
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -82,18 +82,13 @@ def test_tokens_are_grouped_by_expert_and_weighted_as_one_token_at_a_time():
 def test_moe_experts_split_across_two_ranks_give_one_ranks_text(tmp_path):
     """--tp 2: each rank reads and holds only its 4 of the 8 experts (and its heads), rank 0 adds the shared
     expert; greedy text equals one rank's."""
-    path = _tiny(tmp_path, "qwen2moe")
-    opts = dict(pool_blocks=64, dtype="float32", show_progress=False)
-    prompts = [IDS[:7], IDS[10:30]]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    want = [r.token_ids for r in LLM(path, **opts).generate(prompts, params)]
-    llm = LLM(path, tp=2, **opts)
-    try:
-        moe = llm.engine.model.layers[0].moe
+    from test_families import assert_tp2_gives_one_ranks_text
+
+    def check(model, cfg):
+        moe = model.layers[0].moe
         assert len(moe.gate_up) == 4 and moe.first_expert == 0 and moe.shared_gate_up is not None
-        assert [r.token_ids for r in llm.generate(prompts, params)] == want
-    finally:
-        llm.engine.close()
+
+    assert_tp2_gives_one_ranks_text(_tiny(tmp_path, "qwen2moe"), check)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0"])
