@@ -167,17 +167,11 @@ def test_q4_weights_stay_4bit_and_match_the_dequantized_weights(tmp_path, qtype)
     """--dtype auto keeps Q4 weights as int4: integers exact, products within bfloat16 rounding of fp32. A Q4_K
     super-block becomes 8 groups of 32, each with its own scale and zero (d·sc·q − dmin·m computed as
     (q − 8)·scale + zero: the same up to fp32 rounding)."""
-    import gguf
 
     from justapi.model.kernel_policy import KernelPolicy
     from justapi.model.quant import Int4Weight, Q4Unpacked
 
-    path = write_tiny_model(str(tmp_path / "q.gguf"), "llama", hidden=256, intermediate=256, num_heads=4,
-                            num_kv_heads=2, qtype=qtype, weight_scale=0.05)
-    reader = open_gguf(path)
-    kept = load_tensors(reader, path, torch.bfloat16, False, keep_packed=True)
-    raw = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
-    want = torch.from_numpy(gguf.quants.dequantize(raw.data, raw.tensor_type).astype("float32")).reshape(256, 256)
+    path, kept, want = _packed_file(tmp_path, qtype)
     w = kept["blk.0.ffn_down.weight"]
     assert isinstance(w, Q4Unpacked) and w.q.dtype == torch.uint8 and int(w.q.max()) <= 15
     groups = lambda t: t.repeat_interleave(32, dim=1)  # noqa: E731
@@ -196,6 +190,20 @@ def test_q4_weights_stay_4bit_and_match_the_dequantized_weights(tmp_path, qtype)
     assert kl < 0.01
 
 
+def _packed_file(tmp_path, qtype: str):
+    """A tiny model with ``qtype`` linears: its path, its tensors loaded packed (bf16), and gguf's fp32
+    dequantization of blk.0.ffn_down."""
+    import gguf
+
+    path = write_tiny_model(str(tmp_path / "q.gguf"), "llama", hidden=256, intermediate=256, num_heads=4,
+                            num_kv_heads=2, qtype=qtype, weight_scale=0.05)
+    reader = open_gguf(path)
+    kept = load_tensors(reader, path, torch.bfloat16, False, keep_packed=True)
+    raw = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
+    want = torch.from_numpy(gguf.quants.dequantize(raw.data, raw.tensor_type).astype("float32")).reshape(256, 256)
+    return path, kept, want
+
+
 def _packed_model_and_kl_to_exact(path: str) -> tuple[LlamaModel, float]:
     """The file's model with its weights packed (bf16 compute, pure torch), and the largest per-position KL of its
     next-token distributions from the exact fp32 path's over a 37-token prompt."""
@@ -211,20 +219,15 @@ def _packed_model_and_kl_to_exact(path: str) -> tuple[LlamaModel, float]:
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q3_K", "Q2_K"])
 def test_8bit_weights_stay_8bit_and_multiply_exactly(tmp_path, qtype):
     """--dtype auto keeps Q8_0, Q5_0, Q5_1, Q5_K, Q6_K, Q3_K and Q2_K linears as 8-bit integers with their scales
-    (and zeros; the last three over groups of 16), which dequantize to exactly the file's values; Int8Weight's products on every route
-    this CPU has are within bf16 rounding of the exact product, and the model within a small KL of the exact path."""
-    import gguf
+    (and zeros; the last three over groups of 16), which dequantize to exactly the file's values; Int8Weight's
+    products on every route this CPU has are within bf16 rounding of the exact product, and the model within a
+    small KL of the exact path."""
 
     from justapi.kernels import decode_kernels
     from justapi.model.kernel_policy import KernelPolicy
     from justapi.model.quant import Int8Weight, Q8Unpacked
 
-    path = write_tiny_model(str(tmp_path / "q.gguf"), "llama", hidden=256, intermediate=256, num_heads=4,
-                            num_kv_heads=2, qtype=qtype, weight_scale=0.05)
-    reader = open_gguf(path)
-    kept = load_tensors(reader, path, torch.bfloat16, False, keep_packed=True)
-    raw = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
-    want = torch.from_numpy(gguf.quants.dequantize(raw.data, raw.tensor_type).astype("float32")).reshape(256, 256)
+    path, kept, want = _packed_file(tmp_path, qtype)
     w = kept["blk.0.ffn_down.weight"]
     assert isinstance(w, Q8Unpacked) and w.q.dtype == torch.int8 and torch.equal(w.dequantize(), want)
     assert (w.group, w.zero is not None) == {"Q6_K": (16, False), "Q5_1": (32, True), "Q5_K": (32, True),
