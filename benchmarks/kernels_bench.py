@@ -1,14 +1,15 @@
 """The engine's C++ kernels in process, one kernel family per mode.
 
-usage: python benchmarks/kernels_bench.py [weights] [--rows 1 5 8 28 64 128 512] [--reps 7] [--fp32] [--disable K ...]
+usage: python benchmarks/kernels_bench.py [weights] [--model GGUF] [--rows 1 5 8 28 64 128 512] [--reps 7] [--fp32]
+                                         [--disable K ...]
        python benchmarks/kernels_bench.py attention [--base REV | --huge-pages] [--reps 7]
 
-``weights`` (the default): the weight kernels on SmolLM2's own weights, route by route: what each kernel of the
+``weights`` (the default): the weight kernels on SmolLM2's own weights (or ``--model``'s), route by route: what each kernel of the
 policy costs at each batch size, and what the weights of each route table hold. Loads the model with --dtype auto
 (``--fp32``: as on a CPU without a bf16 matmul, which computes in fp32; simulated through the policy's CPU probe
 where this CPU has one) once with the default policy and once more for each kernel named with ``--disable``
 (default: every optional kernel this CPU uses), then times, per row count, one pass of random rows through all 30
-layers' 4-bit projections and through the LM head, each model's passes interleaved, best of ``--reps``. Prints the
+layers' projections (4- or 8-bit) and through the LM head, each model's passes interleaved, best of ``--reps``. Prints the
 start-up log's route tables, the weights' MiB, ms per pass and the ratio to the default.
 
 ``attention``: the decode-attention kernel alone, on a W1-sized batch: 32 sequences of 64-767 tokens (seeded),
@@ -35,15 +36,16 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-def load(disabled: tuple[str, ...]):
+def load(disabled: tuple[str, ...], path: str | None):
     from justapi import LLM
     from justapi.model.gguf_loader import default_model_path
 
-    return LLM(default_model_path(), pool_blocks=16, disabled_kernels=disabled, show_progress=False).engine.model
+    return LLM(path or default_model_path(), pool_blocks=16, disabled_kernels=disabled,
+               show_progress=False).engine.model
 
 
 def one_pass(model, xs: dict[int, torch.Tensor]) -> tuple[float, float]:
-    """Seconds for all 4-bit projections, and for the head, at the rows of ``xs`` (by input width)."""
+    """Seconds for all the layers' projections, and for the head, at the rows of ``xs`` (by input width)."""
     t = time.perf_counter()
     for layer in model.layers:
         for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
@@ -59,10 +61,10 @@ def weights(args) -> None:
     if args.fp32:
         probe = kernel_policy.probe_cpu
         kernel_policy.probe_cpu = lambda kernels: dataclasses.replace(probe(kernels), bf16_matmul=False)
-    models = {"default": load(())}
+    models = {"default": load((), args.model)}
     policy = models["default"].policy
     for kernel in args.disable if args.disable is not None else sorted(policy.enabled - {"fused_silu"}):
-        models[f"{kernel} off"] = load((kernel,))
+        models[f"{kernel} off"] = load((kernel,), args.model)
     for name, model in models.items():
         lines = model.policy.describe()
         print(f"{name}: weights {model.weight_bytes() / 2**20:.1f} MiB; {lines[0]}")
@@ -175,6 +177,7 @@ def main() -> None:
     ap.add_argument("mode", nargs="?", choices=["weights", "attention"], default="weights")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 5, 8, 28, 64, 128, 512], help="weights: row counts")
+    ap.add_argument("--model", default=None, help="weights: a GGUF file (default: SmolLM2)")
     ap.add_argument("--fp32", action="store_true", help="weights: the fp32 route of a CPU without a bf16 matmul")
     ap.add_argument("--disable", nargs="*", default=None, help="weights: kernels to time off (default: each one in use)")
     ap.add_argument("--base", default=None, help="attention: a git revision whose kernel is timed alongside")

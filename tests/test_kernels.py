@@ -61,18 +61,29 @@ def test_add_rms_norm_matches_add_then_rms_norm(cpp_kernels, dtype):
     assert torch.equal(alone, got_h)
 
 
-@pytest.mark.parametrize("rows", [6, 16, 17, 40, 64, 65, 80, 97, 130, 345])
-def test_int4_amx_matmul_equals_the_bf16_product_of_the_same_weights(cpp_kernels, rows):
-    """4-bit weights expanded to bf16 on the fly and multiplied on AMX tiles (int4_matmul.cpp): the weight values
-    of Q4Unpacked.dequantize(), products summed in fp32, the result rounded once; against the bf16 product of the
-    dequantized copy (oneDNN, the path batches take without the kernel). Row counts cross the 16-row tiles, the
-    64-row passes of one block and the 32-row passes over pairs of blocks (6 blocks on 2 threads: a pair and a
-    lone block each)."""
+UNIT_KERNELS = ["amx", "dpbf16"]  # the kernels that multiply bf16 rows by the packed units (q_units.h)
+
+
+def units_matmul(cpp_kernels, kernel: str, bits: int):
+    """``int4_amx_matmul``, ``q8_dpbf16_matmul``, ...: the ``kernel`` for ``bits``-bit units, or a skip where this CPU
+    (or this build) does not run it."""
+    if not (cpp_kernels.int4_amx_available() if kernel == "amx" else cpp_kernels.units_avx512_available()):
+        pytest.skip(f"this CPU (or this build) does not run the {kernel} kernels")
+    return getattr(cpp_kernels, f"{'int4' if bits == 4 else 'q8'}_{kernel}_matmul")
+
+
+@pytest.mark.parametrize("kernel", UNIT_KERNELS)
+@pytest.mark.parametrize("rows", [6, 7, 16, 17, 40, 64, 65, 80, 97, 130, 345])
+def test_int4_units_matmul_equals_the_bf16_product_of_the_same_weights(cpp_kernels, kernel, rows):
+    """4-bit weights expanded to bf16 on the fly and multiplied on AMX tiles (int4_matmul.cpp) or AVX-512 BF16
+    vectors (units_avx512.cpp): the weight values of Q4Unpacked.dequantize(), products summed in fp32, the result
+    rounded once; against the bf16 product of the dequantized copy (oneDNN, the path batches take without the
+    kernel). Row counts cross the 16-row tiles, the 64-row passes of one block and the 32-row passes over pairs of
+    blocks on AMX, the 8-row passes on vectors (6 blocks on 2 threads: a pair and a lone block each)."""
     from justapi.model.kernel_policy import TORCH_SMALL_MAX_ROWS, KernelPolicy
     from justapi.model.quant import Int4Weight, Q4Unpacked, packed_linear
 
-    if not cpp_kernels.int4_amx_available():
-        pytest.skip("this CPU (or this build) has no AMX")
+    matmul = units_matmul(cpp_kernels, kernel, 4)
     g = torch.Generator().manual_seed(7)
     n, k = 96, 160
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
@@ -81,27 +92,27 @@ def test_int4_amx_matmul_equals_the_bf16_product_of_the_same_weights(cpp_kernels
     w = Q4Unpacked(q, scale, zero)
     dense = w.dequantize().to(torch.bfloat16)
     x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
-    got = cpp_kernels.int4_amx_matmul(x, cpp_kernels.int4_amx_pack(q, scale, zero), n)
+    got = matmul(x, cpp_kernels.int4_amx_pack(q, scale, zero), n)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     exact = x.double() @ dense.double().T
     assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-4).all()  # one bf16 rounding of the sum
     assert torch.equal(got, packed_linear(x, dense))  # at this width oneDNN sums in the same order, at every size
     weight = Int4Weight(w, KernelPolicy.make(torch.bfloat16, cpp_kernels))
-    assert weight.amx is not None and not hasattr(weight, "dense")  # no form that no route reads
-    if rows > TORCH_SMALL_MAX_ROWS:
+    assert weight.units is not None and not hasattr(weight, "dense")  # no form that no route reads
+    if rows > TORCH_SMALL_MAX_ROWS and weight.routes[-1].kernel == kernel:
         assert torch.equal(weight.matmul(x), got)
     with pytest.raises(RuntimeError, match="does not match"):
-        cpp_kernels.int4_amx_matmul(x[:, :128].contiguous(), weight.amx, n)
+        matmul(x[:, :128].contiguous(), weight.units, n)
 
 
-def test_int4_amx_matmul_on_smollm2_widths_rounds_once_and_matches_onednn_at_decode_sizes(cpp_kernels):
-    """On SmolLM2's widths (576 and 1536 inputs) oneDNN splits its fp32 sums from 48 rows on, so there the two
-    products may differ in the last bit of a few elements; both stay within one bf16 rounding of the exact product.
-    At 8 rows (batched decode) they are bit-identical."""
+@pytest.mark.parametrize("kernel", UNIT_KERNELS)
+def test_int4_units_matmul_on_smollm2_widths_rounds_once_and_matches_onednn_at_decode_sizes(cpp_kernels, kernel):
+    """On SmolLM2's widths (576 and 1536 inputs) oneDNN splits its fp32 sums from 48 rows on (on a Xeon), so there
+    the two products may differ in the last bit of a few elements; both stay within one bf16 rounding of the exact
+    product. At 8 rows (batched decode) they are bit-identical."""
     from justapi.model.quant import Q4Unpacked, packed_linear, prepack_linear
 
-    if not cpp_kernels.int4_amx_available():
-        pytest.skip("this CPU (or this build) has no AMX")
+    matmul = units_matmul(cpp_kernels, kernel, 4)
     g = torch.Generator().manual_seed(3)
     for n, k in ((960, 576), (576, 1536)):
         q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
@@ -111,24 +122,24 @@ def test_int4_amx_matmul_on_smollm2_widths_rounds_once_and_matches_onednn_at_dec
         packed = cpp_kernels.int4_amx_pack(q, scale, zero)
         for rows in (8, 345):
             x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
-            got = cpp_kernels.int4_amx_matmul(x, packed, n)
+            got = matmul(x, packed, n)
             exact = x.double() @ dense.double().T
             assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-4).all()
             if rows == 8:
                 assert torch.equal(got, packed_linear(x, prepack_linear(dense)))
 
 
+@pytest.mark.parametrize("kernel", UNIT_KERNELS)
 @pytest.mark.parametrize("n, k", [(96, 160), (96, 576)])
-def test_q8_amx_matmul_expands_q8_0_exactly_and_rounds_once(cpp_kernels, n, k):
-    """Q8_0 weights (int8 times an fp16 scale per 32) expanded to bf16 on AMX tiles: the values of the dequantized
-    weight rounded to bf16, products summed in fp32, the result rounded once. At 576 inputs (SmolLM2's head)
-    bit-identical to oneDNN's product of the bf16 copy up to 32 rows; within one bf16 rounding of the exact
-    product at every size (passes of one block up to 64 rows, pairs of blocks above)."""
+def test_q8_units_matmul_expands_q8_0_exactly_and_rounds_once(cpp_kernels, kernel, n, k):
+    """Q8_0 weights (int8 times an fp16 scale per 32) expanded to bf16 on AMX tiles or AVX-512 BF16 vectors: the
+    values of the dequantized weight rounded to bf16, products summed in fp32, the result rounded once. At 576
+    inputs (SmolLM2's head) bit-identical to oneDNN's product of the bf16 copy up to 32 rows; within one bf16
+    rounding of the exact product at every size (AMX: passes of one block up to 64 rows, pairs of blocks above)."""
     from justapi.model.kernel_policy import KernelPolicy
     from justapi.model.quant import Int8RowWeight, Q8Unpacked, packed_linear, prepack_linear
 
-    if not cpp_kernels.int4_amx_available():
-        pytest.skip("this CPU (or this build) has no AMX")
+    matmul = units_matmul(cpp_kernels, kernel, 8)
     g = torch.Generator().manual_seed(11)
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
     scale = (torch.rand(n, k // 32, generator=g) * 0.01 + 1e-4).to(torch.float16).float()
@@ -137,19 +148,22 @@ def test_q8_amx_matmul_expands_q8_0_exactly_and_rounds_once(cpp_kernels, n, k):
     packed = cpp_kernels.q8_amx_pack(q, scale)
     for rows in (6, 8, 17, 32, 64, 65, 130):
         x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
-        got = cpp_kernels.q8_amx_matmul(x, packed, n)
+        got = matmul(x, packed, n)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
         exact = x.double() @ dense.double().T
         assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-4).all()
-        if rows <= 32:
+        if rows <= (32 if kernel == "amx" else 8):  # oneDNN's own sums change order above (on a Xeon; a Zen 4)
             assert torch.equal(got, packed_linear(x, prepack_linear(dense)))
     head = Int8RowWeight(w.dequantize().to(torch.bfloat16), w, KernelPolicy.make(torch.bfloat16, cpp_kernels))
-    # the LM head: the 8-bit kernel for 3-64 rows, q8_small for 1-2 (below)
-    assert head.amx is not None
+    # the LM head: the units' kernel past q8_small's rows (below)
+    assert head.units is not None
     x = torch.randn(8, k, generator=g).to(torch.bfloat16)
-    assert torch.equal(head.matmul(x), cpp_kernels.q8_amx_matmul(x, packed, n))
+    if head.routes[1].kernel == kernel:
+        assert torch.equal(head.matmul(x), matmul(x, packed, n))
     with pytest.raises(RuntimeError, match="does not match"):
-        cpp_kernels.q8_amx_matmul(x[:, :128].contiguous(), packed, n)
+        matmul(x[:, :128].contiguous(), packed, n)
+    if kernel != "dpbf16":  # q8_small runs wherever dpbf16 does: tested once
+        return
 
     # q8_small: 1-4 fp32 rows times the same units on AVX-512 FMAs, the weights exact (no bf16 rounding):
     # within fp32 rounding of the exact product (a sum of k terms, each group scaled once)
@@ -166,15 +180,16 @@ def test_q8_amx_matmul_expands_q8_0_exactly_and_rounds_once(cpp_kernels, n, k):
         cpp_kernels.q8_small_matmul(torch.randn(5, k), packed, n)
 
 
+@pytest.mark.parametrize("kernel", UNIT_KERNELS)
 @pytest.mark.parametrize("group, zero", [(32, True), (16, False), (16, True)], ids=["g32-zero", "g16", "g16-zero"])
-def test_8bit_units_with_zeros_or_16_wide_groups(cpp_kernels, group, zero):
-    """The 8-bit units of Q5_1/Q5_K (a zero per group) and Q6_K (groups of 16): on AMX tiles, each weight expanded
-    once (q · scale + zero, one rounding) to bf16, products summed in fp32 and rounded once; through q8_small, the
-    weights exact: within those roundings of the exact product, for 1-4 rows, 6-64 rows and pairs of blocks."""
+def test_8bit_units_with_zeros_or_16_wide_groups(cpp_kernels, kernel, group, zero):
+    """The 8-bit units of Q5_1/Q5_K (a zero per group) and Q6_K (groups of 16): on AMX tiles or AVX-512 BF16
+    vectors, each weight expanded once (q · scale + zero, one rounding) to bf16, products summed in fp32 and
+    rounded once; through q8_small, the weights exact: within those roundings of the exact product, for 1-4 rows,
+    6-64 rows and pairs of blocks."""
     from justapi.model.quant import Q8Unpacked
 
-    if not cpp_kernels.int4_amx_available():
-        pytest.skip("this CPU (or this build) has no AMX")
+    matmul = units_matmul(cpp_kernels, kernel, 8)
     g = torch.Generator().manual_seed(5)
     n, k = 48, 160
     q = torch.randint(-32, 32, (n, k), dtype=torch.int8, generator=g)
@@ -186,10 +201,12 @@ def test_8bit_units_with_zeros_or_16_wide_groups(cpp_kernels, group, zero):
     unit = dict(group=group, has_zero=zero)
     for rows in (6, 17, 64, 130):
         x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
-        got = cpp_kernels.q8_amx_matmul(x, packed, n, **unit).double()
+        got = matmul(x, packed, n, **unit).double()
         bf16_w = w.dequantize().to(torch.bfloat16).double()
         exact = x.double() @ bf16_w.T
         assert ((got - exact).abs() <= exact.abs() * 2 ** -8 + 1e-4).all(), rows
+    if kernel != "dpbf16":  # q8_small runs wherever dpbf16 does: tested once
+        return
     for rows in (1, 2, 3, 4):
         x = torch.randn(rows, k, generator=g)
         got = cpp_kernels.q8_small_matmul(x, packed, n, **unit).double()

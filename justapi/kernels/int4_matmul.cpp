@@ -11,18 +11,9 @@
 // bf16-exact), rounded to bf16 — the same values as the bf16 copy that oneDNN multiplies. Products accumulate in
 // fp32 in the tiles, over the input dimension in order, and the result is rounded to bf16 once.
 //
-// Packed layout, one 320-byte unit per (block of 16 outputs, group of 32 inputs), units of a block contiguous:
-//
-//   bytes   0..255  16 rows r (pairs of inputs 2r, 2r+1) x 16 bytes: byte b holds, low nibble, q of output b/2 at
-//                   input 2r + b%2 and, high nibble, q of output 8 + b/2 at the same input
-//   bytes 256..287  16 scales (bf16), outputs 0..15
-//   bytes 288..319  16 zeros (bf16)
-//
-// Expanded, row r is the AMX B-tile row [out0: in 2r, 2r+1 | out1: ... | out15: ...] (bf16 pairs, "VNNI" order).
-//
-// The same passes multiply 8-bit weights (Q8_0 and Q5_0, widened exactly; Q5_1, Q5_K and Q6_K with their zeros or
-// 16-wide groups) from 8-bit units (Q8Unit below): the driver, matmul_amx, takes the unit format as a template
-// parameter.
+// The weights come in the units of q_units.h (4-bit, or 8-bit with Q8Unit's formats); the driver, matmul_amx, takes
+// the unit format as a template parameter. The packers (any CPU) are here; units_avx512.cpp multiplies the same
+// units on CPUs with AVX-512 BF16 but no AMX.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -30,6 +21,8 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "q_units.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define JUSTAPI_AMX 1
@@ -40,19 +33,14 @@
 
 namespace {
 
-constexpr int64_t kUnitBytes = 320;     // a 4-bit unit (layout above)
-// an 8-bit unit (Q8Unit below): 512 bytes of integers, then S sets of 16 fp32 scales (S = 32 / group size), then,
-// with zeros, S sets of 16 fp32 zeros
-constexpr int64_t q8_unit_bytes(int64_t sets, bool zero) { return 512 + 64 * sets * (zero ? 2 : 1); }
-struct Q4Unit;  // the unit formats matmul_amx takes (defined where AMX is built in)
+using justapi::bf16_bits;
+using justapi::kUnitBytes;
+using justapi::q8_unit_bytes;
+using justapi::Q4Unit;
+using justapi::Q8Unit;
+
 constexpr int64_t kMaxRows = 64;  // rows per pass over the weight: four 16-row accumulator tiles
 constexpr int64_t kPairRows = 32;  // rows per pass over a pair of blocks: 2 x 2 accumulator tiles
-
-inline uint16_t bf16_bits(float f) {  // f is bf16-exact (scales, zeros)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return static_cast<uint16_t>(u >> 16);
-}
 
 #ifdef JUSTAPI_AMX
 struct alignas(64) TileConfig {
@@ -75,72 +63,6 @@ inline void load_tile_config(TileConfig& cfg) {
 bool amx_permitted() {
   static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
   return ok;
-}
-
-// A weight format for matmul_amx: the bytes of one unit (a block of 16 outputs by a group of 32 inputs) and their
-// expansion into a B tile (16 rows of 32 bf16, the layout above)
-struct Q4Unit {
-  static constexpr int64_t kBytes = kUnitBytes;
-  static void expand(const uint8_t* unit, uint16_t* b);
-};
-
-// 8-bit weights: w = q * s (+ z), q int8, s (and z) fp32 per output and group of 32 inputs, or of 16 (kSets = 2:
-// rows 0..7 of a unit, inputs 0..15, read set 0; rows 8..15 set 1). Q8_0: q * d, exact in fp32 (an 8-bit integer
-// times an 11-bit significand) — the values gguf's dequantize gives —, then rounded to bf16 as torch's conversion
-// rounds them. Unit: 16 rows r x 32 bytes (byte b: q of output b/2 at input 2r + b%2, as an int8), then the scales,
-// then the zeros (see q8_unit_bytes).
-template <int kSets, bool kZero>
-struct Q8Unit {
-  static constexpr int64_t kBytes = q8_unit_bytes(kSets, kZero);
-  static void expand(const uint8_t* unit, uint16_t* b) {
-    const __m512i lo_idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    const __m512i hi_idx = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
-    const float* terms = reinterpret_cast<const float*>(unit + 512);
-    for (int set = 0; set < kSets; ++set) {
-      const __m512 scales = _mm512_loadu_ps(terms + 16 * set);
-      const __m512 s_lo = _mm512_permutexvar_ps(lo_idx, scales), s_hi = _mm512_permutexvar_ps(hi_idx, scales);
-      __m512 z_lo = _mm512_setzero_ps(), z_hi = _mm512_setzero_ps();
-      if (kZero) {
-        const __m512 zeros = _mm512_loadu_ps(terms + 16 * (kSets + set));
-        z_lo = _mm512_permutexvar_ps(lo_idx, zeros), z_hi = _mm512_permutexvar_ps(hi_idx, zeros);
-      }
-      for (int r = set * 16 / kSets; r < (set + 1) * 16 / kSets; ++r) {
-        const int8_t* row = reinterpret_cast<const int8_t*>(unit + 32 * r);
-        const __m512 q_lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
-        const __m512 q_hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16))));
-        // q * s is exact in fp32 for every source format (at most 24 significant bits: Q6_K's d·sc has 18 and
-        // |q| <= 32), so the fused multiply-add rounds once, where gguf's dequantization rounds its sum
-        const __m512 w_lo = kZero ? _mm512_fmadd_ps(q_lo, s_lo, z_lo) : _mm512_mul_ps(q_lo, s_lo);
-        const __m512 w_hi = kZero ? _mm512_fmadd_ps(q_hi, s_hi, z_hi) : _mm512_mul_ps(q_hi, s_hi);
-        _mm512_store_si512(b + 32 * r, (__m512i)_mm512_cvtne2ps_pbh(w_hi, w_lo));
-      }
-    }
-  }
-};
-
-// unit -> 16 B-tile rows of 32 bf16
-inline void Q4Unit::expand(const uint8_t* unit, uint16_t* b) {
-  const __m512i scale_zero = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + 256)));
-  const __m512 scales = _mm512_castsi512_ps(_mm512_slli_epi32(scale_zero, 16));
-  const __m512i zeros_raw = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + 288)));
-  const __m512 zeros = _mm512_castsi512_ps(_mm512_slli_epi32(zeros_raw, 16));
-  const __m512i lo_idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-  const __m512i hi_idx = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
-  const __m512 s_lo = _mm512_permutexvar_ps(lo_idx, scales), s_hi = _mm512_permutexvar_ps(hi_idx, scales);
-  const __m512 z_lo = _mm512_permutexvar_ps(lo_idx, zeros), z_hi = _mm512_permutexvar_ps(hi_idx, zeros);
-  // q - 8 for q = 0..15 (exact), looked up by q: permutexvar reads only the low 4 bits of each index, so a lane
-  // holding a whole byte looks up its low nibble, and the byte shifted right by 4 its high nibble
-  const __m512 centred = _mm512_set_ps(7, 6, 5, 4, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8);
-  for (int r = 0; r < 16; ++r) {
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + 16 * r)));
-    const __m512 q_lo = _mm512_permutexvar_ps(bytes, centred);
-    const __m512 q_hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), centred);
-    // (q - 8) * scale is exact in fp32 (a 4-bit integer times an 8-bit significand), so one fused multiply-add
-    // rounds exactly as torch's multiply then add do
-    const __m512 w_lo = _mm512_fmadd_ps(q_lo, s_lo, z_lo);
-    const __m512 w_hi = _mm512_fmadd_ps(q_hi, s_hi, z_hi);
-    _mm512_store_si512(b + 32 * r, (__m512i)_mm512_cvtne2ps_pbh(w_hi, w_lo));
-  }
 }
 
 // accumulator tile t (tmm0..3) -> rows of out (bf16, round to nearest even)
@@ -305,59 +227,6 @@ void matmul_amx(const uint16_t* x, int64_t m, int64_t k, const uint8_t* packed, 
   });
 }
 
-// A few rows (single-stream decode, up to kQ8SmallRows) times Q8 units with AVX-512 FMAs instead of tiles: a tile
-// pass expands each unit to bf16 for a 16-row tile that holds 1-4 rows, so at one row the expansion, not the memory,
-// bounds it. Here each unit's 16 steps are widened to fp32 once and multiplied by each row's input pair; a step's
-// lanes hold (output, input parity) pairs, summed pairwise after the group and scaled by the group's 16 scales.
-// The weights stay exact (no bf16 rounding); products accumulate in fp32 in order of the groups.
-constexpr int64_t kQ8SmallRows = 4;
-
-template <int M, int kSets, bool kZero>
-void q8_small_rows(const float* x, int64_t k, const uint8_t* packed, int64_t n, float* out) {
-  using Unit = Q8Unit<kSets, kZero>;
-  const int64_t groups = k / 32, blocks = n / 16;
-  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-  const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      __m512 total[M];
-      for (int i = 0; i < M; ++i) total[i] = _mm512_setzero_ps();
-      const uint8_t* units = packed + blk * groups * Unit::kBytes;
-      for (int64_t g = 0; g < groups; ++g) {
-        const uint8_t* unit = units + g * Unit::kBytes;
-        const float* terms = reinterpret_cast<const float*>(unit + 512);
-        for (int set = 0; set < kSets; ++set) {
-          __m512 lo[M], hi[M];  // outputs 0..7 and 8..15, each lane one (output, parity)
-          float xsum[M];  // the set's inputs summed: what its zeros multiply
-          for (int i = 0; i < M; ++i) lo[i] = hi[i] = _mm512_setzero_ps(), xsum[i] = 0.0f;
-          for (int r = set * 16 / kSets; r < (set + 1) * 16 / kSets; ++r) {
-            const int8_t* row = reinterpret_cast<const int8_t*>(unit + 32 * r);
-            const __m512 w_lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
-            const __m512 w_hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16))));
-            for (int i = 0; i < M; ++i) {
-              const float* xr = x + i * k + g * 32 + 2 * r;
-              double pair;  // x[2r], x[2r + 1] of this group, repeated over the 8 outputs
-              std::memcpy(&pair, xr, 8);
-              const __m512 xp = _mm512_castpd_ps(_mm512_set1_pd(pair));
-              lo[i] = _mm512_fmadd_ps(w_lo, xp, lo[i]);
-              hi[i] = _mm512_fmadd_ps(w_hi, xp, hi[i]);
-              if (kZero) xsum[i] += xr[0] + xr[1];
-            }
-          }
-          const __m512 scales = _mm512_loadu_ps(terms + 16 * set);
-          for (int i = 0; i < M; ++i) {
-            const __m512 sums = _mm512_add_ps(_mm512_permutex2var_ps(lo[i], even, hi[i]),
-                                              _mm512_permutex2var_ps(lo[i], odd, hi[i]));
-            total[i] = _mm512_fmadd_ps(sums, scales, total[i]);
-            if (kZero)
-              total[i] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[i]), _mm512_loadu_ps(terms + 16 * (kSets + set)), total[i]);
-          }
-        }
-      }
-      for (int i = 0; i < M; ++i) _mm512_storeu_ps(out + i * n + blk * 16, total[i]);
-    }
-  });
-}
 #endif
 
 }  // namespace
@@ -411,11 +280,8 @@ torch::Tensor int4_amx_pack(torch::Tensor q, torch::Tensor scale, torch::Tensor 
 template <typename Unit>
 torch::Tensor amx_matmul(const char* name, int64_t unit_bytes, torch::Tensor x, torch::Tensor packed,
                          int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, name, ": x [rows, in] bf16 expected");
-  x = x.contiguous();
+  x = justapi::checked_rows(name, x, packed, out_features, unit_bytes, torch::kBFloat16);
   const int64_t m = x.size(0), k = x.size(1), n = out_features;
-  TORCH_CHECK(n % 16 == 0 && k % 32 == 0 && packed.numel() == n / 16 * k / 32 * unit_bytes, name,
-              ": packed weight does not match the input width");
   auto out = torch::empty({m, n}, x.options());
 #ifdef JUSTAPI_AMX
   TORCH_CHECK(amx_permitted(), name, ": AMX is not available");
@@ -477,49 +343,8 @@ torch::Tensor q8_amx_pack(torch::Tensor q, torch::Tensor scale, c10::optional<to
 torch::Tensor q8_amx_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features, int64_t group,
                             bool has_zero) {
   TORCH_CHECK(group == 32 || group == 16, "q8_amx_matmul: groups of 32 or 16 inputs expected");
-  const int64_t bytes = q8_unit_bytes(32 / group, has_zero);
-  if (group == 32 && !has_zero) return amx_matmul<Q8Unit<1, false>>("q8_amx_matmul", bytes, x, packed, out_features);
-  if (group == 32) return amx_matmul<Q8Unit<1, true>>("q8_amx_matmul", bytes, x, packed, out_features);
-  if (!has_zero) return amx_matmul<Q8Unit<2, false>>("q8_amx_matmul", bytes, x, packed, out_features);
-  return amx_matmul<Q8Unit<2, true>>("q8_amx_matmul", bytes, x, packed, out_features);
-}
-
-#ifdef JUSTAPI_AMX
-namespace {
-template <int kSets, bool kZero>
-void q8_small_dispatch(int64_t m, const float* x, int64_t k, const uint8_t* packed, int64_t n, float* out) {
-  switch (m) {
-    case 1: q8_small_rows<1, kSets, kZero>(x, k, packed, n, out); break;
-    case 2: q8_small_rows<2, kSets, kZero>(x, k, packed, n, out); break;
-    case 3: q8_small_rows<3, kSets, kZero>(x, k, packed, n, out); break;
-    case 4: q8_small_rows<4, kSets, kZero>(x, k, packed, n, out); break;
-    default: break;
-  }
-}
-}  // namespace
-#endif
-
-// x [rows <= 4, in] fp32, packed from q8_amx_pack (this group, zeros or not), out_features -> [rows, out] fp32
-torch::Tensor q8_small_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features, int64_t group,
-                              bool has_zero) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "q8_small_matmul: x [rows, in] fp32 expected");
-  TORCH_CHECK(group == 32 || group == 16, "q8_small_matmul: groups of 32 or 16 inputs expected");
-  x = x.contiguous();
-  const int64_t m = x.size(0), k = x.size(1), n = out_features;
-  TORCH_CHECK(m <= kQ8SmallRows, "q8_small_matmul: at most 4 rows");
-  TORCH_CHECK(n % 16 == 0 && k % 32 == 0 && packed.numel() == n / 16 * k / 32 * q8_unit_bytes(32 / group, has_zero),
-              "q8_small_matmul: packed weight does not match the input width");
-  auto out = torch::empty({m, n}, x.options());
-#ifdef JUSTAPI_AMX
-  const float* xp = x.data_ptr<float>();
-  const uint8_t* pp = packed.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
-  if (group == 32 && !has_zero) q8_small_dispatch<1, false>(m, xp, k, pp, n, op);
-  else if (group == 32) q8_small_dispatch<1, true>(m, xp, k, pp, n, op);
-  else if (!has_zero) q8_small_dispatch<2, false>(m, xp, k, pp, n, op);
-  else q8_small_dispatch<2, true>(m, xp, k, pp, n, op);
-#else
-  TORCH_CHECK(false, "q8_small_matmul: built without AMX (the units it reads are AMX's)");
-#endif
-  return out;
+  return justapi::with_q8_unit(group, has_zero, [&](auto unit) {
+    using Unit = decltype(unit);
+    return amx_matmul<Unit>("q8_amx_matmul", Unit::kBytes, x, packed, out_features);
+  });
 }

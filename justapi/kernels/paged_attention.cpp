@@ -542,6 +542,12 @@ void mask_logits(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor q8_amx_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features, int64_t group,
                             bool has_zero);
+
+// units_avx512.cpp
+bool units_avx512_available();
+torch::Tensor int4_dpbf16_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features);
+torch::Tensor q8_dpbf16_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features, int64_t group,
+                               bool has_zero);
 torch::Tensor q8_small_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features, int64_t group,
                               bool has_zero);
 
@@ -568,6 +574,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_amx_matmul", &q8_amx_matmul, "x @ w.T, bf16 rows x a packed 8-bit weight, on AMX tiles", py::arg("x"),
         py::arg("packed"), py::arg("out_features"), py::arg("group") = 32, py::arg("has_zero") = false);
   m.def("q8_small_matmul", &q8_small_matmul, "x @ w.T, 1-4 fp32 rows x q8_amx_pack's units, AVX-512 FMAs (fp32 out)",
+        py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("group") = 32, py::arg("has_zero") = false);
+  m.def("units_avx512_available", &units_avx512_available,
+        "whether the AVX-512 BF16 kernels of the packed units run here (dpbf16, q8_small)");
+  m.def("int4_dpbf16_matmul", &int4_dpbf16_matmul, "x @ w.T, bf16 rows x int4_amx_pack's units, AVX-512 BF16");
+  m.def("q8_dpbf16_matmul", &q8_dpbf16_matmul, "x @ w.T, bf16 rows x q8_amx_pack's units, AVX-512 BF16",
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("group") = 32, py::arg("has_zero") = false);
   m.def("q_matmul_available", &q_matmul_available, "whether q_matmul can run here (an AVX2 + FMA build)");
   m.def("q_matmul", &q_matmul, "x @ w.T, fp32 rows (rounded to 16-bit integers) x a packed 4-bit or Q8_0 weight, on AVX2");

@@ -4,10 +4,14 @@ In the spirit of ggml's per-type traits: a frozen ``KernelPolicy`` built from th
 and the flags (``--dtype``, ``--no-cpu-kernels``, ``--disable-kernels``) holds, per weight type, a short table of
 routes, ``(max_rows, kernel)`` with the first route whose ``max_rows`` covers a batch serving it::
 
-    4-bit linear, bf16 model on AMX:     rows 1-5 torch_int4 | 6+ amx
-    4-bit linear, fp32 model on AVX2:    rows 1-64 q_matmul   | 65+ dense (fp32, prepacked for oneDNN)
-    8-bit linear, bf16 model on AMX:     rows 1-2 q8_small   | 3+ amx
-    8-bit head,   bf16 model on AMX:     rows 1-2 q8_small   | 3-64 amx | 65+ dense (bf16, prepacked; none over 128 MiB)
+    4-bit linear, bf16 model on AMX:              rows 1-5 torch_int4 | 6+ amx
+    4-bit linear, bf16 model, AVX-512 BF16 (Zen 4): rows 1-5 torch_int4 | 6+ dpbf16
+    4-bit linear, fp32 model on AVX2:             rows 1-64 q_matmul  | 65+ dense (fp32, prepacked for oneDNN)
+    8-bit linear, bf16 model on AMX:              rows 1-2 q8_small   | 3+ amx
+    8-bit linear, bf16 model, AVX-512 BF16:       rows 1-4 q8_small   | 5+ dpbf16
+    8-bit head,   bf16 model on AMX:              rows 1-2 q8_small   | 3-64 amx | 65+ dense (bf16, prepacked;
+                                                  none over 128 MiB)
+    8-bit head,   bf16 model, AVX-512 BF16:       rows 1-4 q8_small   | 5+ dpbf16
 
 A weight (model.quant) builds only the forms its routes read. docs/quantization.md has the whole table and what
 each form costs in memory; the row limits below were measured there.
@@ -42,6 +46,9 @@ HEAD_DENSE_MAX_BYTES = 128 << 20
 # a Xeon: 0.85x the time at 1 row for Gemma 3's 262k-row head, 0.56-0.64x for its layers and SmolLM2's head (which
 # it also serves faster than torch's int8 kernel: 0.83 against 1.33 ms); 0.97-1.0x at 2 rows, 1.0-1.2x at 3-4
 Q8_SMALL_MAX_ROWS = 2
+# ... and against dpbf16 (the units on AVX-512 BF16 vectors, no AMX) on a Zen 4: 0.4-0.6x the time of dpbf16 and of
+# the dense bf16 copy on oneDNN at 1-4 rows for SmolLM2's head
+Q8_SMALL_MAX_ROWS_NO_AMX = 4
 PREPACK_ROWS_HINT = 32  # the batch size oneDNN picks a prepacked layout for; any number of rows works with it
 
 
@@ -50,7 +57,7 @@ class Route:
     """Batches of up to ``max_rows`` rows (not served by an earlier route) go to ``kernel``."""
 
     max_rows: int
-    kernel: str  # "torch_int4", "torch_int8", "q_matmul", "amx" or "dense"
+    kernel: str  # "torch_int4", "torch_int8", "q_matmul", "amx", "dpbf16", "q8_small" or "dense"
 
 
 def cpu_has_bf16_matmul() -> bool:
@@ -69,20 +76,23 @@ class CpuFeatures:
 
     bf16_matmul: bool  # oneDNN's bf16 matmul (AVX-512 BF16 or AMX)
     amx: bool  # the C++ kernels' AMX tiles (built with AMX, permitted by the OS)
+    avx512_units: bool  # the C++ kernels' AVX-512 BF16 products of the packed units (dpbf16, q8_small)
     q_matmul: bool  # the C++ kernels' AVX2 integer matmul
     silu_bf16: bool  # the C++ silu_mul on bf16 rows (AVX-512)
     silu_fp32: bool  # ... on fp32 rows (AVX2 or AVX-512)
     onednn: bool  # torch's oneDNN (prepacked weights)
 
     def names(self) -> str:
-        flags = {"bf16-matmul": self.bf16_matmul, "amx": self.amx, "avx2-q_matmul": self.q_matmul}
+        flags = {"bf16-matmul": self.bf16_matmul, "amx": self.amx, "avx512-bf16 units": self.avx512_units,
+                 "avx2-q_matmul": self.q_matmul}
         return " ".join(k for k, v in flags.items() if v) or "none of bf16-matmul, amx, avx2"
 
 
 @functools.cache
 def _probe(kernels) -> CpuFeatures:
     has = lambda name, *args: kernels is not None and getattr(kernels, name)(*args)  # noqa: E731
-    return CpuFeatures(cpu_has_bf16_matmul(), has("int4_amx_available"), has("q_matmul_available"),
+    return CpuFeatures(cpu_has_bf16_matmul(), has("int4_amx_available"), has("units_avx512_available"),
+                       has("q_matmul_available"),
                        has("silu_mul_available", True), has("silu_mul_available", False),
                        torch.backends.mkldnn.is_available())
 
@@ -132,8 +142,11 @@ class KernelPolicy:
     def make(cls, dtype: torch.dtype, kernels, disabled: tuple[str, ...] = ()) -> KernelPolicy:
         """The policy for a model computing in ``dtype``, less the ``disabled`` kernels (--disable-kernels)."""
         cpu = probe_cpu(kernels)
-        runs = {"q_matmul": cpu.q_matmul and dtype == torch.float32, "amx": cpu.amx and dtype == torch.bfloat16,
-                "q8_small": cpu.amx and dtype == torch.bfloat16 and "amx" not in disabled,  # reads the AMX units
+        bf16 = dtype == torch.bfloat16
+        runs = {"q_matmul": cpu.q_matmul and dtype == torch.float32, "amx": cpu.amx and bf16,
+                # the same units on AVX-512 BF16 vectors: where there are no AMX tiles (or they are disabled)
+                "dpbf16": cpu.avx512_units and bf16 and not (cpu.amx and "amx" not in disabled),
+                "q8_small": cpu.avx512_units and bf16,
                 "prepack": cpu.onednn and (dtype == torch.float32 or (dtype == torch.bfloat16 and cpu.bf16_matmul)),
                 "fused_silu": cpu.silu_bf16 if dtype == torch.bfloat16 else cpu.silu_fp32 and dtype == torch.float32}
         assert set(runs) == set(OPTIONAL_KERNELS)
@@ -151,34 +164,41 @@ class KernelPolicy:
         """Routes of a 4-bit [out, in] linear."""
         if self.uses("q_matmul") and shape[1] % GROUP_SIZE == 0:
             return (Route(Q_MATMUL_MAX_ROWS, "q_matmul"), Route(ALL_ROWS, "dense"))
-        large = "amx" if self.uses("amx") and amx_fits(shape) else "dense"
-        return (Route(TORCH_SMALL_MAX_ROWS, "torch_int4"), Route(ALL_ROWS, large))
+        return (Route(TORCH_SMALL_MAX_ROWS, "torch_int4"), Route(ALL_ROWS, self._units_kernel(shape) or "dense"))
 
     def q8_routes(self, shape: tuple[int, int], plain: bool = True) -> tuple[Route, ...]:
         """Routes of an 8-bit [out, in] linear (``plain``: Q8_0's form, groups of 32 and no zero, the only one
         q_matmul reads; the AMX units also take zeros and groups of 16)."""
         if plain and self.uses("q_matmul") and shape[1] % GROUP_SIZE == 0:
             return (Route(Q_MATMUL_MAX_ROWS, "q_matmul"), Route(ALL_ROWS, "dense"))
-        if self.uses("amx") and amx_fits(shape):
-            return (*self._q8_small(), Route(ALL_ROWS, "amx"))
+        if self._units_kernel(shape):
+            return (*self._q8_small(), Route(ALL_ROWS, self._units_kernel(shape)))
         return (Route(ALL_ROWS, "dense"),)
 
+    def _units_kernel(self, shape: tuple[int, int]) -> str | None:
+        """The kernel that multiplies bf16 rows by packed units (int4_matmul.cpp, units_avx512.cpp), if any here."""
+        if not amx_fits(shape):
+            return None
+        return "amx" if self.uses("amx") else "dpbf16" if self.uses("dpbf16") else None
+
     def _q8_small(self) -> tuple[Route, ...]:
-        """The route of 1-2 rows times 8-bit AMX units, where they are built and it runs."""
-        return (Route(Q8_SMALL_MAX_ROWS, "q8_small"),) if self.uses("q8_small") else ()
+        """The route of 1-2 rows times 8-bit units, where it runs."""
+        rows = Q8_SMALL_MAX_ROWS if self.uses("amx") else Q8_SMALL_MAX_ROWS_NO_AMX
+        return (Route(rows, "q8_small"),) if self.uses("q8_small") else ()
 
     def head_routes(self, shape: tuple[int, int], has_q8: bool, plain: bool = True) -> tuple[Route, ...]:
         """Routes of a packed model's LM head (``has_q8``: the file stores it in an 8-bit type; ``plain``: as Q8_0,
         the one form q_matmul reads, see q8_routes)."""
         q_matmul = has_q8 and plain and self.uses("q_matmul") and shape[1] % GROUP_SIZE == 0
-        amx = has_q8 and self.uses("amx") and amx_fits(shape)
+        units = self._units_kernel(shape) if has_q8 else None
         too_large = shape[0] * shape[1] * self.dtype.itemsize > HEAD_DENSE_MAX_BYTES
         if q_matmul:
             return (Route(ALL_ROWS if too_large else Q_MATMUL_MAX_ROWS, "q_matmul"),) + (
                 () if too_large else (Route(ALL_ROWS, "dense"),))
-        if amx:  # torch's int8 kernel is slower than either AMX route here, at any number of rows
-            return (*self._q8_small(), Route(ALL_ROWS if too_large else Q8_AMX_MAX_ROWS, "amx")) + (
-                () if too_large else (Route(ALL_ROWS, "dense"),))
+        if units:  # torch's int8 kernel is slower than the units' routes here, at any number of rows
+            dense_pays = units == "amx" and not too_large  # dpbf16: within 10% of the dense copy at any size
+            return (*self._q8_small(), Route(Q8_AMX_MAX_ROWS if dense_pays else ALL_ROWS, units)) + (
+                (Route(ALL_ROWS, "dense"),) if dense_pays else ())
         return (Route(TORCH_SMALL_MAX_ROWS, "torch_int8"), Route(ALL_ROWS, "dense"))
 
     def describe(self) -> list[str]:

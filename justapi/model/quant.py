@@ -88,7 +88,7 @@ class Int4Weight(_RoutedWeight):
     """A 4-bit [out, in] weight (GGUF Q4_0/Q4_1) in the forms its routes read (KernelPolicy.q4_routes).
 
     torch_int4: torch's group-32 int4 kernel, bf16 rows. amx: the engine's AMX kernel (int4_matmul.cpp), the weight
-    expanded to bf16 once for all rows. q_matmul: fp32 rows rounded to 16-bit integers per group, AVX2 integer
+    expanded to bf16 once for all rows; dpbf16, the same units on AVX-512 BF16 vectors (units_avx512.cpp). q_matmul: fp32 rows rounded to 16-bit integers per group, AVX2 integer
     products (q_matmul.cpp). dense: the dequantized weight in the compute dtype (fp32: the file's own values where
     the loader kept them), prepacked for oneDNN. All use the same weight values.
     """
@@ -119,11 +119,17 @@ class Int4Weight(_RoutedWeight):
 
     def _build_amx(self) -> None:  # bf16-rounded scale and zero: the values the other routes compute with
         w = self._w
-        self.amx = self.kernels.int4_amx_pack(w.q.contiguous(), w.scale.to(torch.bfloat16).float(),
-                                              w.zero.to(torch.bfloat16).float())
+        self.units = self.kernels.int4_amx_pack(w.q.contiguous(), w.scale.to(torch.bfloat16).float(),
+                                                w.zero.to(torch.bfloat16).float())
 
     def _run_amx(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.int4_amx_matmul(x if x.dtype == self.dtype else x.to(self.dtype), self.amx, self.shape[0])
+        return self.kernels.int4_amx_matmul(x if x.dtype == self.dtype else x.to(self.dtype), self.units, self.shape[0])
+
+    _build_dpbf16 = _build_amx  # the same units
+
+    def _run_dpbf16(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.int4_dpbf16_matmul(x if x.dtype == self.dtype else x.to(self.dtype), self.units,
+                                               self.shape[0])
 
     def _build_dense(self) -> None:
         w = self._w
@@ -159,36 +165,39 @@ class _Int8Forms(_RoutedWeight):
     def _build_q_matmul(self) -> None:
         self.q_bytes, self.q_scale, self.q_offset = pack_for_q_matmul(self._q8.q, self._q8.scale, None)
 
-    def _build_amx(self) -> None:  # also q8_small's form: built once for both routes
-        if not hasattr(self, "amx"):
+    def _build_units(self) -> None:  # the form of the amx, dpbf16 and q8_small routes: built once for all
+        if not hasattr(self, "units"):
             w = self._q8
-            self.amx = self.kernels.q8_amx_pack(w.q, w.scale, w.zero, w.group)
+            self.units = self.kernels.q8_amx_pack(w.q, w.scale, w.zero, w.group)
             self.unit = dict(group=w.group, has_zero=w.zero is not None)  # the unit format, for the kernels
 
+    _build_amx = _build_dpbf16 = _build_q8_small = _build_units
+
     def _run_amx(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.q8_amx_matmul(x if x.dtype == self.dtype else x.to(self.dtype), self.amx, self.shape[0],
+        return self.kernels.q8_amx_matmul(x if x.dtype == self.dtype else x.to(self.dtype), self.units, self.shape[0],
                                           **self.unit)
 
-    def _build_q8_small(self) -> None:  # reads the AMX units
-        self._build_amx()
+    def _run_dpbf16(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.q8_dpbf16_matmul(x if x.dtype == self.dtype else x.to(self.dtype), self.units,
+                                             self.shape[0], **self.unit)
 
     def _run_q8_small(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.q8_small_matmul(x.float(), self.amx, self.shape[0], **self.unit).to(self.dtype)
+        return self.kernels.q8_small_matmul(x.float(), self.units, self.shape[0], **self.unit).to(self.dtype)
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor | None:
-        """Rows ``ids`` of the weight in the compute dtype (exact values, rounded once), gathered from the AMX or the
-        q_matmul layout (both hold, per block of outputs and group of 32 inputs, 16 steps of 2 inputs side by side
+        """Rows ``ids`` of the weight in the compute dtype (exact values, rounded once), gathered from the units or
+        the q_matmul layout (both hold, per block of outputs and group of 32 inputs, 16 steps of 2 inputs side by side
         for each output); None where neither is held."""
         groups, n = self.shape[1] // GROUP_SIZE, len(ids)
         sets, zeros = 1, None
-        if hasattr(self, "amx"):  # units of 16 outputs: 512 bytes of integers, then S sets of 16 fp32 scales (and zeros)
+        if hasattr(self, "units"):  # units of 16 outputs: 512 bytes of integers, then S sets of 16 fp32 scales (and zeros)
             blocks, per_block = self.shape[0] // 16, 16
             sets = GROUP_SIZE // self.unit["group"]
-            terms = self.amx.view(torch.float32).view(blocks, groups, -1)[ids // per_block, :, 128:]  # [n, groups, *]
+            terms = self.units.view(torch.float32).view(blocks, groups, -1)[ids // per_block, :, 128:]  # [n, groups, *]
             terms = terms.view(n, groups, -1, 16)[torch.arange(n), :, :, ids % per_block]  # [n, groups, sets(, ×2)]
             scales = terms[..., :sets]
             zeros = terms[..., sets : 2 * sets] if self.unit["has_zero"] else None
-            q = self.amx.view(torch.int8).view(blocks, groups, -1)[ids // per_block, :, :512]
+            q = self.units.view(torch.int8).view(blocks, groups, -1)[ids // per_block, :, :512]
             q = q.reshape(n, groups, 16, per_block, 2)
         elif hasattr(self, "q_bytes"):
             per_block = Q_MATMUL_OUTPUTS
@@ -205,7 +214,8 @@ class _Int8Forms(_RoutedWeight):
 
 class Int8Weight(_Int8Forms):
     """An 8-bit [out, in] linear (Q8Unpacked: GGUF Q8_0, Q5_0, Q5_1, Q5_K, Q6_K) in the forms its routes read
-    (KernelPolicy.q8_routes): amx and q8_small, the integers in AMX units (on tiles, or AVX-512 FMAs for 1-2 rows);
+    (KernelPolicy.q8_routes): amx, dpbf16 and q8_small, the integers in units (on AMX tiles, AVX-512 BF16 vectors,
+    or fp32 FMAs for 1-2 rows);
     q_matmul, on AVX2 (Q8_0's plain form only); dense, the dequantized weight."""
 
     def __init__(self, w: Q8Unpacked, policy: KernelPolicy) -> None:
