@@ -233,12 +233,10 @@ def test_q_matmul_equals_the_dequantized_weight_times_the_rows_rounded_to_16_bit
     rows and the weights' integer part (``q · scale``), plus the fp32 rows times the 4-bit groups' offsets, for 1
     to 9 rows and larger batches (rows go 6 at a time), a group of zeros included; within the rows' rounding of
     the fp32 product. The fp32 Int4Weight / Int8RowWeight of a model on a
-    CPU without a bf16 matmul give the same numbers up to Q_MATMUL_MAX_ROWS rows. Shapes that do not fit are
-    refused."""
-    from justapi.model.kernel_policy import Q_MATMUL_MAX_ROWS, KernelPolicy
+    CPU without a bf16 matmul give the same numbers at every size, and hold no dense copy. Shapes that do not fit
+    are refused."""
+    from justapi.model.kernel_policy import KernelPolicy
     from justapi.model.quant import Int4Weight, Int8RowWeight, Q4Unpacked, Q8Unpacked
-
-    assert 37 <= Q_MATMUL_MAX_ROWS  # the largest batch below, which weight.matmul then sends to q_matmul
 
     if not cpp_kernels.q_matmul_available():
         pytest.skip("the C++ kernels were built without AVX2 and FMA")
@@ -253,15 +251,15 @@ def test_q_matmul_equals_the_dequantized_weight_times_the_rows_rounded_to_16_bit
         dense = (q.float() - 8) * scale.repeat_interleave(32, 1) + zero.repeat_interleave(32, 1)
         weight = Int4Weight(Q4Unpacked(q, scale, zero, dense), KernelPolicy.make(torch.float32, cpp_kernels))
         args = (weight.q_bytes, weight.q_scale, weight.q_offset, 4, n)
-        assert not hasattr(weight, "packed")  # no torch int4 layout: no route reads it
+        assert not hasattr(weight, "packed") and not hasattr(weight, "dense")  # no form that no route reads
     else:
         q8 = Q8Unpacked(torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g), scale)
         dense = q8.dequantize()
         integer, offset = dense.double(), torch.zeros(n, k, dtype=torch.float64)
         weight = Int8RowWeight(dense, q8, KernelPolicy.make(torch.float32, cpp_kernels))
-        assert not hasattr(weight, "q")  # no int8 rows
+        assert not hasattr(weight, "q") and not hasattr(weight, "dense")  # no int8 rows, no copy
         args = (weight.q_bytes, weight.q_scale, None, 8, n)
-    for rows in list(range(1, 10)) + [13, 37]:
+    for rows in list(range(1, 10)) + [13, 37, 130]:
         x = torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 4
         x[0, 32:64] = 0  # a group of zeros: no scale to divide by
         got = cpp_kernels.q_matmul(x, *args)
@@ -273,7 +271,7 @@ def test_q_matmul_equals_the_dequantized_weight_times_the_rows_rounded_to_16_bit
         step = x.view(rows, -1, 32).abs().amax(-1).double() / 32258 / 2  # half a step of each group's rounding
         bound = (step.repeat_interleave(32, 1) @ integer.abs().T) * (1 + 1e-5) + magnitude * 1e-5 + 1e-6
         assert ((got.double() - x.double() @ dense.double().T).abs() <= bound).all()
-        assert torch.equal(weight.matmul(x), got)  # every batch here is under Q_MATMUL_MAX_ROWS
+        assert torch.equal(weight.matmul(x), got)
     with pytest.raises(RuntimeError, match="width"):
         cpp_kernels.q_matmul(x[:, :64].contiguous(), *args)
     with pytest.raises(RuntimeError, match="fp32 rows"):

@@ -6,7 +6,7 @@ routes, ``(max_rows, kernel)`` with the first route whose ``max_rows`` covers a 
 
     4-bit linear, bf16 model on AMX:              rows 1-5 torch_int4 | 6+ amx
     4-bit linear, bf16 model, AVX-512 BF16 (Zen 4): rows 1-5 torch_int4 | 6+ dpbf16
-    4-bit linear, fp32 model on AVX2:             rows 1-64 q_matmul  | 65+ dense (fp32, prepacked for oneDNN)
+    4-bit linear, fp32 model on AVX2:             rows 1+ q_matmul (also Q8_0's 8-bit linears and heads)
     8-bit linear, bf16 model on AMX:              rows 1-2 q8_small   | 3+ amx
     8-bit linear, bf16 model, AVX-512 BF16:       rows 1-4 q8_small   | 5+ dpbf16
     8-bit head,   bf16 model on AMX:              rows 1-2 q8_small   | 3-64 amx | 65+ dense (bf16, prepacked;
@@ -33,8 +33,9 @@ ALL_ROWS = 1 << 62
 # 2.5x faster than a bf16 matmul at 1 row and still at 4-8, 3.5x slower at 32 (SmolLM2's shapes)
 TORCH_SMALL_MAX_ROWS = 5
 # q_matmul (fp32 rows on AVX2) against the fp32 copy on oneDNN, all 30 layers of SmolLM2 on a Zen 3: 0.16x the
-# time at 1 row, 0.43x at 8, 0.64x at 28, 0.87x at 64, 0.94x at 128, 1.16x at 512
-Q_MATMUL_MAX_ROWS = 64
+# time at 1 row, 0.43x at 8, 0.64x at 28, 0.87x at 64, 0.94x at 128, 1.16x at 512. It takes every batch: the copy
+# would win only on prefill chunks of several hundred rows, and it holds 8x a 4-bit weight's bytes (a 7B model's
+# fp32 copies: 28 GiB, more than such a machine has; Gemma 3 270M: 2.76x its file instead of 1.13x)
 # the 8-bit head on AMX (one pass over each block of outputs): 0.49-0.80x oneDNN's time at 6-64 rows, 1.5-1.9x at
 # 128-345 (SmolLM2's 49152 x 576 head)
 Q8_AMX_MAX_ROWS = 64
@@ -163,14 +164,14 @@ class KernelPolicy:
     def q4_routes(self, shape: tuple[int, int]) -> tuple[Route, ...]:
         """Routes of a 4-bit [out, in] linear."""
         if self.uses("q_matmul") and shape[1] % GROUP_SIZE == 0:
-            return (Route(Q_MATMUL_MAX_ROWS, "q_matmul"), Route(ALL_ROWS, "dense"))
+            return (Route(ALL_ROWS, "q_matmul"),)
         return (Route(TORCH_SMALL_MAX_ROWS, "torch_int4"), Route(ALL_ROWS, self._units_kernel(shape) or "dense"))
 
     def q8_routes(self, shape: tuple[int, int], plain: bool = True) -> tuple[Route, ...]:
         """Routes of an 8-bit [out, in] linear (``plain``: Q8_0's form, groups of 32 and no zero, the only one
         q_matmul reads; the AMX units also take zeros and groups of 16)."""
         if plain and self.uses("q_matmul") and shape[1] % GROUP_SIZE == 0:
-            return (Route(Q_MATMUL_MAX_ROWS, "q_matmul"), Route(ALL_ROWS, "dense"))
+            return (Route(ALL_ROWS, "q_matmul"),)
         if self._units_kernel(shape):
             return (*self._q8_small(), Route(ALL_ROWS, self._units_kernel(shape)))
         return (Route(ALL_ROWS, "dense"),)
@@ -193,8 +194,7 @@ class KernelPolicy:
         units = self._units_kernel(shape) if has_q8 else None
         too_large = shape[0] * shape[1] * self.dtype.itemsize > HEAD_DENSE_MAX_BYTES
         if q_matmul:
-            return (Route(ALL_ROWS if too_large else Q_MATMUL_MAX_ROWS, "q_matmul"),) + (
-                () if too_large else (Route(ALL_ROWS, "dense"),))
+            return (Route(ALL_ROWS, "q_matmul"),)
         if units:  # torch's int8 kernel is slower than the units' routes here, at any number of rows
             dense_pays = units == "amx" and not too_large  # dpbf16: within 10% of the dense copy at any size
             return (*self._q8_small(), Route(Q8_AMX_MAX_ROWS if dense_pays else ALL_ROWS, units)) + (
