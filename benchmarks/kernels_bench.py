@@ -73,7 +73,8 @@ def weights(args) -> None:
     print(f"\n{'rows':>5}" + "".join(f"{n + ' layers':>{width + 7}}{'head':>8}" for n in models))
     for rows in args.rows:
         g = torch.Generator().manual_seed(rows)
-        widths = {w.shape[1] for layer in models["default"].layers for w in (layer.o, layer.down)}
+        widths = {w.shape[1] for layer in models["default"].layers
+                  for w in (layer.qkv, layer.o, layer.gate_up, layer.down)}
         xs = {k: torch.randn(rows, k, generator=g).to(policy.dtype) for k in widths}
         best = {n: [1e9, 1e9] for n in models}
         for rep in range(args.reps):
