@@ -4,13 +4,13 @@ usage: python benchmarks/kernels_bench.py [weights] [--model GGUF] [--rows 1 5 8
                                          [--disable K ...]
        python benchmarks/kernels_bench.py attention [--base REV | --huge-pages] [--reps 7]
 
-``weights`` (the default): the weight kernels on SmolLM2's own weights (or ``--model``'s), route by route: what each kernel of the
-policy costs at each batch size, and what the weights of each route table hold. Loads the model with --dtype auto
-(``--fp32``: as on a CPU without a bf16 matmul, which computes in fp32; simulated through the policy's CPU probe
-where this CPU has one) once with the default policy and once more for each kernel named with ``--disable``
-(default: every optional kernel this CPU uses), then times, per row count, one pass of random rows through all 30
-layers' projections (4- or 8-bit) and through the LM head, each model's passes interleaved, best of ``--reps``. Prints the
-start-up log's route tables, the weights' MiB, ms per pass and the ratio to the default.
+``weights`` (the default): the weight kernels on SmolLM2's own weights (or ``--model``'s), route by route: what each
+kernel of the policy costs at each batch size, and what the weights of each route table hold. Loads the model with
+--dtype auto (``--fp32``: as on a CPU without a bf16 matmul, which computes in fp32; simulated through the policy's
+CPU probe where this CPU has one) once with the default policy and once more for each kernel named with
+``--disable`` (default: every optional kernel this CPU uses), then times, per row count, one pass of random rows
+through all the layers' projections (4- or 8-bit) and through the LM head, each model's passes interleaved, best of
+``--reps``. Prints the start-up log's route tables, the weights' MiB, ms per pass and the ratio to the default.
 
 ``attention``: the decode-attention kernel alone, on a W1-sized batch: 32 sequences of 64-767 tokens (seeded),
 SmolLM2's heads (9 query / 3 KV, head size 64), blocks of 16 scattered through the pool, and one cache per layer for

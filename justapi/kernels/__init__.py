@@ -3,8 +3,8 @@
 One module: ``decode_attention`` (paged_attention.cpp), ``add_rms_norm``, ``rope_write_kv``, ``silu_mul``,
 ``argmax_rows`` and ``mask_logits`` (layer_ops.cpp), ``int4_amx_*`` / ``q8_amx_*`` (int4_matmul.cpp: 4- and 8-bit
 weights times batches of rows on AMX tiles, where the CPU has them), ``*_dpbf16_matmul`` and ``q8_small_matmul``
-(units_avx512.cpp: the same weights on AVX-512 BF16 vectors), ``q_matmul`` (q_matmul.cpp: 4- and 8-bit weights times fp32 rows,
-rounded to 16 bits, with AVX2 integer products).
+(units_avx512.cpp: the same weights on AVX-512 BF16 vectors), ``q_matmul`` (q_matmul.cpp: 4- and 8-bit weights
+times fp32 rows, rounded to 16 bits, with AVX2 integer products).
 ``decode_kernels()`` returns it, or None where it cannot be built (no compiler) or is turned off with
 ``JUSTAPI_KERNELS=0``; callers then take the pure-torch path, which computes the same thing more slowly.
 

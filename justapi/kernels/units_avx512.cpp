@@ -125,7 +125,7 @@ void matmul_dpbf16(const uint16_t* x, int64_t m, int64_t k, const uint8_t* packe
     std::vector<uint16_t> buffer(2 * groups * 16 * 32 + 32);  // 2 * k * 32 bytes: two blocks' groups expanded
     uint16_t* expanded = buffer.data() + (-reinterpret_cast<uintptr_t>(buffer.data()) / 2 % 32);  // 64-byte aligned
     for (int64_t blk = b0; blk < b1; blk += 2) {
-      const bool pair = blk + 1 < b1;
+      const bool pair = blk + 1 < b1;  // else the range's last block, alone
       const uint8_t* units = packed + blk * groups * Unit::kBytes;
       for (int64_t g = 0; g < groups * (pair ? 2 : 1); ++g)
         Unit::expand(units + g * Unit::kBytes, expanded + g * 16 * 32);
@@ -134,7 +134,6 @@ void matmul_dpbf16(const uint16_t* x, int64_t m, int64_t k, const uint8_t* packe
         if (pair) dp_rows<2>(rows, x + m0 * k, k, groups, expanded, out + m0 * n + blk * 16, n);
         else dp_rows<1>(rows, x + m0 * k, k, groups, expanded, out + m0 * n + blk * 16, n);
       }
-      if (!pair) --blk;
     }
   });
 }

@@ -169,7 +169,7 @@ class KernelPolicy:
 
     def q8_routes(self, shape: tuple[int, int], plain: bool = True) -> tuple[Route, ...]:
         """Routes of an 8-bit [out, in] linear (``plain``: Q8_0's form, groups of 32 and no zero, the only one
-        q_matmul reads; the AMX units also take zeros and groups of 16)."""
+        q_matmul reads; the units of amx and dpbf16 also take zeros and groups of 16)."""
         if plain and self.uses("q_matmul") and shape[1] % GROUP_SIZE == 0:
             return (Route(ALL_ROWS, "q_matmul"),)
         if self._units_kernel(shape):
@@ -183,7 +183,7 @@ class KernelPolicy:
         return "amx" if self.uses("amx") else "dpbf16" if self.uses("dpbf16") else None
 
     def _q8_small(self) -> tuple[Route, ...]:
-        """The route of 1-2 rows times 8-bit units, where it runs."""
+        """The route of a few rows times 8-bit units (1-2 beside AMX, 1-4 beside dpbf16), where it runs."""
         rows = Q8_SMALL_MAX_ROWS if self.uses("amx") else Q8_SMALL_MAX_ROWS_NO_AMX
         return (Route(rows, "q8_small"),) if self.uses("q8_small") else ()
 

@@ -88,9 +88,10 @@ class Int4Weight(_RoutedWeight):
     """A 4-bit [out, in] weight (GGUF Q4_0/Q4_1) in the forms its routes read (KernelPolicy.q4_routes).
 
     torch_int4: torch's group-32 int4 kernel, bf16 rows. amx: the engine's AMX kernel (int4_matmul.cpp), the weight
-    expanded to bf16 once for all rows; dpbf16, the same units on AVX-512 BF16 vectors (units_avx512.cpp). q_matmul: fp32 rows rounded to 16-bit integers per group, AVX2 integer
-    products (q_matmul.cpp). dense: the dequantized weight in the compute dtype (fp32: the file's own values where
-    the loader kept them), prepacked for oneDNN. All use the same weight values.
+    expanded to bf16 once for all rows; dpbf16, the same units on AVX-512 BF16 vectors (units_avx512.cpp).
+    q_matmul: fp32 rows rounded to 16-bit integers per group, AVX2 integer products (q_matmul.cpp). dense: the
+    dequantized weight in the compute dtype (fp32: the file's own values where the loader kept them), prepacked for
+    oneDNN. All use the same weight values.
     """
 
     def __init__(self, w: Q4Unpacked, policy: KernelPolicy) -> None:
@@ -190,7 +191,7 @@ class _Int8Forms(_RoutedWeight):
         for each output); None where neither is held."""
         groups, n = self.shape[1] // GROUP_SIZE, len(ids)
         sets, zeros = 1, None
-        if hasattr(self, "units"):  # units of 16 outputs: 512 bytes of integers, then S sets of 16 fp32 scales (and zeros)
+        if hasattr(self, "units"):  # blocks of 16 outputs: 512 bytes of integers, S sets of 16 fp32 scales (zeros)
             blocks, per_block = self.shape[0] // 16, 16
             sets = GROUP_SIZE // self.unit["group"]
             terms = self.units.view(torch.float32).view(blocks, groups, -1)[ids // per_block, :, 128:]  # [n, groups, *]
