@@ -230,6 +230,28 @@ def test_metrics_parse_and_move(server, client):
     assert "justapi_time_per_output_token_seconds_bucket" in after
 
 
+def test_step_log_accounts_for_every_scheduled_token(server, client):
+    """GET /engine/steps: the records since a point cover the steps of a request alone, every token it computed
+    once (the prompt's, in prefill chunks, then one a decode step), with the phases' times inside the step's."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert httpx.get(server.url + "/engine/steps", timeout=10).status_code == 401
+    first = httpx.get(server.url + "/engine/steps?since=1000000000", headers=auth, timeout=10).json()["next"]
+    r = client.completions.create(model=NAME, prompt="count the steps of this one request", max_tokens=7,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    body = httpx.get(server.url + f"/engine/steps?since={first}", headers=auth, timeout=10).json()
+    steps = body["steps"]
+    assert [s["seq"] for s in steps] == list(range(first, body["next"]))
+    work = [s["work"] for s in steps if s["work"]["num_tokens"]]
+    prompt = r.usage.prompt_tokens
+    assert sum(w["num_tokens"] for w in work) == prompt + 7 - 1  # the last output token is never fed back
+    assert sum(w["num_prefill_tokens"] for w in work) == prompt
+    assert sum(w["num_decodes"] for w in work) == 7 - 1
+    for s in steps:
+        w = s["work"]
+        assert 0 <= w["schedule"] + w["execute"] + w["update"] + w["detokenize"] <= s["step"]
+        assert min(s["idle"], s["commands"], s["deliver"]) >= 0
+
+
 def test_full_queue_answers_429_then_recovers(tiny_model, tmp_path):
     slow = threading.Event()
 

@@ -148,6 +148,8 @@ class Scheduler:
         self._finished_ids = set()
         self.stats.num_steps += 1
         self.stats.last_step_tokens = out.total_num_scheduled_tokens
+        self.stats.last_step_prefill_tokens = self.config.chunk_size - budget[0]
+        self.stats.last_step_decodes = counts["decode"]
         self.stats.num_scheduled_tokens_total += out.total_num_scheduled_tokens
         return out
 

@@ -23,6 +23,8 @@ class SchedulerStats:
     num_resumed_cached_tokens: int = 0  # of those, found again in the prefix cache on resumption
     num_scheduled_tokens_total: int = 0
     last_step_tokens: int = 0
+    last_step_prefill_tokens: int = 0  # of those, prompt tokens (chunks, recomputation after preemption)
+    last_step_decodes: int = 0  # requests decoding in the last step
     batch_utilizations: list[float] = field(default_factory=list)  # static batching: U per finished batch
     # speculative decoding
     spec_steps: int = 0  # request-steps that verified at least one draft token

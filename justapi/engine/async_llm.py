@@ -19,6 +19,7 @@ from ..core.stats import PdSnapshot, SchedulerSnapshot
 from ..sampling_params import SamplingParams
 from .output_processor import RequestOutput
 from .protocol import Engine
+from .step_log import StepLog
 
 log = logging.getLogger("justapi.engine")
 
@@ -43,6 +44,11 @@ class RequestTiming:
     num_output_tokens: int = 0
 
 
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
 class AsyncLLM:
     """Add a request, receive its outputs as they are produced, abort it."""
 
@@ -62,6 +68,7 @@ class AsyncLLM:
         self._count_lock = threading.Lock()
         self._stats = engine.stats()  # replaced whole by the engine thread, never changed in place
         self._stats_taken = time.monotonic()
+        self.step_log = StepLog()
 
     def start(self) -> None:
         self._thread.start()
@@ -134,8 +141,10 @@ class AsyncLLM:
     # --- the engine thread ------------------------------------------------------------------------------------
     def _run(self) -> None:
         last_stats = time.monotonic()
+        idle_since = time.monotonic()
         try:
             while not self._stop:
+                t0 = time.monotonic()
                 self._apply_commands()
                 if not self.engine.has_unfinished:
                     self.engine.idle()
@@ -143,13 +152,16 @@ class AsyncLLM:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
+                t1 = time.monotonic()
                 outputs = self.engine.step()
                 now = time.monotonic()
                 self._take_stats(now, force=any(out.finished for out in outputs))  # before any client sees it end
-                for out in outputs:
-                    self._deliver(out, now)
+                self._deliver(outputs, now)
                 for rid, error in self.engine.take_failures():
                     self._fail(rid, error)
+                t3 = time.monotonic()
+                self._record_step(idle_since, t0, t1, now, t3)
+                idle_since = t3
                 if now - last_stats >= self.stats_interval_s:
                     self._log_stats()
                     last_stats = now
@@ -158,6 +170,12 @@ class AsyncLLM:
             self._dead = e
             for rid in list(self._streams):
                 self._fail(rid, EngineDeadError(f"the engine stopped: {type(e).__name__}: {e}"))
+
+    def _record_step(self, idle_since: float, t0: float, t1: float, t2: float, t3: float) -> None:
+        """Log one step: idle from the previous step's end to this pass's start, commands t0-t1, step t1-t2,
+        delivery t2-t3. A pass that found no work counts as idle (its command time too: it is under a ms)."""
+        self.step_log.append(t0, t0 - idle_since, t1 - t0, t2 - t1, t3 - t2, self.engine.last_step,
+                             len(self._streams), self.engine.num_waiting)
 
     def _take_stats(self, now: float, force: bool = False) -> None:
         if force or now - self._stats_taken >= STATS_EVERY_S:
@@ -184,21 +202,28 @@ class AsyncLLM:
                     stream[2].finished = time.monotonic()
                     self.on_finish(rid, out, stream[2])
 
-    def _deliver(self, out: RequestOutput, now: float) -> None:
-        stream = self._streams.get(out.request_id)
-        if stream is None:
-            return
-        loop, queue, timing = stream
-        if out.new_token_ids:
-            if timing.first_token is None:
-                timing.first_token = now
-            timing.num_output_tokens += len(out.new_token_ids)
-        if out.finished:
-            timing.finished = now
-            del self._streams[out.request_id]
-            if self.on_finish is not None:
-                self.on_finish(out.request_id, out, timing)
-        loop.call_soon_threadsafe(queue.put_nowait, out)
+    def _deliver(self, outputs: list[RequestOutput], now: float) -> None:
+        """Hand a step's outputs to their streams, one wake-up of each event loop for all of them: each wake-up
+        writes to the loop's socket, and the engine thread then waits for the GIL while the loop runs (one per
+        output cost ~2% of a loaded run's wall time, benchmarks/wall_breakdown.py)."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            loop, queue, timing = stream
+            if out.new_token_ids:
+                if timing.first_token is None:
+                    timing.first_token = now
+                timing.num_output_tokens += len(out.new_token_ids)
+            if out.finished:
+                timing.finished = now
+                del self._streams[out.request_id]
+                if self.on_finish is not None:
+                    self.on_finish(out.request_id, out, timing)
+            batches.setdefault(loop, []).append((queue, out))
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         stream = self._streams.pop(request_id, None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -17,6 +18,7 @@ from ..sampling_params import SamplingParams
 from .executor import make_executor, set_threads
 from .model_front import ModelFront
 from .output_processor import OutputProcessor, RequestOutput
+from .step_log import StepWork
 
 log = logging.getLogger("justapi.engine")
 
@@ -47,6 +49,8 @@ class EngineCore(ModelFront):
         num_blocks = self.executor.size_pool(self._num_blocks(), config.branch or DEFAULT_BRANCH)
         self.scheduler = (StaticScheduler if config.static_batching else Scheduler)(self._scheduler_config(num_blocks))
         self.outputs = OutputProcessor(self.tokenizer)
+        self.last_step: StepWork | None = None  # what the latest step() computed and where its time went
+        self._core_times = (0.0, 0.0, 0.0)  # step_core's schedule, execute, update seconds
         log.info(
             "weights: %.1f MiB; KV cache pool: %d blocks of %d tokens = %d tokens (%.2f GiB); max model length %d",
             self.model.weight_bytes() / 2**20, num_blocks, config.block_size, num_blocks * config.block_size,
@@ -146,24 +150,36 @@ class EngineCore(ModelFront):
 
     # --- the loop -----------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, execute, update: one iteration. Returns what each request produced."""
+        """Schedule, execute, update, detokenize: one iteration. Returns what each request produced."""
+        core_outs = self.step_core()
+        t0 = time.perf_counter()
         reports = []
-        for core_out in self.step_core():
+        for core_out in core_outs:
             report, stopped = self.outputs.process(core_out)
             if stopped:
                 self.scheduler.finish_request(core_out.request_id, RequestStatus.FINISHED_STOPPED)
             reports.append(report)
+        stats = self.scheduler.stats
+        self.last_step = StepWork(*self._core_times, time.perf_counter() - t0, stats.last_step_tokens,
+                                  stats.last_step_prefill_tokens, stats.last_step_decodes)
         return reports
 
     def step_core(self) -> list[EngineCoreOutput]:
-        """One iteration without detokenizing: the new token ids of each request (what a worker process sends)."""
+        """One iteration without detokenizing: the new token ids of each request (what a worker process sends).
+        Keeps the seconds its schedule, execute and update took for ``last_step``."""
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
         if sched.empty:
             if sched.finished_request_ids:
                 self._execute(sched)  # let the runner drop finished state
+            self._core_times = (t1 - t0, time.perf_counter() - t1, 0.0)
             return []
         result = self._execute(sched)
-        return self.scheduler.update(sched, result)
+        t2 = time.perf_counter()
+        outs = self.scheduler.update(sched, result)
+        self._core_times = (t1 - t0, t2 - t1, time.perf_counter() - t2)
+        return outs
 
     def _execute(self, sched):
         """Run the step on every rank (the executor sends other ranks the same small SchedulerOutput)."""

@@ -48,6 +48,7 @@ class PdEngine(ModelFront):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self.outputs = OutputProcessor(self.tokenizer)
+        self.last_step = None  # the steps run in the workers; this engine's step only gathers their reports
         self._failures: list[tuple[str, BaseException]] = []
         self._first: dict[str, tuple[list[int], int, SamplingParams, int]] = {}  # rid → prompt, first token, ...
         self._tag = 0

@@ -13,6 +13,7 @@ from ..core.stats import PdSnapshot, SchedulerSnapshot
 from ..model.tokenizer import Tokenizer
 from ..sampling_params import SamplingParams
 from .output_processor import RequestOutput
+from .step_log import StepWork
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,8 @@ class Engine(Protocol):
 
     def step(self) -> list[RequestOutput]:
         """One iteration: what each request produced."""
+
+    last_step: StepWork | None  # what the latest step computed and its parts' times; None where workers run them
 
     def idle(self) -> None:
         """Called by the engine loop while nothing runs."""

@@ -87,7 +87,7 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
-        if config.api_key and request.url.path.startswith(("/v1", "/tokenize", "/detokenize")):
+        if config.api_key and request.url.path.startswith(("/v1", "/tokenize", "/detokenize", "/engine")):
             if request.headers.get("authorization") != f"Bearer {config.api_key}":
                 return error_response(401, "invalid or missing API key", "authentication_error")
         return await call_next(request)
@@ -106,6 +106,13 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
     @app.get("/metrics")
     async def metrics():
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/engine/steps")
+    async def engine_steps(since: int = 0):
+        """The engine's latest step records from ``since`` on (engine.step_log): what each step computed, and
+        where the engine thread's time went."""
+        records, next_seq = state.ready_llm().step_log.since(since)
+        return {"steps": [r.as_dict() for r in records], "next": next_seq}
 
     @app.get("/v1/models")
     async def models():

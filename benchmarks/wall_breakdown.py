@@ -1,0 +1,339 @@
+"""Where a loaded run's wall time goes: a real `justapi serve` process, a workload sent by `justapi bench serve`, and
+the wall time split three ways.
+
+1. The engine's own step log (GET /engine/steps, engine/step_log.py), from a run with no profiler attached: the
+   engine thread's wall time as idle (no work), taking in commands, scheduling, executing, updating, detokenizing
+   and delivering, with each step's shape (prefill tokens, decode rows).
+2. The CPU seconds each thread of the server used (/proc/PID/task/TID/stat), the same run: the engine thread, the
+   event loop (HTTP, SSE, tokenizing prompts) and the kernels' OpenMP threads, against wall time x cores.
+3. py-spy sampling the same workload run again (native frames included): each engine-thread sample is put in one
+   category (kernel route of a product, attention, other layer work, sampling, batch building, ...), and waits
+   inside it (the GIL, an OpenMP barrier) are counted apart. The execute time of run 1 is split in the sampled
+   shares; the throughput of the profiled run says what the profiler cost.
+
+    .venv/bin/python benchmarks/wall_breakdown.py [--workload W1 W2 W3] [--rate 25] [--model GGUF]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+NAME = "smollm2-135m"
+
+# the workloads of benchmarks/peers_bench.sh (justapi bench serve arguments)
+WORKLOADS = {
+    "W1": "--workload random --num-requests 128 --max-concurrency 32 --input-len 64:512 --output-len 16:256",
+    "W2": "--workload shared-prefix --num-prefixes 1 --suffixes-per-prefix 64 --prefix-len 400 --input-len 32 "
+          "--output-len 64 --max-concurrency 32",
+    "W3": "--workload random --num-requests 96 --request-rate 1.2 --max-concurrency 24 --input-len 128:1024 "
+          "--output-len 16:256",
+}
+
+
+# --- the server -----------------------------------------------------------------------------------------------------
+def start_server(args, log_path: Path) -> subprocess.Popen:
+    cmd = [str(BIN / "justapi"), "serve", "--port", str(args.port), "--served-model-name", NAME, *args.serve_args]
+    if args.model:
+        cmd += ["--model", args.model]
+    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"the server exited; see {log_path}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{args.port}/v1/models", timeout=2)
+            break
+        except OSError:
+            time.sleep(1)
+    wait_quiet(proc.pid)
+    return proc
+
+
+def wait_quiet(pid: int, limit_s: float = 120) -> None:
+    """Wait until the server uses under 5% of a core over a second: the KV pool's pages are faulted in by a thread
+    for several seconds after start-up (model/hugepages.py), which would take a core from the first run."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        before = sum(thread_cpu(pid).values())
+        time.sleep(1)
+        if sum(thread_cpu(pid).values()) - before < 0.05:
+            return
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of ``pid``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def get_json(args, path: str) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{args.port}{path}", timeout=30) as r:
+        return json.load(r)
+
+
+def run_workload(args, workload: str, out_json: Path) -> tuple[float, float]:
+    """Run ``justapi bench serve`` once; its (start, end) on this machine's monotonic clock."""
+    cmd = [str(BIN / "justapi"), "bench", "serve", "--base-url", f"http://127.0.0.1:{args.port}", "--name", "justapi",
+           *WORKLOADS[workload].split(), "--json", str(out_json)]
+    start = time.monotonic()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=1800)
+    return start, time.monotonic()
+
+
+def bench_figures(path: Path) -> dict:
+    return json.loads(path.read_text())["servers"][0]["figures"]
+
+
+# --- 1. the step log ------------------------------------------------------------------------------------------------
+def step_totals(steps: list[dict], start: float, end: float) -> dict:
+    """Seconds of the engine thread by phase from the run's first step to its last step's end (the client's start-up
+    and report are not the server's time), and the steps' shapes."""
+    steps = [s for s in steps if start <= s["start"] <= end]
+    if steps:
+        start = steps[0]["start"]
+        end = steps[-1]["start"] + steps[-1]["commands"] + steps[-1]["step"] + steps[-1]["deliver"]
+    t = collections.Counter()
+    shapes = collections.Counter()
+    for s in steps:
+        idle = min(s["idle"], s["start"] - start)  # the first step's wait began before the run
+        t["idle (no work)"] += idle
+        if idle > 0.005:
+            shapes["idle gaps over 5 ms"] += 1
+        t["commands (adds, aborts)"] += s["commands"]
+        t["deliver + stats"] += s["deliver"]
+        w = s["work"]
+        if w is None:
+            t["step (workers)"] += s["step"]
+            continue
+        t["schedule"] += w["schedule"]
+        t["execute"] += w["execute"]
+        t["update"] += w["update"]
+        t["detokenize"] += w["detokenize"]
+        t["step, other"] += s["step"] - w["schedule"] - w["execute"] - w["update"] - w["detokenize"]
+        kind = ("mixed" if w["num_decodes"] else "prefill") if w["num_prefill_tokens"] else "decode"
+        shapes[kind + " steps"] += 1
+        shapes[kind + " s"] += w["execute"]
+        shapes[kind + " decode rows"] += w["num_decodes"]
+        shapes[kind + " prefill tokens"] += w["num_prefill_tokens"]
+    return {"phases": t, "shapes": shapes, "num_steps": len(steps), "wall": end - start}
+
+
+# --- 3. the sampled stacks ------------------------------------------------------------------------------------------
+MODULE_CATEGORIES = [  # the leaf-most justapi frame's file → the category
+    ("justapi/model/quant.py", "products"), ("justapi/model/attention.py", "attention"),
+("justapi/model/sampler.py", "sampling"),
+    ("justapi/spec/", "speculation"), ("justapi/structured/", "grammar masks"),
+    ("justapi/model/llama.py", "other layer work"), ("justapi/model/layers.py", "other layer work"),
+    ("justapi/model/moe.py", "other layer work"), ("justapi/model/runner.py", "batch building"),
+    ("justapi/core/stats.py", "deliver + stats"), ("justapi/core/", "scheduling"),
+    ("justapi/engine/output_processor.py", "detokenize"), ("justapi/model/tokenizer.py", "detokenize"),
+    ("justapi/engine/async_llm.py", "engine loop"), ("justapi/engine/", "engine loop"),
+]
+FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^():]+)(?::\d+)?\)$")
+
+
+def parse_raw(path: Path) -> dict[int, list[tuple[list[str], int]]]:
+    """py-spy's raw output → per thread id, (frames root first, sample count)."""
+    stacks = collections.defaultdict(list)
+    for line in path.read_text().splitlines():
+        head, _, count = line.rpartition(" ")
+        m = re.match(r"thread \((\d+)\): [^;]*;?(.*)", head)
+        if m and count.isdigit():
+            stacks[int(m.group(1))].append((m.group(2).split(";"), int(count)))
+    return stacks
+
+
+def engine_category(frames: list[str]) -> tuple[str, str | None]:
+    """(category, wait) of one engine-thread sample; wait: "GIL" or "OpenMP barrier" when the leaf waits."""
+    names = " ".join(frames)
+    if "(threading.py" in names and "step (justapi/engine" not in names:
+        return "idle (no work)", None
+    category = "engine loop"
+    for frame in reversed(frames):
+        m = FRAME.match(frame)
+        if m is None or "justapi/" not in m.group("file") or not m.group("file").endswith(".py"):
+            continue  # the category is the Python code's; a C++ frame only names a kernel
+        category = next((c for prefix, c in MODULE_CATEGORIES if m.group("file").startswith(prefix)), category)
+        if category == "products":  # quant.py's _run_<route> runs one kernel route (model/kernel_policy.py)
+            route = m.group("func")
+            category = f"products: {route[5:] if route.startswith('_run_') else 'python (forms, views)'}"
+        break
+    leaf = " ".join(frames[-3:])  # native frames (--native): what the thread waits on
+    if "pthread_cond_timedwait" in leaf or "gil_scoped_acquire" in leaf or "take_gil" in leaf:
+        return category, "GIL"
+    if "libgomp" in leaf and "justapi/kernels" not in leaf and "libtorch_cpu" not in leaf:
+        return category, "OpenMP barrier"
+    return category, None
+
+
+def loop_category(frames: list[str]) -> str:
+    """The category of one event-loop (main thread) sample."""
+    names = " ".join(frames)
+    leaf = " ".join(frames[-3:])
+    if frames[-1].startswith("select (selectors.py") or "select_epoll_poll" in leaf:
+        return "idle (waiting for sockets)"
+    if "pthread_cond_timedwait" in leaf or "take_gil" in leaf:
+        return "GIL"
+    if "justapi/model/tokenizer.py" in names or "justapi/model/chat_template.py" in names:
+        return "tokenizing prompts"
+    if "justapi/server" in names or "justapi/engine/async_llm.py" in names:
+        return "justapi handlers (routes, SSE chunks)"
+    return "HTTP/SSE framework and asyncio (uvicorn, starlette, h11, pydantic)"
+
+
+def sampled_shares(raw: Path, engine_tid: int, loop_tid: int) -> dict:
+    stacks = parse_raw(raw)
+    engine, waits, loop = collections.Counter(), collections.Counter(), collections.Counter()
+    for frames, n in stacks.get(engine_tid, []):
+        category, wait = engine_category(frames)
+        engine[category] += n
+        if wait:
+            waits[f"{category}: {wait}"] += n
+    for frames, n in stacks.get(loop_tid, []):
+        loop[loop_category(frames)] += n
+    return {"engine": engine, "waits": waits, "loop": loop}
+
+
+# --- the report -----------------------------------------------------------------------------------------------------
+def measure(args, workload: str, tmp: Path, profile: bool) -> dict:
+    log_path = tmp / f"server_{workload}_{'spy' if profile else 'plain'}.log"
+    proc = start_server(args, log_path)
+    try:
+        tids = thread_cpu(proc.pid)
+        first = get_json(args, "/engine/steps?since=1000000000")["next"]
+        spy = None
+        if profile:
+            raw = tmp / f"spy_{workload}.txt"
+            spy = subprocess.Popen([str(BIN / "py-spy"), "record", "--pid", str(proc.pid), "--rate", str(args.rate),
+                                    "--format", "raw", "--threads", "--idle", "--output", str(raw),
+                                    *(["--native"] if args.native else [])],
+                                   stdout=subprocess.DEVNULL, stderr=open(tmp / "spy.log", "a"))
+            time.sleep(2)  # py-spy attaches
+        cpu0 = thread_cpu(proc.pid)
+        start, end = run_workload(args, workload, tmp / f"bench_{workload}.json")
+        cpu1 = thread_cpu(proc.pid)
+        steps = get_json(args, f"/engine/steps?since={first}")["steps"]
+        totals = step_totals(steps, start, end)
+        result = {"wall": totals["wall"], "bench": bench_figures(tmp / f"bench_{workload}.json"), "steps": totals}
+        used = {tid: cpu1.get(tid, 0) - cpu0.get(tid, 0) for tid in cpu1}
+        engine_tid = busiest_python_thread(used, tids, proc.pid)
+        result["cpu"] = {"engine thread": used.get(engine_tid, 0), "event loop (main thread)": used.get(proc.pid, 0),
+                         "other threads (OpenMP, ...)": sum(v for t, v in used.items()
+                                                            if t not in (engine_tid, proc.pid))}
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)
+            spy.wait(timeout=120)
+            result["sampled"] = sampled_shares(raw, engine_tid, proc.pid)
+        return result
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+
+
+def busiest_python_thread(used: dict[int, float], before_run: dict[int, float], pid: int) -> int:
+    """The engine thread: of the threads that existed before the run (the engine's, not a per-request worker's),
+    the busiest other than the main thread. torch's OpenMP workers compute only inside a step, ~1/cores as much."""
+    return max((t for t in before_run if t != pid), key=lambda t: used.get(t, 0))
+
+
+def report(workload: str, plain: dict, spied: dict, cores: int) -> str:
+    wall, b = plain["wall"], plain["bench"]
+    lines = [f"## {workload}: wall {wall:.1f} s, {b['output_throughput']:.1f} output tok/s, TTFT p50 "
+             f"{b['ttft_ms']['p50']:.0f} ms, TPOT p99 {b['tpot_ms']['p99']:.1f} ms, {b['failed']} failed (profiled run: "
+             f"{spied['bench']['output_throughput']:.1f} tok/s, {spied['wall']:.1f} s)",
+             "", "engine thread (step log, unprofiled run) | s | % of wall", "---|---|---"]
+    phases = plain["steps"]["phases"]
+    for name, s in sorted(phases.items(), key=lambda kv: -kv[1]):
+        lines.append(f"{name} | {s:.2f} | {100 * s / wall:.1f}")
+    lines.append(f"sum | {sum(phases.values()):.2f} | {100 * sum(phases.values()) / wall:.1f}")
+    sampled = spied.get("sampled")
+    if sampled:
+        eng = sampled["engine"]
+        busy = {k: v for k, v in eng.items() if k != "idle (no work)"}
+        total = sum(busy.values())
+        execute = phases.get("execute", 0)
+        lines += ["", f"engine thread outside idle, by py-spy samples ({total} samples at {ARGS.rate} Hz); seconds: "
+                  "the share times the unprofiled run's busy time | share % | s", "---|---|---"]
+        busy_s = wall - phases.get("idle (no work)", 0)
+        for name, n in sorted(busy.items(), key=lambda kv: -kv[1]):
+            lines.append(f"{name} | {100 * n / total:.1f} | {busy_s * n / total:.2f}")
+        for name, n in sorted(sampled["waits"].items(), key=lambda kv: -kv[1]):
+            lines.append(f"  of which waiting: {name} | {100 * n / total:.1f} | {busy_s * n / total:.2f}")
+        loop = sampled["loop"]
+        ltotal = sum(loop.values()) or 1
+        lines += ["", "event loop (main thread), by py-spy samples | share % |", "---|---|"]
+        for name, n in sorted(loop.items(), key=lambda kv: -kv[1]):
+            lines.append(f"{name} | {100 * n / ltotal:.1f} |")
+        lines.append(f"(execute, from the step log: {execute:.2f} s)")
+    cpu = plain["cpu"]
+    lines += ["", f"CPU seconds by thread (unprofiled run; the machine has {cores} cores x {wall:.1f} s = "
+              f"{cores * wall:.1f} s) | s | % of wall x cores", "---|---|---"]
+    for name, s in cpu.items():
+        lines.append(f"{name} | {s:.2f} | {100 * s / (cores * wall):.1f}")
+    shapes = plain["steps"]["shapes"]
+    lines += ["", "steps (unprofiled run) | count | execute s | mean ms | mean decode rows | mean prefill tokens",
+              "---|---|---|---|---|---"]
+    for kind in ("decode", "mixed", "prefill"):
+        n = shapes.get(kind + " steps", 0)
+        if n:
+            lines.append(f"{kind} | {n} | {shapes[kind + ' s']:.2f} | {1000 * shapes[kind + ' s'] / n:.1f} | "
+                         f"{shapes[kind + ' decode rows'] / n:.1f} | {shapes[kind + ' prefill tokens'] / n:.0f}")
+    lines.append(f"idle gaps over 5 ms: {shapes.get('idle gaps over 5 ms', 0)}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    global ARGS
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", nargs="+", default=["W1", "W2", "W3"], choices=sorted(WORKLOADS))
+    p.add_argument("--model", help="GGUF to serve (default: the server's default, SmolLM2)")
+    p.add_argument("--port", type=int, default=8030)
+    p.add_argument("--rate", type=int, default=50, help="py-spy samples per second (its own cost grows with it)")
+    p.add_argument("--native", action="store_true",
+                   help="native frames too: waits for the GIL and at OpenMP barriers (the profiler then takes ~20%% "
+                        "of the throughput on 2 cores: Python frames alone cost nothing measurable)")
+    p.add_argument("--json", type=Path, help="write every figure here")
+    p.add_argument("--keep", type=Path, help="keep the server logs, py-spy's raw stacks and the bench JSON here")
+    p.add_argument("serve_args", nargs="*", help="after --: extra `justapi serve` flags")
+    ARGS = args = p.parse_args()
+    cpu = re.search(r"model name\s*: (.*)", Path("/proc/cpuinfo").read_text()).group(1)
+    print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} cores, {cpu}, "
+          f"serve flags: {' '.join(args.serve_args) or '(defaults)'}")
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = args.keep or Path(tmp)
+        folder.mkdir(parents=True, exist_ok=True)
+        for workload in args.workload:
+            plain = measure(args, workload, folder, profile=False)
+            spied = measure(args, workload, folder, profile=True)
+            results[workload] = {"plain": plain, "profiled": spied}
+            print(report(workload, plain, spied, os.cpu_count()), flush=True)
+            print()
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1, default=dict))
+
+
+ARGS = None
+
+if __name__ == "__main__":
+    main()
