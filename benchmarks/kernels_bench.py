@@ -94,8 +94,13 @@ def build_at(rev: str):
                                        capture_output=True, text=True).stdout
     init = show("justapi/kernels/__init__.py")
     flags = {}
-    for node in ast.walk(ast.parse(init)):
-        if isinstance(node, ast.keyword) and node.arg in ("extra_cflags", "extra_ldflags"):
+    if "build_spec" in init:  # since the build moved to kernels/build_spec.py: its sources and flags
+        spec: dict = {}
+        exec(show("justapi/kernels/build_spec.py"), spec)
+        init = " ".join(spec["SOURCES"])
+        flags = {"extra_cflags": list(spec["CFLAGS"]), "extra_ldflags": list(spec["LDFLAGS"])}
+    for node in ast.walk(ast.parse(show("justapi/kernels/__init__.py"))):
+        if isinstance(node, ast.keyword) and node.arg in ("extra_cflags", "extra_ldflags") and not flags.get(node.arg):
             flags[node.arg] = ast.literal_eval(node.value)
     tmp = tempfile.mkdtemp(prefix="justapi-kernel-base-")
     files = subprocess.run(["git", "ls-tree", "--name-only", rev, "justapi/kernels/"], cwd=ROOT, check=True,

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # JustAPI, llama.cpp's server and vLLM's CPU build, all serving SmolLM2-135M on loopback, measured by one client,
-# `justapi bench`, in one run: S1 (single stream), W1 (mixed lengths), W2 (shared prefix) and a W1-like rate sweep.
+# `justapi bench`, in one run: S1 (single stream), W1 (mixed lengths), W2 (shared prefix), W3 (Poisson arrivals, longer
+# prompts) and a W1-like rate sweep.
 #   benchmarks/peers_bench.sh [sweep]
 # Another model: BENCH_GGUF=PATH BENCH_NAME=NAME [BENCH_HF_DIR=DIR] benchmarks/peers_bench.sh: JustAPI and llama.cpp
 # serve the GGUF, vLLM the dequantized HF copy in DIR (../shared/peers/setup_gemma3.sh makes Gemma 3's), or no vLLM
 # without one. The peers' start scripts pin SmolLM2 (env.sh), so this script starts them itself with their flags.
 # The three servers are started together (idle, each uses ~0% CPU) and measured one after another by each
 # `justapi bench serve` call. Needs the peers installed with the recipes in ../shared/peers (README there).
-# Results: bench_results/peers_{S1,W1,W2}.json, bench_results/sweep.{json,png}, bench_results/peers_bench.txt
+# Results: bench_results/peers_{S1,W1,W2,W3}.json, bench_results/sweep.{json,png}, bench_results/peers_bench.txt
 # Before/after a change, in the same run: JUSTAPI_BEFORE=DIR serves the checkout in DIR (another revision, e.g.
 # `git worktree add ../before REV`) as "justapi-before" on the next port, with this venv's Python and
 # JUSTAPI_BEFORE_ARGS (e.g. --scheduled for revisions whose default was static batching); where that revision
@@ -20,6 +21,8 @@ if [ -n "${BENCH_GGUF:-}" ]; then
   GGUF=$BENCH_GGUF; SERVED_NAME=${BENCH_NAME:?BENCH_NAME names the served model}; HF_DIR=${BENCH_HF_DIR:-}
 fi
 PORT_JUSTAPI=${PORT_JUSTAPI:-8010}
+# llama-server splits its context evenly between its slots: W3's longest request is 1024 + 256 tokens
+export LLAMA_CTX_PER_SLOT=${LLAMA_CTX_PER_SLOT:-1536}
 OUT=$ROOT/bench_results${BENCH_GGUF:+/$SERVED_NAME}  # another model: its own folder
 mkdir -p "$OUT" "$PEERS/run" "$PEERS/logs"
 # llama.cpp's ggml AMX kernels crashed on the AMX machines (general protection fault); --no-repack avoids them.
@@ -85,6 +88,9 @@ LOG=$OUT/peers_bench.txt
   echo "## W2: 64 requests at once, <= 32 in flight: one 400-token prefix + a unique 32-token suffix, 64 output tokens"
   timeout 900 "$J" bench serve "${URLS[@]}" --workload shared-prefix --num-prefixes 1 --suffixes-per-prefix 64 \
     --prefix-len 400 --input-len 32 --output-len 64 --max-concurrency 32 --json "$OUT/peers_W2.json"
+  echo "## W3: 96 requests, Poisson arrivals at 1.2 req/s, <= 24 in flight, prompts 128-1024, outputs 16-256 tokens"
+  timeout 1800 "$J" bench serve "${URLS[@]}" --workload random --num-requests 96 --request-rate 1.2 \
+    --max-concurrency 24 --input-len 128:1024 --output-len 16:256 --json "$OUT/peers_W3.json"
   if [ "${1:-}" = sweep ]; then
     echo "## sweep: 48 requests (prompts 64-512, outputs 16-128) at 1, 2, 4 req/s (Poisson) and all at once"
     timeout 2400 "$J" bench sweep "${URLS[@]}" --workload random --num-requests 48 --input-len 64:512 \

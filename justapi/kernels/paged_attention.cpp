@@ -108,12 +108,14 @@ void attend(const float* qh, const T* kp, const T* vp, const int64_t* table, int
 }
 
 #if defined(JUSTAPI_SIMD_ATTENTION)
-// prefetch the `bytes` of a cache block into L1 (the blocks of a sequence are scattered, so the hardware
-// prefetcher, which follows streams within a page, does not see them coming)
+// prefetch the `bytes` of a cache block into L2 (the blocks of a sequence are scattered, so the hardware
+// prefetcher, which follows streams within a page, does not see them coming). Into L2, not L1: two bf16 blocks
+// ahead are 64 lines, more misses than L1 tracks at once, and prefetches into L1 left the kernel waiting on
+// memory: 2.1x the time of L2 prefetches on a W1-sized batch out of cache (Zen 4, docs/benchmarks.md)
 inline void prefetch_block(const void* p, int64_t bytes) {
-  for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(static_cast<const char*>(p) + c, _MM_HINT_T0);
+  for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(static_cast<const char*>(p) + c, _MM_HINT_T1);
 }
-constexpr int64_t kAhead = 2;  // blocks prefetched ahead of the one being read (measured on AVX-512: 2 > 1, 4)
+constexpr int64_t kAhead = 2;  // blocks prefetched ahead of the one being read (into L2, Zen 4: 2 > 1, 4)
 #endif
 
 // --- AVX-512 -----------------------------------------------------------------------------------------------------
