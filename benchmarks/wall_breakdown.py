@@ -6,12 +6,13 @@ the wall time split three ways.
    and delivering, with each step's shape (prefill tokens, decode rows).
 2. The CPU seconds each thread of the server used (/proc/PID/task/TID/stat), the same run: the engine thread, the
    event loop (HTTP, SSE, tokenizing prompts) and the kernels' OpenMP threads, against wall time x cores.
-3. py-spy sampling the same workload run again (native frames included): each engine-thread sample is put in one
-   category (kernel route of a product, attention, other layer work, sampling, batch building, ...), and waits
-   inside it (the GIL, an OpenMP barrier) are counted apart. The execute time of run 1 is split in the sampled
-   shares; the throughput of the profiled run says what the profiler cost.
+3. py-spy sampling the same workload run again (Python frames; with --native also native ones): each engine-thread
+   sample is put in one category (the kernel route of a product, attention, other layer work, sampling, batch
+   building, ...); with --native, waits inside it (the GIL, an OpenMP barrier) are counted apart. The busy time of
+   run 1 is split in the sampled shares; the throughput of the profiled run says what the profiler cost.
 
-    .venv/bin/python benchmarks/wall_breakdown.py [--workload W1 W2 W3] [--rate 25] [--model GGUF]
+    .venv/bin/python benchmarks/wall_breakdown.py [--workload W1 W2 W3] [--rate 50] [--native] [--model GGUF]
+        [--keep DIR] [--json FILE] [-- SERVE FLAGS]
 """
 
 from __future__ import annotations
@@ -256,7 +257,7 @@ def busiest_python_thread(used: dict[int, float], before_run: dict[int, float], 
     return max((t for t in before_run if t != pid), key=lambda t: used.get(t, 0))
 
 
-def report(workload: str, plain: dict, spied: dict, cores: int) -> str:
+def report(workload: str, plain: dict, spied: dict, cores: int, rate: int) -> str:
     wall, b = plain["wall"], plain["bench"]
     lines = [f"## {workload}: wall {wall:.1f} s, {b['output_throughput']:.1f} output tok/s, TTFT p50 "
              f"{b['ttft_ms']['p50']:.0f} ms, TPOT p99 {b['tpot_ms']['p99']:.1f} ms, {b['failed']} failed (profiled run: "
@@ -271,8 +272,7 @@ def report(workload: str, plain: dict, spied: dict, cores: int) -> str:
         eng = sampled["engine"]
         busy = {k: v for k, v in eng.items() if k != "idle (no work)"}
         total = sum(busy.values())
-        execute = phases.get("execute", 0)
-        lines += ["", f"engine thread outside idle, by py-spy samples ({total} samples at {ARGS.rate} Hz); seconds: "
+        lines += ["", f"engine thread outside idle, by py-spy samples ({total} samples at {rate} Hz); seconds: "
                   "the share times the unprofiled run's busy time | share % | s", "---|---|---"]
         busy_s = wall - phases.get("idle (no work)", 0)
         for name, n in sorted(busy.items(), key=lambda kv: -kv[1]):
@@ -284,7 +284,6 @@ def report(workload: str, plain: dict, spied: dict, cores: int) -> str:
         lines += ["", "event loop (main thread), by py-spy samples | share % |", "---|---|"]
         for name, n in sorted(loop.items(), key=lambda kv: -kv[1]):
             lines.append(f"{name} | {100 * n / ltotal:.1f} |")
-        lines.append(f"(execute, from the step log: {execute:.2f} s)")
     cpu = plain["cpu"]
     lines += ["", f"CPU seconds by thread (unprofiled run; the machine has {cores} cores x {wall:.1f} s = "
               f"{cores * wall:.1f} s) | s | % of wall x cores", "---|---|---"]
@@ -303,7 +302,6 @@ def report(workload: str, plain: dict, spied: dict, cores: int) -> str:
 
 
 def main() -> None:
-    global ARGS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", nargs="+", default=["W1", "W2", "W3"], choices=sorted(WORKLOADS))
     p.add_argument("--model", help="GGUF to serve (default: the server's default, SmolLM2)")
@@ -315,7 +313,7 @@ def main() -> None:
     p.add_argument("--json", type=Path, help="write every figure here")
     p.add_argument("--keep", type=Path, help="keep the server logs, py-spy's raw stacks and the bench JSON here")
     p.add_argument("serve_args", nargs="*", help="after --: extra `justapi serve` flags")
-    ARGS = args = p.parse_args()
+    args = p.parse_args()
     cpu = re.search(r"model name\s*: (.*)", Path("/proc/cpuinfo").read_text()).group(1)
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} cores, {cpu}, "
           f"serve flags: {' '.join(args.serve_args) or '(defaults)'}")
@@ -327,13 +325,11 @@ def main() -> None:
             plain = measure(args, workload, folder, profile=False)
             spied = measure(args, workload, folder, profile=True)
             results[workload] = {"plain": plain, "profiled": spied}
-            print(report(workload, plain, spied, os.cpu_count()), flush=True)
+            print(report(workload, plain, spied, os.cpu_count(), args.rate), flush=True)
             print()
     if args.json:
         args.json.write_text(json.dumps(results, indent=1, default=dict))
 
-
-ARGS = None
 
 if __name__ == "__main__":
     main()

@@ -44,11 +44,6 @@ class RequestTiming:
     num_output_tokens: int = 0
 
 
-def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
-    for queue, item in items:
-        queue.put_nowait(item)
-
-
 class AsyncLLM:
     """Add a request, receive its outputs as they are produced, abort it."""
 
@@ -156,7 +151,8 @@ class AsyncLLM:
                 outputs = self.engine.step()
                 now = time.monotonic()
                 self._take_stats(now, force=any(out.finished for out in outputs))  # before any client sees it end
-                self._deliver(outputs, now)
+                for out in outputs:
+                    self._deliver(out, now)
                 for rid, error in self.engine.take_failures():
                     self._fail(rid, error)
                 t3 = time.monotonic()
@@ -202,28 +198,23 @@ class AsyncLLM:
                     stream[2].finished = time.monotonic()
                     self.on_finish(rid, out, stream[2])
 
-    def _deliver(self, outputs: list[RequestOutput], now: float) -> None:
-        """Hand a step's outputs to their streams, one wake-up of each event loop for all of them: each wake-up
-        writes to the loop's socket, and the engine thread then waits for the GIL while the loop runs (one per
-        output cost ~2% of a loaded run's wall time, benchmarks/wall_breakdown.py)."""
-        batches: dict[asyncio.AbstractEventLoop, list] = {}
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue
-            loop, queue, timing = stream
-            if out.new_token_ids:
-                if timing.first_token is None:
-                    timing.first_token = now
-                timing.num_output_tokens += len(out.new_token_ids)
-            if out.finished:
-                timing.finished = now
-                del self._streams[out.request_id]
-                if self.on_finish is not None:
-                    self.on_finish(out.request_id, out, timing)
-            batches.setdefault(loop, []).append((queue, out))
-        for loop, items in batches.items():
-            loop.call_soon_threadsafe(_put_all, items)
+    def _deliver(self, out: RequestOutput, now: float) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        loop, queue, timing = stream
+        if out.new_token_ids:
+            if timing.first_token is None:
+                timing.first_token = now
+            timing.num_output_tokens += len(out.new_token_ids)
+        if out.finished:
+            timing.finished = now
+            del self._streams[out.request_id]
+            if self.on_finish is not None:
+                self.on_finish(out.request_id, out, timing)
+        # wakes the event loop; the engine thread then waits for the GIL while the loop runs: 1.8-2.8% of a loaded
+        # run's wall time, and no less with one wake-up a step (docs/benchmarks.md, benchmarks/wall_breakdown.py)
+        loop.call_soon_threadsafe(queue.put_nowait, out)
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         stream = self._streams.pop(request_id, None)
