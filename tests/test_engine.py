@@ -256,3 +256,16 @@ def test_smollm2_batching_and_preemption_equivalence(real_model_path, smollm2_ex
     chunked = LLM(real_model_path, pool_blocks=12, block_size=4, chunk_size=3, batch_invariant=True, show_progress=False)
     assert tokens(chunked.generate(prompts, params)) == batched
     assert chunked.engine.scheduler.stats.num_preemptions > 0
+
+
+def test_step_log_keeps_the_latest_records_in_order():
+    from justapi.engine.step_log import StepLog
+
+    log = StepLog(size=3)
+    for i in range(5):
+        log.append(float(i), 0.0, 0.0, 0.01, 0.0, None, 1, 0)
+    records, next_seq = log.since(0)
+    assert [r.seq for r in records] == [2, 3, 4] and next_seq == 5  # the two oldest left the buffer
+    assert [r.start for r in records] == [2.0, 3.0, 4.0]
+    assert log.since(4)[0][0].seq == 4 and log.since(5) == ([], 5)
+    assert records[0].as_dict()["step"] == 0.01
