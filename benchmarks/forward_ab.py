@@ -63,9 +63,10 @@ def main() -> None:
         base_name = args.base
         old_forward, OldRope = old_version(args.base)
         # a weight wrapper the base revision may not know (quant.Int8RowWeight): the base multiplies its dense
-        # tensor (a plain copy of it where it is prepacked for oneDNN)
+        # tensor (a plain copy of it where it is prepacked for oneDNN); a head held without one (the units'
+        # routes) goes to the base as the wrapper itself, which revisions since the kernel policy know
         old_head = new_head
-        if not isinstance(new_head, torch.Tensor):
+        if not isinstance(new_head, torch.Tensor) and hasattr(new_head, "dense"):
             old_head = new_head.dense.to_dense() if new_head.dense.is_mkldnn else new_head.dense
         old_rope = OldRope.__new__(OldRope)
         old_rope.__dict__.update(new_rope.__dict__)
