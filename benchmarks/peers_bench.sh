@@ -29,6 +29,7 @@ mkdir -p "$OUT" "$PEERS/run" "$PEERS/logs"
 # Without AMX (AVX2 or AVX-512 only) llama-server keeps its default repacking.
 if grep -q -m1 amx_tile /proc/cpuinfo; then export LLAMA_EXTRA=${LLAMA_EXTRA---no-repack}; fi
 J=$ROOT/.venv/bin/justapi
+workload() { sed -n "s/^$1 //p" "$ROOT/benchmarks/workloads.txt"; }  # S1, W1, W2, W3: one place for both scripts
 up() { curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$1/v1/models" 2>/dev/null | grep -q 200; }
 
 up "$PORT_JUSTAPI" || {
@@ -80,17 +81,17 @@ LOG=$OUT/peers_bench.txt
 {
   echo "# $(date -u +%FT%TZ) $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2), $(basename "$GGUF")"
   echo "## S1: 4 requests one at a time, 128 prompt + 128 output tokens (decode tok/s = 1000 / TPOT p50)"
-  timeout 900 "$J" bench serve "${URLS[@]}" --workload random --num-requests 4 --max-concurrency 1 \
-    --input-len 128 --output-len 128 --json "$OUT/peers_S1.json"
+  # shellcheck disable=SC2046 # the workload's arguments are words
+  timeout 900 "$J" bench serve "${URLS[@]}" $(workload S1) --json "$OUT/peers_S1.json"
   echo "## W1: 128 requests at once, <= 32 in flight, prompts 64-512, outputs 16-256 tokens, ignore EOS"
-  timeout 1800 "$J" bench serve "${URLS[@]}" --workload random --num-requests 128 --max-concurrency 32 \
-    --input-len 64:512 --output-len 16:256 --json "$OUT/peers_W1.json"
+  # shellcheck disable=SC2046
+  timeout 1800 "$J" bench serve "${URLS[@]}" $(workload W1) --json "$OUT/peers_W1.json"
   echo "## W2: 64 requests at once, <= 32 in flight: one 400-token prefix + a unique 32-token suffix, 64 output tokens"
-  timeout 900 "$J" bench serve "${URLS[@]}" --workload shared-prefix --num-prefixes 1 --suffixes-per-prefix 64 \
-    --prefix-len 400 --input-len 32 --output-len 64 --max-concurrency 32 --json "$OUT/peers_W2.json"
+  # shellcheck disable=SC2046
+  timeout 900 "$J" bench serve "${URLS[@]}" $(workload W2) --json "$OUT/peers_W2.json"
   echo "## W3: 96 requests, Poisson arrivals at 1.2 req/s, <= 24 in flight, prompts 128-1024, outputs 16-256 tokens"
-  timeout 1800 "$J" bench serve "${URLS[@]}" --workload random --num-requests 96 --request-rate 1.2 \
-    --max-concurrency 24 --input-len 128:1024 --output-len 16:256 --json "$OUT/peers_W3.json"
+  # shellcheck disable=SC2046
+  timeout 1800 "$J" bench serve "${URLS[@]}" $(workload W3) --json "$OUT/peers_W3.json"
   if [ "${1:-}" = sweep ]; then
     echo "## sweep: 48 requests (prompts 64-512, outputs 16-128) at 1, 2, 4 req/s (Poisson) and all at once"
     timeout 2400 "$J" bench sweep "${URLS[@]}" --workload random --num-requests 48 --input-len 64:512 \

@@ -30,18 +30,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 NAME = "smollm2-135m"
 
-# the workloads of benchmarks/peers_bench.sh (justapi bench serve arguments)
-WORKLOADS = {
-    "W1": "--workload random --num-requests 128 --max-concurrency 32 --input-len 64:512 --output-len 16:256",
-    "W2": "--workload shared-prefix --num-prefixes 1 --suffixes-per-prefix 64 --prefix-len 400 --input-len 32 "
-          "--output-len 64 --max-concurrency 32",
-    "W3": "--workload random --num-requests 96 --request-rate 1.2 --max-concurrency 24 --input-len 128:1024 "
-          "--output-len 16:256",
-}
+# the workloads of benchmarks/peers_bench.sh (justapi bench serve arguments), from the file both read
+WORKLOADS = dict(line.split(" ", 1) for line in (Path(__file__).parent / "workloads.txt").read_text().splitlines())
 
 
 # --- the server -----------------------------------------------------------------------------------------------------
@@ -303,7 +296,7 @@ def report(workload: str, plain: dict, spied: dict, cores: int, rate: int) -> st
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", nargs="+", default=["W1", "W2", "W3"], choices=sorted(WORKLOADS))
+    p.add_argument("--workload", nargs="+", default=["W1", "W2", "W3"], choices=sorted(set(WORKLOADS) - {"S1"}))
     p.add_argument("--model", help="GGUF to serve (default: the server's default, SmolLM2)")
     p.add_argument("--port", type=int, default=8030)
     p.add_argument("--rate", type=int, default=50, help="py-spy samples per second (its own cost grows with it)")
