@@ -108,10 +108,14 @@ def serve_app(args, on_engine=None):
 
         if not torch.cuda.is_available():
             raise CliError("--gpu was given but torch sees no CUDA device")
+    if server_cfg.ttft_slo is not None and cfg.disaggregate:
+        raise CliError("--ttft-slo predicts from the engine's own step times, which --disaggregate's worker "
+                       "processes do not report in this version; drop one of them")
     check_model_file(cfg.model, cfg.draft_model, tp_sizes(cfg))
     logging.basicConfig(level=server_cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     name = server_cfg.served_model_name or os.path.splitext(os.path.basename(cfg.model))[0]
     mode = "static batching (--static-batching)" if cfg.static_batching else "continuous batching"
+    mode += f", {cfg.scheduling_policy} scheduling"
     logging.getLogger("justapi").info("loading %s; scheduler: %s", cfg.model, mode)
 
     def load_engine():

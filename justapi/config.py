@@ -53,6 +53,8 @@ DEFAULT_MAX_SEQS = 32
 DEFAULT_MAX_PREFILL = 4
 DEFAULT_MAX_DECODE = 32
 DEFAULT_CHUNK_SIZE = 512
+SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
+DEFAULT_PRIORITY_AGING_S = 30.0
 DEFAULT_GAMMA = 4  # draft tokens per speculative step
 # speculation only while at most this many requests decode. benchmarks/spec_decode.py (docs/benchmarks.md) measured
 # speed-ups at 1 and 8 concurrent requests on a copy-heavy workload; larger batches were not measured, and there
@@ -180,6 +182,13 @@ class EngineConfig:
     static_batching: bool = flag(False, "the static-batching baseline (a batch runs to its end before the next is "
                                  "admitted) instead of continuous batching with chunked prefill")
     prefix_cache: bool = flag(True, "the radix prefix cache")
+    scheduling_policy: str = flag("fcfs", "who is admitted first and preempted last: fcfs (arrival order), priority "
+                                  "(the request's priority field, lower first), fair (equal token shares per user, "
+                                  "virtual token counters)", choices=SCHEDULING_POLICIES)
+    priority_aging: float = flag(DEFAULT_PRIORITY_AGING_S, "under --scheduling-policy priority, every this many "
+                                 "seconds of waiting make a request one level more urgent, so none waits forever")
+    user_weights: tuple[str, ...] = flag((), "under --scheduling-policy fair, users' weights (default 1): a user "
+                                         "of weight 2 gets twice the tokens of one of weight 1", metavar="USER=W,...")
     max_model_len: int | None = flag(None, "longest prompt + output (default: the model's context)")
     batch_invariant: bool = flag(False, "make every sequence's results independent of the batch it shares (fp32, "
                                  "slower at small batches)")
@@ -244,6 +253,7 @@ class EngineConfig:
             raise ValueError(f"--max-model-len must be a positive integer, not {self.max_model_len!r}")
         if not isinstance(self.tp, int) or self.tp < 1:
             raise ValueError(f"--tp must be a positive integer, not {self.tp!r}")
+        self._check_scheduling()
         self._check_speculation()
         self._check_disaggregation()
         if not isinstance(self.spec_max_batch, int) or self.spec_max_batch < 0:
@@ -252,6 +262,32 @@ class EngineConfig:
             raise ValueError(f"--kv-memory-fraction must be in (0, 0.9], not {self.kv_memory_fraction!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"--threads must be a positive integer, not {self.num_threads!r}")
+
+    def _check_scheduling(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}, not "
+                             f"{self.scheduling_policy!r}")
+        if not self.priority_aging > 0:
+            raise ValueError(f"--priority-aging must be a positive number of seconds, not {self.priority_aging!r}")
+        self.weights_by_user()  # raises on a malformed entry
+        if self.user_weights and self.scheduling_policy != "fair":
+            raise ValueError("--user-weights needs --scheduling-policy fair")
+        if self.static_batching and self.scheduling_policy != "fcfs":
+            raise ValueError("--static-batching admits whole batches in arrival order: drop --scheduling-policy")
+
+    def weights_by_user(self) -> dict[str, float]:
+        """--user-weights as {user: weight}; ValueError naming a malformed entry."""
+        weights = {}
+        for item in self.user_weights:
+            user, sep, text = item.rpartition("=")
+            try:
+                weight = float(text)
+            except ValueError:
+                weight = 0.0
+            if not sep or not user or not weight > 0:
+                raise ValueError(f"--user-weights: {item!r} is not USER=WEIGHT with a positive weight")
+            weights[user] = weight
+        return weights
 
     def _check_speculation(self) -> None:
         if self.spec_method not in (None, "ngram"):
@@ -328,6 +364,9 @@ class SchedulerConfig:
     gamma: int = DEFAULT_GAMMA  # draft tokens per step at most (a tree's depth)
     branch: int = DEFAULT_BRANCH  # children per draft-tree node
     spec_max_batch: int = DEFAULT_SPEC_MAX_BATCH  # no speculation in steps with more decoding requests than this
+    policy: str = "fcfs"  # core.policy: fcfs, priority or fair
+    priority_aging_s: float = DEFAULT_PRIORITY_AGING_S
+    user_weights: tuple[tuple[str, float], ...] = ()  # fair shares' weights (others: 1)
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_seqs", "max_prefill", "max_decode", "chunk_size", "max_model_len"):
@@ -341,7 +380,9 @@ class ServerConfig:
 
     host: str = flag(DEFAULT_HOST, "address to bind")
     port: int = flag(DEFAULT_PORT, "port to bind")
-    api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' on /v1 routes", metavar="KEY")
+    api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' on /v1 routes; several keys comma-"
+                               "separated, each then a user of its own under --scheduling-policy fair (key-1, "
+                               "key-2, ... in this order)", metavar="KEY[,KEY]")
     served_model_name: str | None = flag(DEFAULT_SERVED_MODEL_NAME, "model name clients use (default: the file name)",
                                          metavar="NAME")
     max_queue: int = flag(DEFAULT_MAX_QUEUE, "requests waiting before the server answers 429")
@@ -349,11 +390,26 @@ class ServerConfig:
     max_n: int = flag(DEFAULT_MAX_N, "largest n (completions per request)")
     log_level: str = flag("info", "log level", choices=("critical", "error", "warning", "info", "debug"))
     stats_interval_s: float = flag(10.0, "seconds between the scheduler's stats lines in the log")
+    request_timeout: float | None = flag(None, "seconds after which a request ends with what it has generated "
+                                         "(finish_reason length, stop_reason timeout); a request's own timeout "
+                                         "field may ask for less", metavar="SECONDS")
+    ttft_slo: float | None = flag(None, "refuse at once (429 with Retry-After) a request whose predicted time to "
+                                  "first token exceeds this many seconds", metavar="SECONDS")
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        return tuple(self.api_key.split(",")) if self.api_key is not None else ()
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, not {self.port}")
         if self.max_queue < 1:
             raise ValueError(f"--max-queue must be a positive integer, not {self.max_queue}")
+        if self.api_key is not None and not all(self.api_keys):
+            raise ValueError("--api-key: a key is empty")
+        for name in ("request_timeout", "ttft_slo"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds, not {value!r}")
         if self.log_level.lower() not in ("critical", "error", "warning", "info", "debug"):
             raise ValueError(f"--log-level must be one of critical, error, warning, info, debug, not {self.log_level!r}")

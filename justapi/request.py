@@ -15,6 +15,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_TIMEOUT = "timeout"  # its deadline passed; the client gets finish_reason "length" (output_processor)
 
 
 @dataclass(eq=False)
@@ -40,6 +41,8 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # prompt-lookup draft tokens for the next step
     spec_depth: int = 0  # draft-model tree levels the runner proposes next step (slots reserved here)
     imported_kv: object = None  # disaggregation: the prompt's KV computed by a prefill worker, until admission
+    arrival_time: float = 0.0  # the scheduler's clock when it was queued (priority aging)
+    arrival_seq: int = 0  # the scheduler's count of requests queued before it (ties in arrival order)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -1,4 +1,5 @@
-"""Per-request sampling settings (the OpenAI fields plus ``ignore_eos`` and ``speculative``), validated on construction."""
+"""Per-request settings, validated on construction: how to sample (the OpenAI fields plus ``ignore_eos`` and
+``speculative``) and how the scheduler ranks the request (``priority``, ``user``, ``deadline``)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,10 @@ class SamplingParams:
     speculative: bool = True  # False: never draft for this request, even when the engine speculates
     structured: StructuredOutput | None = None  # the output must match this JSON schema / regex / choice / grammar
     pooling: Pooling | None = None  # an embedding request (prefill only): see Pooling
+    # scheduling (core.policy): read under --scheduling-policy priority / fair; the deadline always
+    priority: int = 0  # lower is more urgent (vLLM's meaning)
+    user: str | None = None  # whose fair share the request's tokens count against (None: the anonymous share)
+    deadline: float | None = None  # time.monotonic() at which the request ends with what it has ("timeout")
 
     @classmethod
     def for_embedding(cls, pooling: Pooling) -> SamplingParams:
@@ -85,6 +90,8 @@ class SamplingParams:
                              "grammar does")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise ValueError(f"priority must be an integer, got {self.priority!r}")
 
     @property
     def greedy(self) -> bool:

@@ -2,8 +2,8 @@
 
 One invariant drives everything: a request has ``num_computed_tokens`` and catches up towards ``num_tokens``.
 A step gives every running request that has caught up one decode token, then spends the prefill budget
-(``chunk_size`` tokens) on requests still prefilling, oldest first, admitting waiting requests into free
-slots. A prefix-cache hit simply starts a request with ``num_computed_tokens > 0``; a preempted request
+(``chunk_size`` tokens) on requests still prefilling, in the policy's order, admitting waiting requests into free
+slots (who starts next and who is preempted first: core.policy). A prefix-cache hit simply starts a request with ``num_computed_tokens > 0``; a preempted request
 restarts at 0 and recomputes (cheaply, since its blocks went into the prefix cache).
 
 The blocks themselves are kept by ``KvBlocks``; ``StaticScheduler`` (static_scheduler.py) is the baseline.
@@ -11,6 +11,7 @@ The blocks themselves are kept by ``KvBlocks``; ``StaticScheduler`` (static_sche
 
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 from dataclasses import replace
 
@@ -20,6 +21,7 @@ from ..sampling_params import SamplingParams
 from ..spec.ngram import propose_ngram
 from .kv_blocks import KvBlocks
 from .outputs import CachedRequestData, EngineCoreOutput, NewRequestData, RunnerOutput, SchedulerOutput
+from .policy import make_policy
 from .stats import SchedulerStats
 
 
@@ -37,7 +39,11 @@ class Scheduler:
         self.pool = self.kv.pool  # read by the engine, stats and tests
         self.cache = self.kv.cache
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order: the last one is preempted first
+        self.running: list[Request] = []  # in the policy's order (fcfs: admission): the last is preempted first
+        self.policy = make_policy(config.policy, config.priority_aging_s, dict(config.user_weights))
+        self.clock = time.monotonic  # arrivals, priority aging and deadlines (tests set their own)
+        self._num_arrivals = 0
+        self._short_of_blocks = False  # the last step found no blocks for the next waiting request
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
         self._finished_ids: set[str] = set()  # runner state to drop at the next step
@@ -83,9 +89,15 @@ class Scheduler:
         if params.max_tokens is None:
             params = replace(params, max_tokens=max_tokens)
         req = Request(request_id, list(prompt_token_ids), params, frozenset(eos_token_ids), seed)
-        self.requests[request_id] = req
-        self.waiting.append(req)
+        self._queue(req)
         return req
+
+    def _queue(self, req: Request) -> None:
+        req.arrival_time, req.arrival_seq = self.clock(), self._num_arrivals
+        self._num_arrivals += 1
+        self.policy.on_arrival(req, self.waiting)
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
 
     def add_prefilled_request(
         self, request_id: str, prompt_token_ids: list[int], first_token: int, params: SamplingParams, eos_token_ids,
@@ -100,8 +112,7 @@ class Scheduler:
         req.append_output(first_token)
         req.imported_kv = kv
         req.num_cached_tokens = num_cached_tokens  # counted by the prefill worker's cache
-        self.requests[request_id] = req
-        self.waiting.append(req)
+        self._queue(req)
         return req
 
     def release_handoff(self, request_id: str) -> None:
@@ -122,6 +133,16 @@ class Scheduler:
         self._finish(req, RequestStatus.FINISHED_ABORTED)
         return self._output(req, [], None, "abort")
 
+    def expire(self) -> list[EngineCoreOutput]:
+        """End every request whose deadline has passed with what it has (freeing its blocks): their outputs."""
+        now = self.clock()
+        late = [r for r in (*self.waiting, *self.running)
+                if r.sampling_params.deadline is not None and r.sampling_params.deadline <= now]
+        for req in late:
+            self._finish(req, RequestStatus.FINISHED_TIMEOUT)
+        self.stats.num_timeouts += len(late)
+        return [self._output(req, [], None, RequestStatus.FINISHED_TIMEOUT.value) for req in late]
+
     def finish_request(self, request_id: str, status: RequestStatus) -> None:
         """End a request for a reason found outside the scheduler (a stop string)."""
         req = self.requests.get(request_id)
@@ -139,11 +160,15 @@ class Scheduler:
         self._out_data = {}
         budget = [self.config.chunk_size]  # prefill tokens left this step
         counts = Counter()
+        now = self.clock()
+        self.policy.order_running(self.running, now)
+        self._displace(now)
         self._admit_batch()
         self._propose()
         preempted = self._schedule_running(out, budget, counts)
         if not preempted and self._may_admit():
-            self._schedule_waiting(out, budget, counts)
+            self._schedule_waiting(out, budget, counts, now)
+        self._charge(out)
         out.finished_request_ids = self._finished_ids
         self._finished_ids = set()
         self.stats.num_steps += 1
@@ -248,9 +273,31 @@ class Scheduler:
             else:
                 req.spec_depth = gamma
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: list[int], counts: Counter) -> None:
+    def _displace(self, now: float) -> None:
+        """Preempt the last running request (the policy's least urgent) for the next waiting one when the policy
+        ranks that one strictly higher and it cannot start: every slot is taken, or the last step found no blocks
+        for it. One a step: the freed room is tried before more is taken."""
+        if not self.waiting or not self.running:
+            return
+        if len(self.running) < self.config.max_seqs and not self._short_of_blocks:
+            return
+        head = self.policy.next_waiting(self.waiting, now)
+        if self.policy.displaces(head, self.running[-1], now):
+            self._preempt(self.running[-1])
+
+    def _charge(self, out: SchedulerOutput) -> None:
+        """Tell the policy what each request is computed this step (prompt tokens, or one output token)."""
+        for rid, n in out.num_scheduled_tokens.items():
+            req = self.requests[rid]
+            if req.num_tokens - req.num_computed_tokens == 1:
+                self.policy.charge(req, 0, 1)
+            else:
+                self.policy.charge(req, n, 0)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: list[int], counts: Counter, now: float) -> None:
+        self._short_of_blocks = False
         while self.waiting and len(self.running) < self.config.max_seqs:
-            req = self.waiting[0]
+            req = self.policy.next_waiting(self.waiting, now)
             if req.imported_kv is not None:
                 req.num_computed_tokens = req.num_prompt_tokens  # its prompt's KV arrives with it
             elif not _pools_every_row(req):  # a mean-pooled embedding needs every prompt row: no cached prefix
@@ -264,10 +311,15 @@ class Scheduler:
             else:
                 n = 1 if is_decode else min(remaining, budget[0])
                 new_blocks = self.kv.grow(req, req.num_computed_tokens + n)
+                self._short_of_blocks = new_blocks is None
             if new_blocks is None:
                 self.kv.unmatch(req)
-                break  # first come first served: nobody overtakes the head of the queue
-            self.waiting.popleft()
+                break  # nobody overtakes the request the policy picked
+            if req is self.waiting[0]:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(req)
+            self.policy.on_admit(req, self.waiting)
             self._admit(req)
             counts["decode" if is_decode else "prefill"] += 1
             if not is_decode:

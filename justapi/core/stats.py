@@ -4,6 +4,7 @@ to read: the live scheduler changes under them between steps (vLLM's make_stats 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,7 @@ class SchedulerStats:
     num_preempted_tokens: int = 0  # computed tokens whose KV preemption gave up
     num_resumed_cached_tokens: int = 0  # of those, found again in the prefix cache on resumption
     num_scheduled_tokens_total: int = 0
+    num_timeouts: int = 0  # requests ended by their deadline
     last_step_tokens: int = 0
     last_step_prefill_tokens: int = 0  # of those, prompt tokens (chunks, recomputation after preemption)
     last_step_decodes: int = 0  # requests decoding in the last step
@@ -56,10 +58,31 @@ class SchedulerSnapshot:
     prefix_cache_misses: int
     prefix_cache_blocks: int
     counters: SchedulerStats  # a copy, lists included
+    # by class (core.policy): waiting requests per priority and per user (None: anonymous); prompt tokens still to
+    # compute per priority, of waiting and prefilling requests (what a new request's first token waits behind)
+    waiting_by_priority: tuple[tuple[int, int], ...] = ()
+    waiting_by_user: tuple[tuple[str | None, int], ...] = ()
+    prefill_backlog: tuple[tuple[int, int], ...] = ()
+    num_decoding: int = 0
+
+    def tokens_ahead(self, priority: int | None) -> int:
+        """Prompt tokens to compute before a new request's (of ``priority``; None: all queued count)."""
+        return sum(n for p, n in self.prefill_backlog if priority is None or p <= priority)
 
     @classmethod
     def of(cls, sched: Scheduler) -> SchedulerSnapshot:
         cache = sched.cache
+        by_priority, by_user, backlog = Counter(), Counter(), Counter()
+        for req in sched.waiting:
+            by_priority[req.sampling_params.priority] += 1
+            by_user[req.sampling_params.user] += 1
+        num_decoding = 0
+        for req in (*sched.waiting, *sched.running):
+            left = req.num_prompt_tokens - req.num_computed_tokens
+            if left > 0:
+                backlog[req.sampling_params.priority] += left
+            else:
+                num_decoding += 1
         return cls(
             num_running=len(sched.running),
             num_waiting=len(sched.waiting),
@@ -72,6 +95,10 @@ class SchedulerSnapshot:
             counters=dataclasses.replace(sched.stats, batch_utilizations=list(sched.stats.batch_utilizations[-1:]),
                                          spec_accepted_at=list(sched.stats.spec_accepted_at),
                                          spec_proposed_at=list(sched.stats.spec_proposed_at)),
+            waiting_by_priority=tuple(sorted(by_priority.items())),
+            waiting_by_user=tuple(by_user.items()),
+            prefill_backlog=tuple(sorted(backlog.items())),
+            num_decoding=num_decoding,
         )
 
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
+from ..core.admission import StepCostModel
 from ..core.scheduler import AdmissionError
 from ..core.stats import PdSnapshot, SchedulerSnapshot
 from ..sampling_params import SamplingParams
@@ -29,6 +31,17 @@ STATS_EVERY_S = 0.1  # how stale the stats snapshot may get while requests run (
 class QueueFullError(Exception):
     """Too many requests are waiting; the server answers 429."""
 
+    retry_after: int | None = None  # seconds a client should wait before retrying, where known
+
+
+class SloRefusal(QueueFullError):
+    """The request's predicted time to first token exceeds ``--ttft-slo``; the server answers 429 at once."""
+
+    def __init__(self, predicted: float, slo: float) -> None:
+        super().__init__(f"the server is overloaded: the predicted time to first token is {predicted:.1f} s, over "
+                         f"the server's limit of {slo:g} s")
+        self.retry_after = max(1, math.ceil(predicted - slo))  # by then the queue ahead has drained that much
+
 
 class EngineDeadError(Exception):
     """The engine loop failed; no more requests can be served."""
@@ -42,15 +55,21 @@ class RequestTiming:
     first_token: float | None = None
     finished: float | None = None
     num_output_tokens: int = 0
+    priority: int = 0
+    user: str | None = None
+    predicted_ttft: float | None = None  # what admission predicted (core.admission), where it could
 
 
 class AsyncLLM:
     """Add a request, receive its outputs as they are produced, abort it."""
 
     def __init__(self, engine: Engine, max_queue: int = 1024, stats_interval_s: float = 10.0,
-                 on_finish: Callable[[str, RequestOutput, RequestTiming], None] | None = None) -> None:
+                 on_finish: Callable[[str, RequestOutput, RequestTiming], None] | None = None,
+                 ttft_slo: float | None = None) -> None:
         self.engine = engine
         self.max_queue = max_queue
+        self.ttft_slo = ttft_slo
+        self.step_costs = StepCostModel()  # fitted on the engine thread from each step's time and shape
         self.stats_interval_s = stats_interval_s
         self.on_finish = on_finish
         self._commands: collections.deque = collections.deque()
@@ -60,6 +79,7 @@ class AsyncLLM:
         self._dead: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="justapi-engine", daemon=True)
         self._pending_adds = 0  # adds queued for the engine thread, guarded by _count_lock
+        self._pending_tokens = 0  # their prompt tokens (not in the stats snapshot yet), guarded by _count_lock
         self._count_lock = threading.Lock()
         self._stats = engine.stats()  # replaced whole by the engine thread, never changed in place
         self._stats_taken = time.monotonic()
@@ -98,10 +118,12 @@ class AsyncLLM:
         self.check_queue()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        timing = RequestTiming(arrival=time.monotonic())
+        timing = RequestTiming(time.monotonic(), priority=params.priority, user=params.user,
+                               predicted_ttft=self.predict_ttft(len(prompt_token_ids), params))
         self._streams[request_id] = (loop, queue, timing)
         with self._count_lock:
             self._pending_adds += 1
+            self._pending_tokens += len(prompt_token_ids)
         self._commands.append(("add", request_id, prompt_token_ids, params))
         self._wake.set()
         finished = False
@@ -122,6 +144,24 @@ class AsyncLLM:
         """Raise QueueFullError when ``max_queue`` requests are already waiting."""
         if self.num_waiting >= self.max_queue:
             raise QueueFullError(f"the server is busy: {self.num_waiting} requests are already waiting")
+
+    def predict_ttft(self, num_prompt_tokens: int, params: SamplingParams) -> float | None:
+        """Seconds to this request's first token if queued now (core.admission); None before the engine has run a
+        step, or where its steps run in worker processes (no step times here)."""
+        costs, snap = self.step_costs.costs, self._stats
+        if costs is None or not isinstance(snap, SchedulerSnapshot):
+            return None
+        ranked = self.engine.config.scheduling_policy == "priority"
+        ahead = snap.tokens_ahead(params.priority if ranked else None) + self._pending_tokens
+        return costs.ttft(ahead, num_prompt_tokens, snap.num_decoding, self.engine.config.chunk_size)
+
+    def check_slo(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise SloRefusal when ``--ttft-slo`` is set and this request's predicted time to first token exceeds it."""
+        if self.ttft_slo is None:
+            return
+        predicted = self.predict_ttft(len(prompt_token_ids), params)
+        if predicted is not None and predicted > self.ttft_slo:
+            raise SloRefusal(predicted, self.ttft_slo)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise AdmissionError/ValueError now for a request that could never run (reads engine state only)."""
@@ -150,6 +190,9 @@ class AsyncLLM:
                 t1 = time.monotonic()
                 outputs = self.engine.step()
                 now = time.monotonic()
+                work = self.engine.last_step
+                if work is not None:  # what the step cost, as a request queued behind it waits for it
+                    self.step_costs.observe(now - t0, work.num_prefill_tokens, work.num_decodes)
                 self._take_stats(now, force=any(out.finished for out in outputs))  # before any client sees it end
                 for out in outputs:
                     self._deliver(out, now)
@@ -178,12 +221,14 @@ class AsyncLLM:
             self._stats, self._stats_taken = self.engine.stats(), now
 
     def _apply_commands(self) -> None:
+        added_tokens = 0
         while self._commands:
             cmd = self._commands.popleft()
             if cmd[0] == "add":
                 _, rid, ids, params = cmd
                 with self._count_lock:
                     self._pending_adds -= 1
+                added_tokens += len(ids)
                 if rid not in self._streams:
                     continue  # aborted before it was added
                 try:
@@ -197,6 +242,10 @@ class AsyncLLM:
                 if out is not None and stream is not None and self.on_finish is not None:
                     stream[2].finished = time.monotonic()
                     self.on_finish(rid, out, stream[2])
+        if added_tokens:  # the snapshot holds them now: admission's count of tokens ahead stays whole
+            self._take_stats(time.monotonic(), force=True)
+            with self._count_lock:
+                self._pending_tokens -= added_tokens
 
     def _deliver(self, out: RequestOutput, now: float) -> None:
         stream = self._streams.get(out.request_id)

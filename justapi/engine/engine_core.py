@@ -82,6 +82,9 @@ class EngineCore(ModelFront):
             gamma=config.gamma or DEFAULT_GAMMA,
             branch=config.branch or DEFAULT_BRANCH,
             spec_max_batch=config.spec_max_batch,
+            policy=config.scheduling_policy,
+            priority_aging_s=config.priority_aging,
+            user_weights=tuple(config.weights_by_user().items()),
         )
 
     def _num_blocks(self) -> int:
@@ -166,20 +169,22 @@ class EngineCore(ModelFront):
 
     def step_core(self) -> list[EngineCoreOutput]:
         """One iteration without detokenizing: the new token ids of each request (what a worker process sends).
-        Keeps the seconds its schedule, execute and update took for ``last_step``."""
+        Requests past their deadline end first, with what they have. Keeps the seconds its schedule, execute and
+        update took for ``last_step``."""
         t0 = time.perf_counter()
+        expired = self.scheduler.expire()
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
         if sched.empty:
             if sched.finished_request_ids:
                 self._execute(sched)  # let the runner drop finished state
             self._core_times = (t1 - t0, time.perf_counter() - t1, 0.0)
-            return []
+            return expired
         result = self._execute(sched)
         t2 = time.perf_counter()
         outs = self.scheduler.update(sched, result)
         self._core_times = (t1 - t0, t2 - t1, time.perf_counter() - t2)
-        return outs
+        return expired + outs
 
     def _execute(self, sched):
         """Run the step on every rank (the executor sends other ranks the same small SchedulerOutput)."""

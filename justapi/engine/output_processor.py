@@ -56,14 +56,18 @@ class OutputProcessor:
             st.logprobs.extend(out.new_logprobs)
         finish_reason = out.finish_reason
         stop_reason: str | int | None = None
-        if finish_reason == "stop" and out.new_token_ids:
+        if finish_reason == "timeout":
+            # cut short by its deadline: "length" as llama.cpp's server answers for its time limit (strict OpenAI
+            # clients know no other reason), with vLLM's stop_reason naming the cause
+            finish_reason, stop_reason = "length", "timeout"
+        elif finish_reason == "stop" and out.new_token_ids:
             last = out.new_token_ids[-1]
             stop_reason = last if last in st.params.stop_token_ids else None
         before = len(st.detok.text)
         st.detok.add(out.new_token_ids, final=finish_reason is not None)
         text = st.detok.text
         stopped_by_string = False
-        if st.params.stop and finish_reason != "abort":
+        if st.params.stop and finish_reason != "abort" and stop_reason != "timeout":
             start = max(0, before - st.hold_back)
             hit = _find_stop(text, st.params.stop, start)
             if hit is not None:

@@ -297,7 +297,7 @@ class PdEngine(ModelFront):
             return  # aborted or failed meanwhile; a late message
         if req.phase == "transfer" and rank == req.decode_rank:
             req.phase = "decode"  # decoding already, whether or not the sender's Sent came in
-        if req.phase == "prefill":
+        if req.phase == "prefill" and out.new_token_ids:  # (none when its deadline passed in the queue)
             req.num_cached_tokens = out.num_cached_tokens
             prompt, _, params, seed = self._first[rid]
             self._first[rid] = (prompt, out.new_token_ids[0], params, seed)

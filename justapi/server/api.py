@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import logging
 import threading
+import time
 from contextlib import asynccontextmanager
 from typing import Callable
 
@@ -13,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from ..config import ServerConfig
-from ..engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
+from ..engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError, SloRefusal
 from ..engine.protocol import Engine
 from ..model.chat_template import ChatTemplateError
 from ..sampling_params import Pooling, SamplingParams
@@ -64,7 +65,7 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
             state.load_error = f"the model failed to load: {e}"
             log.error(state.load_error)
             return
-        llm = AsyncLLM(engine, config.max_queue, config.stats_interval_s, on_finish)
+        llm = AsyncLLM(engine, config.max_queue, config.stats_interval_s, on_finish, config.ttft_slo)
         state.metrics.attach(lambda: llm.stats)
         llm.start()
         state.engine, state.llm = engine, llm
@@ -85,12 +86,39 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
 
+    key_users = {f"Bearer {key}": f"key-{i}" for i, key in enumerate(config.api_keys, 1)}
+
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
-        if config.api_key and request.url.path.startswith(("/v1", "/tokenize", "/detokenize", "/engine")):
-            if request.headers.get("authorization") != f"Bearer {config.api_key}":
+        if key_users and request.url.path.startswith(("/v1", "/tokenize", "/detokenize", "/engine")):
+            user = key_users.get(request.headers.get("authorization"))
+            if user is None:
                 return error_response(401, "invalid or missing API key", "authentication_error")
+            request.state.api_user = user  # the fair-share user: a key is a tenant, whatever its user field says
         return await call_next(request)
+
+    def _params(req, raw: Request, max_tokens, logprobs) -> SamplingParams:
+        """The engine's settings for a request: its sampling fields, its user (the API key's name where keys are
+        configured, else its user field) and its deadline (its timeout or --request-timeout, the shorter)."""
+        if max_tokens is not None and max_tokens < 1:
+            raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        user = getattr(raw.state, "api_user", None) or req.user
+        timeouts = [t for t in (req.timeout, config.request_timeout) if t is not None]
+        deadline = time.monotonic() + min(timeouts) if timeouts else None
+        try:
+            return req.sampling_params(max_tokens, logprobs, user, deadline)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+
+    def _validate(llm: AsyncLLM, choice: Choice) -> None:
+        try:
+            llm.validate(choice.prompt_ids, choice.params)
+            llm.check_queue()  # before a stream starts: once it has, errors can only travel inside it
+            llm.check_slo(choice.prompt_ids, choice.params)
+        except (QueueFullError, ValueError) as e:
+            if isinstance(e, SloRefusal):
+                state.metrics.slo_refusals.inc()
+            raise engine_error(e) from None
 
     @app.get("/health")
     async def health():
@@ -167,7 +195,7 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
         prompts = req.prompt if isinstance(req.prompt, list) and not isinstance(req.prompt[0], int) else [req.prompt]
         ids_list = [tok.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         echo = [p if isinstance(p, str) else tok.decode(p) for p in prompts] if req.echo else None
-        params = _params(req, req.max_tokens, req.logprobs)
+        params = _params(req, raw, req.max_tokens, req.logprobs)
         await _prepare(state.engine, req, params)
         choices = make_choices(ids_list, params, echo)
         for c in choices:
@@ -197,7 +225,8 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
         except ValueError as e:
             raise ApiError(400, f"this model cannot serve embeddings: {e}") from None
         tok = engine.tokenizer
-        params = SamplingParams.for_embedding(pooling)
+        params = dataclasses.replace(SamplingParams.for_embedding(pooling), user=getattr(raw.state, "api_user",
+                                                                                         None) or req.user)
         choices = [Choice(i, i, tok.encode(x) if isinstance(x, str) else list(x), params)
                    for i, x in enumerate(req.inputs())]
         for c in choices:
@@ -225,7 +254,7 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
         ids = _chat_prompt(engine, messages, req.add_generation_prompt, tool_req.rendered if tool_req else None)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
-        params = _params(req, max_tokens, top)
+        params = _params(req, raw, max_tokens, top)
         if tools is not None and tools.request.forced:
             if params.structured is not None:
                 raise ApiError(400, "tool_choice required or a named function cannot be combined with "
@@ -255,15 +284,6 @@ def _chat_choice(c: Choice, tok, tools: ChatTools | None) -> dict:
             "finish_reason": reason, "stop_reason": c.final.stop_reason}
 
 
-def _params(req, max_tokens, logprobs):
-    if max_tokens is not None and max_tokens < 1:
-        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
-    try:
-        return req.sampling_params(max_tokens, logprobs)
-    except ValueError as e:
-        raise ApiError(400, str(e)) from None
-
-
 async def _prepare(engine: Engine, req, params) -> None:
     """Compile the request's grammar in a thread: neither the event loop nor the engine loop waits for it."""
     if params.structured is None:
@@ -273,14 +293,6 @@ async def _prepare(engine: Engine, req, params) -> None:
     except ValueError as e:
         field = "structured_outputs" if req.structured_outputs is not None else "response_format"
         raise ApiError(400, f"{field}: {e}", param=field) from None
-
-
-def _validate(llm: AsyncLLM, choice: Choice) -> None:
-    try:
-        llm.validate(choice.prompt_ids, choice.params)
-        llm.check_queue()  # before a stream starts: once it has, errors can only travel inside it
-    except (QueueFullError, ValueError) as e:
-        raise engine_error(e) from None
 
 
 def _chat_prompt(engine: Engine, messages: list[dict], add_generation_prompt: bool, tools=None) -> list[int]:

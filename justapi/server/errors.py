@@ -14,19 +14,23 @@ from ..engine.async_llm import EngineDeadError, QueueFullError
 class ApiError(Exception):
     """An error answered as OpenAI's ``{"error": {...}}`` with an HTTP status."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type_, param
+        self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers
 
 
-def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}}, status_code=status)
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}},
+                        status_code=status, headers=headers)
 
 
 def engine_error(exc: BaseException) -> ApiError | None:
     """The HTTP answer for an error the engine front raised about a request; None for anything else (a bug)."""
     if isinstance(exc, QueueFullError):
-        return ApiError(429, str(exc), "rate_limit_error")
+        headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
+        return ApiError(429, str(exc), "rate_limit_error", headers=headers)
     if isinstance(exc, EngineDeadError):
         return ApiError(500, str(exc), "server_error")
     if isinstance(exc, ValueError):  # AdmissionError included
@@ -75,7 +79,7 @@ class _BodyTooLarge(Exception):
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
-        return error_response(exc.status, exc.message, exc.type, exc.param)
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request, exc: RequestValidationError):

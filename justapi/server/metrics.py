@@ -11,21 +11,56 @@ from ..engine.async_llm import RequestTiming
 from ..engine.output_processor import RequestOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_ERROR_BUCKETS = (-20.0, -10.0, -5.0, -2.5, -1.0, -0.5, -0.25, -0.1, 0.0, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0)
+MAX_CLASS_LABELS = 64  # distinct users (or priorities) with labels of their own; the rest share "other"
+
+
+class ClassLabels:
+    """Label values for client-chosen names (users, priorities), bounded: a client must not grow /metrics without
+    end. The first MAX_CLASS_LABELS names seen keep their own; later ones are "other"."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+
+    def __call__(self, name) -> str:
+        text = "anonymous" if name is None else str(name)
+        if text in self._seen:
+            return text
+        if len(self._seen) < MAX_CLASS_LABELS:
+            self._seen.add(text)
+            return text
+        return "other"
 
 
 class _SnapshotCollector:
     """Renders the engine's latest stats snapshot (taken on the engine thread: core.stats), a SchedulerSnapshot or,
     disaggregated, a PdSnapshot. The prefix-cache names are the documented contract, kept exact."""
 
-    def __init__(self, latest) -> None:
+    def __init__(self, latest, users: ClassLabels, priorities: ClassLabels) -> None:
         self.latest = latest  # () -> SchedulerSnapshot | PdSnapshot | None
+        self.users, self.priorities = users, priorities
 
     def collect(self):
         snap = self.latest()
         if isinstance(snap, SchedulerSnapshot):
             yield from _scheduler_metrics(snap)
+            yield from self._queue_by_class(snap)
         elif isinstance(snap, PdSnapshot):
             yield from _pd_metrics(snap)
+
+
+    def _queue_by_class(self, snap: SchedulerSnapshot):
+        for name, label, key, rows in (
+            ("justapi_requests_waiting_by_priority", "priority", self.priorities, snap.waiting_by_priority),
+            ("justapi_requests_waiting_by_user", "user", self.users, snap.waiting_by_user),
+        ):
+            g = GaugeMetricFamily(name, f"Requests queued or preempted, per {label}", labels=[label])
+            counts: dict[str, int] = {}
+            for value, n in rows:
+                counts[key(value)] = counts.get(key(value), 0) + n
+            for value, n in counts.items():
+                g.add_metric([value], n)
+            yield g
 
 
 def _prefix_cache_metrics(hits: int, misses: int, blocks: int, where: str):
@@ -122,10 +157,25 @@ class Metrics:
                                             registry=r)
         self.generation_tokens = Counter("justapi_generation_tokens", "Tokens generated", registry=r)
         self.finished = Counter("justapi_requests_finished", "Requests finished", ["finish_reason"], registry=r)
+        # scheduling (core.policy, --request-timeout, --ttft-slo)
+        self.users, self.priorities = ClassLabels(), ClassLabels()
+        self.timeouts = Counter("justapi_request_timeouts", "Requests ended by their deadline", registry=r)
+        self.slo_refusals = Counter("justapi_slo_refusals", "Requests refused (429) because their predicted time to "
+                                    "first token exceeded --ttft-slo", registry=r)
+        self.ttft_error = Histogram("justapi_ttft_prediction_error_seconds", "Measured minus predicted time to first "
+                                    "token, per admitted request with a prediction", buckets=_ERROR_BUCKETS, registry=r)
+        self.ttft_by_priority = Histogram("justapi_time_to_first_token_by_priority_seconds", "Time to first token, "
+                                          "per priority", ["priority"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft_by_user = Histogram("justapi_time_to_first_token_by_user_seconds", "Time to first token, per user",
+                                      ["user"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.tokens_by_priority = Counter("justapi_tokens_served_by_priority", "Prompt + generated tokens of "
+                                          "finished requests, per priority", ["priority"], registry=r)
+        self.tokens_by_user = Counter("justapi_tokens_served_by_user", "Prompt + generated tokens of finished "
+                                      "requests, per user", ["user"], registry=r)
 
     def attach(self, latest_stats) -> None:
         """Export the engine's state from ``latest_stats()``, its newest snapshot (AsyncLLM.stats)."""
-        self.registry.register(_SnapshotCollector(latest_stats))
+        self.registry.register(_SnapshotCollector(latest_stats, self.users, self.priorities))
 
     def observe(self, out: RequestOutput, timing: RequestTiming) -> None:
         """Record one finished request (called from the engine thread)."""
@@ -133,10 +183,21 @@ class Metrics:
         self.prompt_tokens.inc(out.num_prompt_tokens)
         self.cached_prompt_tokens.inc(out.num_cached_tokens)
         self.generation_tokens.inc(len(out.token_ids))
+        if out.stop_reason == "timeout":
+            self.timeouts.inc()
+        priority, user = self.priorities(timing.priority), self.users(timing.user)
+        served = out.num_prompt_tokens + len(out.token_ids)
+        self.tokens_by_priority.labels(priority).inc(served)
+        self.tokens_by_user.labels(user).inc(served)
         if timing.finished is not None:
             self.e2e.observe(timing.finished - timing.arrival)
         if timing.first_token is not None:
-            self.ttft.observe(timing.first_token - timing.arrival)
+            ttft = timing.first_token - timing.arrival
+            self.ttft.observe(ttft)
+            self.ttft_by_priority.labels(priority).observe(ttft)
+            self.ttft_by_user.labels(user).observe(ttft)
+            if timing.predicted_ttft is not None:
+                self.ttft_error.observe(ttft - timing.predicted_ttft)
             if timing.finished is not None and timing.num_output_tokens > 1:
                 self.tpot.observe((timing.finished - timing.first_token) / (timing.num_output_tokens - 1))
 

@@ -41,6 +41,8 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     speculative: bool = True  # JustAPI extension: false turns speculative decoding off for this request
     user: str | None = None
+    priority: int = 0  # vLLM's field: lower is more urgent (read under --scheduling-policy priority)
+    timeout: float | None = Field(default=None, gt=0)  # JustAPI: seconds, then it ends with what it has
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     response_format: dict | None = None  # OpenAI: text, json_object, json_schema
@@ -70,7 +72,9 @@ class _SamplingRequest(BaseModel):
             return from_response_format(self.response_format)
         return None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, user: str | None = None,
+                        deadline: float | None = None) -> SamplingParams:
+        """The engine's settings; ``user`` and ``deadline`` as the server decided them (api key, --request-timeout)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             max_tokens=max_tokens,
@@ -89,6 +93,9 @@ class _SamplingRequest(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             speculative=self.speculative,
             structured=self.structured(),
+            priority=self.priority,
+            user=user,
+            deadline=deadline,
         )
 
 
