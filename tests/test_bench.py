@@ -216,3 +216,32 @@ def test_extra_body_reaches_every_request(bench, server, tmp_path):
     assert f["completed"] == 6 and f["failed"] == 0
     assert f["output_tokens"] <= 6 * 4  # "yes" or "no" (at most 3 byte tokens) and the end, never 16 tokens
     assert bench("serve", "--base-url", server.url, "--extra-body", "[1]").returncode == 2
+
+
+def test_traffic_classes_send_their_fields_and_are_reported_apart(bench, server, tiny_model, tmp_path):
+    """--class: each class's requests carry its body fields (the server counts tokens per user) and its figures
+    come apart in the report."""
+    from test_scheduling_server import labelled
+
+    def per_user():
+        m = httpx.get(server.url + "/metrics").text
+        return {u: labelled(m, "justapi_tokens_served_by_user_total", user=u) if f'user="{u}"' in m else 0.0
+                for u in ("alice", "bob")}
+
+    before = per_user()
+    out = tmp_path / "classes.json"
+    p = bench("serve", "--base-url", server.url, "--tokenizer", tiny_model, "--input-len", "8:20", "--json", str(out),
+              "--class", "name=chat,rate=20,requests=5,user=alice,priority=0,output=4:8",
+              "--class", "name=batch,rate=10,requests=3,user=bob,priority=3,output=12", "--goodput", "ttft:60000")
+    assert p.returncode == 0, p.stderr
+    assert "[chat]" in p.stdout and "[batch]" in p.stdout
+    f = json.loads(out.read_text())["servers"][0]["figures"]
+    chat, batch = f["by_kind"]["chat"], f["by_kind"]["batch"]
+    assert (chat["completed"], batch["completed"], f["completed"]) == (5, 3, 8)
+    assert chat["good_requests"] == 5 and batch["ttft_ms"]["p50"] is not None
+    after = per_user()
+    served = {u: after[u] - before[u] for u in after}
+    assert served["bob"] >= 3 * 12 + 3 * 8 - 6  # three requests of 12 output tokens plus their prompts
+    assert served["alice"] > 0
+    bad = bench("serve", "--base-url", server.url, "--tokenizer", tiny_model, "--class", "name=x,rate=0,requests=2")
+    assert bad.returncode == 2 and "--class" in bad.stderr and "Traceback" not in bad.stderr

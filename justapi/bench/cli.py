@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import asyncio
 import json
 import math
@@ -11,7 +12,7 @@ import sys
 from dataclasses import replace
 
 from . import report
-from .workloads import WORKLOADS, WorkloadError, WorkloadSpec, arrival_times, build
+from .workloads import WORKLOADS, TrafficClass, WorkloadError, WorkloadSpec, arrival_times, build
 
 
 class BenchError(Exception):
@@ -62,6 +63,10 @@ def _workload_flags(p: argparse.ArgumentParser, seed: bool = True) -> None:
     g.add_argument("--burst-size", type=int, default=4, help="burst: long prompts per burst")
     g.add_argument("--burst-input-len", type=int, default=1024, help="burst: tokens per long prompt")
     g.add_argument("--dataset", default=None, help="jsonl: the file of prompts")
+    g.add_argument("--class", dest="classes", action="append", default=[], metavar="SPEC",
+                   help="a traffic class, repeatable, instead of one stream: name=N,rate=R,requests=K[,input=A:B]"
+                        "[,output=A:B][,FIELD=VALUE...] (FIELDs go into each request's body: user, priority, "
+                        "timeout); its own Poisson arrivals; figures split by class")
     if seed:  # offline shares the engine's --seed
         g.add_argument("--seed", type=int, default=0, help="workload seed")
     g.add_argument("--tokenizer", default=None,
@@ -124,7 +129,7 @@ def _spec(args) -> WorkloadSpec:
         num_prefixes=args.num_prefixes, prefix_len=args.prefix_len, suffixes_per_prefix=args.suffixes_per_prefix,
         turns=args.turns, burst_every=args.burst_every, burst_size=args.burst_size,
         burst_input_len=args.burst_input_len, burst_output_len=args.output_len[0], steady_rate=args.steady_rate,
-        path=args.dataset, seed=args.seed,
+        path=args.dataset, seed=args.seed, classes=tuple(TrafficClass.parse(c) for c in args.classes),
     )
 
 
@@ -168,7 +173,7 @@ def cmd_serve(args) -> int:
         all_figures.append(_run_one(url, jobs, args.request_rate, args, slo))
     print(report.table(names, all_figures))
     if args.json:
-        _write_json(args.json, {"workload": vars(_spec(args)), "servers": [
+        _write_json(args.json, {"workload": dataclasses.asdict(_spec(args)), "servers": [
             {"name": n, "base_url": u, "figures": f, "ratio_to_first": r}
             for n, u, f, r in zip(names, args.base_url, all_figures, report.ratios(all_figures))]})
     return 0
@@ -208,7 +213,7 @@ def cmd_sweep(args) -> int:
             print(f"  {p['rate']:>6g}   {f['output_throughput']:>9.1f}   "
                   f"{'-' if ttft is None else f'{ttft:.0f}':>11}   {'-' if tpot is None else f'{tpot:.0f}':>11}   "
                   f"{f['failed']:>6}")
-    _write_json(args.out + ".json", sweep | {"workload": vars(_spec(args))})
+    _write_json(args.out + ".json", sweep | {"workload": dataclasses.asdict(_spec(args))})
     draw_sweep(sweep, args.out + ".png")
     print(f"wrote {args.out}.json and {args.out}.png")
     return 0
@@ -222,6 +227,8 @@ def cmd_offline(args, engine_config) -> int:
     base = engine_config(args)
     if base.disaggregate:
         raise ValueError("--disaggregate is for justapi serve; bench offline runs one engine in process")
+    if args.classes:
+        raise ValueError("--class is for bench serve and sweep: offline queues every request at once")
     engine = None
     rows, names = [], []
     jobs = None
@@ -245,7 +252,7 @@ def cmd_offline(args, engine_config) -> int:
         print(f"static batching utilisation U = {u:.3f} (mean over {rows[0]['static_batches']} batches); "
               f"continuous batching output throughput = {rows[1]['output_throughput'] / max(rows[0]['output_throughput'], 1e-9):.2f}x static")
     if args.json:
-        _write_json(args.json, {"workload": vars(_spec(args)), "runs": dict(zip(names, rows))})
+        _write_json(args.json, {"workload": dataclasses.asdict(_spec(args)), "runs": dict(zip(names, rows))})
     return 0
 
 

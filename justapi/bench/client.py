@@ -62,6 +62,7 @@ async def model_name(client: httpx.AsyncClient, base_url: str) -> str:
 
 async def _send(client: httpx.AsyncClient, base_url: str, model: str, turn: Turn, history: list[dict],
                 temperature: float, timeout: float, kind: str, extra_body: dict | None = None) -> RequestResult:
+    """One streamed request; ``extra_body`` is merged into its body last."""
     res = RequestResult(ok=False, kind=kind, start=time.monotonic())
     common = {"model": model, "max_tokens": turn.max_tokens, "temperature": temperature, "stream": True,
               "stream_options": {"include_usage": True}, "ignore_eos": True, **(extra_body or {})}
@@ -121,15 +122,16 @@ async def _send(client: httpx.AsyncClient, base_url: str, model: str, turn: Turn
 async def _run_job(client, base_url, model, job: Job, temperature, timeout, results: list[RequestResult],
                    extra_body: dict | None = None):
     history: list[dict] = []
+    body = {**job.fields, **(extra_body or {})}
     for i, turn in enumerate(job.turns):
-        res = await _send(client, base_url, model, turn, history, temperature, timeout, job.kind, extra_body)
+        res = await _send(client, base_url, model, turn, history, temperature, timeout, job.kind, body)
         results.append(res)
         if not res.ok:  # a conversation cannot go on without the answer it extends
             skipped = len(job.turns) - i - 1
             results += [RequestResult(ok=False, kind=job.kind, error="skipped: an earlier turn failed",
                                       start=res.end, end=res.end) for _ in range(skipped)]
             return
-        if turn.user is not None:
+        if turn.user is not None:  # a chat turn's user message (not the request's user field)
             history += [{"role": "user", "content": turn.user}, {"role": "assistant", "content": res.text}]
 
 

@@ -89,13 +89,34 @@ def summarize(results: list[RequestResult], elapsed: float, slo: Slo | None = No
         good = sum(slo.met(r) for r in results)
         figures["goodput"] = good / span
         figures["good_requests"] = good
-    kinds = sorted({r.kind for r in ok if r.kind})
-    if len(kinds) > 1:  # e.g. burst: steady decodes and long prompts apart
-        figures["by_kind"] = {k: {"ttft_ms": _pcts([r.ttft for r in ok if r.kind == k and r.ttft is not None]),
-                                  "tpot_ms": _pcts([r.tpot for r in ok if r.kind == k and r.tpot is not None])}
-                              for k in kinds}
+    kinds = sorted({r.kind for r in results if r.kind})
+    if len(kinds) > 1:  # burst's steady decodes and long prompts, or traffic classes (--class), apart
+        figures["by_kind"] = {k: _class_figures([r for r in results if r.kind == k], span, slo) for k in kinds}
     return figures
 
+
+def _class_figures(results: list[RequestResult], span: float, slo: Slo | None) -> dict:
+    """One class's figures over the whole run's span (its throughput is its share of the run's)."""
+    ok = [r for r in results if r.ok]
+    figures = {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "output_throughput": sum(r.output_tokens for r in ok) / span,
+        "ttft_ms": _pcts([r.ttft for r in ok if r.ttft is not None]),
+        "tpot_ms": _pcts([r.tpot for r in ok if r.tpot is not None]),
+        "e2e_ms": _pcts([r.e2e for r in ok]),
+    }
+    if slo is not None and slo.given:
+        figures["good_requests"] = sum(slo.met(r) for r in results)
+        figures["goodput"] = figures["good_requests"] / span
+    return figures
+
+
+# each class's rows in the table (traffic classes, burst's kinds): label, path into its figures
+CLASS_ROWS = [("completed", ("completed",)), ("failed", ("failed",)), ("output tok/s", ("output_throughput",)),
+              ("goodput req/s", ("goodput",)), ("TTFT p50 ms", ("ttft_ms", "p50")), ("TTFT p90 ms", ("ttft_ms", "p90")),
+              ("TTFT p99 ms", ("ttft_ms", "p99")), ("TPOT p50 ms", ("tpot_ms", "p50")),
+              ("TPOT p99 ms", ("tpot_ms", "p99"))]
 
 # (label, path into the figures, higher is better)
 ROWS = [
@@ -151,6 +172,15 @@ def table(names: list[str], all_figures: list[dict]) -> str:
             cells.append(text.rjust(width))
         if any(c.strip() != "-" for c in cells):
             lines.append(label.ljust(16) + "".join(cells))
+    kinds = sorted({k for fig in all_figures for k in fig.get("by_kind", {})})
+    for kind in kinds:
+        lines.append(f"[{kind}]")
+        for label, path in CLASS_ROWS:
+            values = [_get(fig, ("by_kind", kind, *path)) for fig in all_figures]
+            if all(v is None for v in values):
+                continue
+            cells = ["-" if v is None else f"{v:.0f}" if isinstance(v, int) else f"{v:.1f}" for v in values]
+            lines.append(f"  {label}".ljust(16) + "".join(c.rjust(width) for c in cells))
     for name, fig in zip(names, all_figures):
         for err, count in fig["errors"].items():
             lines.append(f"  {name}: {count} failed: {err}")

@@ -8,13 +8,17 @@ another, each turn's messages extending the previous turn's with the answer the 
     multi-turn     conversations of T turns
     burst          steady decodes (short prompt, long output) plus bursts of long prompts at fixed times
     jsonl          the user's prompts, one JSON object a line: {"prompt": ..., "max_tokens": ...} or {"messages": [...]}
+
+Traffic classes (``--class``, any number) replace the workload's single stream by several, each with its own
+Poisson arrivals, lengths and request fields: a heavy and a light tenant (``user``), an interactive and a batch
+class (``priority``), clients with a ``timeout``. Reports then split every figure by class.
 """
 
 from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 WORKLOADS = ("random", "shared-prefix", "multi-turn", "burst", "jsonl")
 
@@ -37,7 +41,62 @@ class Turn:
 class Job:
     turns: list[Turn]
     at: float | None = None  # seconds after the start; None: set by the arrival process
-    kind: str = ""  # e.g. "steady" / "burst", for reports that split them
+    kind: str = ""  # e.g. "steady" / "burst" or a traffic class's name, for reports that split them
+    fields: dict = field(default_factory=dict)  # merged into each request's body (a class's user, priority, ...)
+
+
+CLASS_KEYS = ("name", "rate", "requests", "input", "output")  # the rest of a --class goes into the request body
+
+
+@dataclass
+class TrafficClass:
+    """``--class name=heavy,rate=2,requests=100,user=heavy,priority=0,input=64:256,output=32:128``: ``requests``
+    requests arriving as a Poisson process of ``rate`` per second; lengths default to the workload's."""
+
+    name: str
+    rate: float
+    requests: int
+    input_len: tuple[int, int] | None = None
+    output_len: tuple[int, int] | None = None
+    fields: dict = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, text: str) -> TrafficClass:
+        items = {}
+        for part in text.split(","):
+            key, sep, value = part.partition("=")
+            if not sep or not key or not value:
+                raise WorkloadError(f"--class {text!r}: {part!r} is not KEY=VALUE")
+            items[key.strip()] = value.strip()
+        for key in ("name", "rate", "requests"):
+            if key not in items:
+                raise WorkloadError(f"--class {text!r} needs {key}=...")
+        try:
+            rate, requests = float(items.pop("rate")), int(items.pop("requests"))
+            lengths = {k: _bounds(items.pop(k)) for k in ("input", "output") if k in items}
+        except ValueError as e:
+            raise WorkloadError(f"--class {text!r}: {e}") from None
+        if not rate > 0 or requests < 1:
+            raise WorkloadError(f"--class {text!r}: rate must be positive and requests at least 1")
+        name = items.pop("name")
+        fields = {k: _json_value(v) for k, v in items.items()}
+        return cls(name, rate, requests, lengths.get("input"), lengths.get("output"), fields)
+
+
+def _bounds(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    bounds = int(lo), int(hi or lo)
+    if bounds[0] < 1 or bounds[1] < bounds[0]:
+        raise ValueError(f"lengths must be MIN:MAX with 1 <= MIN <= MAX, not {text}")
+    return bounds
+
+
+def _json_value(text: str):
+    """A class's body field: a number or true/false/null where it reads as one, else the text."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 @dataclass
@@ -57,6 +116,7 @@ class WorkloadSpec:
     steady_rate: float = 2.0  # steady requests per second
     path: str | None = None  # jsonl
     seed: int = 0
+    classes: tuple[TrafficClass, ...] = ()  # traffic classes instead of the workload's one stream (random only)
 
 
 class TextMaker:
@@ -100,6 +160,10 @@ def build(spec: WorkloadSpec, tokenizer) -> list[Job]:
             raise WorkloadError(f"--{label}-len must be MIN:MAX with 1 <= MIN <= MAX, not {lo}:{hi}")
     rng = random.Random(spec.seed)
     text = TextMaker(tokenizer, rng)
+    if spec.classes:
+        if spec.name != "random":
+            raise WorkloadError("--class builds random prompts for each class: use it with --workload random")
+        return _classes(spec, text, rng)
     if spec.name == "random":
         return [Job([Turn(_length(rng, spec.output_len), prompt=text.text(_length(rng, spec.input_len)))])
                 for _ in range(spec.num_requests)]
@@ -130,6 +194,21 @@ def build(spec: WorkloadSpec, tokenizer) -> list[Job]:
             t += spec.burst_every
         return sorted(jobs, key=lambda j: j.at)
     return _jsonl(spec)
+
+
+def _classes(spec: WorkloadSpec, text: TextMaker, rng: random.Random) -> list[Job]:
+    """Each class's requests at its own Poisson arrival times (seeded), all classes merged in time order."""
+    if len({c.name for c in spec.classes}) != len(spec.classes):
+        raise WorkloadError("--class names must differ")
+    jobs = []
+    for c in spec.classes:
+        t = 0.0
+        for _ in range(c.requests):
+            prompt = text.text(_length(rng, c.input_len or spec.input_len))
+            jobs.append(Job([Turn(_length(rng, c.output_len or spec.output_len), prompt=prompt)], at=t, kind=c.name,
+                            fields=dict(c.fields)))
+            t += rng.expovariate(c.rate)
+    return sorted(jobs, key=lambda j: j.at)
 
 
 def _jsonl(spec: WorkloadSpec) -> list[Job]:

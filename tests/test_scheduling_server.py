@@ -1,0 +1,204 @@
+"""Scheduling over HTTP (issue 29): deadlines end requests with what they have and free their blocks, priority
+changes who is served first, API keys are tenants of the fair policy, and --ttft-slo refuses with 429 and
+Retry-After. In-process servers on the tiny model, steps slowed to make queues."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from server_helpers import InProcessServer, metric
+
+KEYS = ("k-one", "k-two")
+
+
+def slow_steps(seconds: float, gate: threading.Event | None = None):
+    """An ``on_engine`` that makes each step take ``seconds`` more (while ``gate`` is set, if given)."""
+
+    def instrument(engine):
+        step = engine.step
+
+        def slowed():
+            if gate is None or gate.is_set():
+                time.sleep(seconds)
+            return step()
+
+        engine.step = slowed
+
+    return instrument
+
+
+def labelled(text: str, name: str, **labels) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return sample.value
+    raise KeyError((name, labels))
+
+
+async def wait_idle(c: httpx.AsyncClient, url: str, key: str | None = None) -> str:
+    deadline = time.monotonic() + 30
+    while True:
+        m = (await c.get(url + "/metrics")).text
+        if metric(m, "justapi_requests_running") == 0 and metric(m, "justapi_requests_waiting") == 0:
+            return m
+        assert time.monotonic() < deadline, "the server never went idle"
+        await asyncio.sleep(0.05)
+
+
+async def read_stream(c: httpx.AsyncClient, url: str, body: dict, headers: dict) -> tuple[str, dict, float]:
+    """A streamed completion: its text, its last chunk's choice, and its seconds."""
+    t0 = time.monotonic()
+    text, last = "", None
+    async with c.stream("POST", url + "/v1/completions", json=dict(body, stream=True), headers=headers) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choice = json.loads(line[6:])["choices"][0]
+                text += choice["text"]
+                last = choice
+    return text, last, time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def priority_server(tiny_model, tmp_path_factory):
+    srv = InProcessServer(["--model", tiny_model, "--max-seqs", "1", "--pool-blocks", "200", "--threads", "1",
+                           "--scheduling-policy", "priority", "--request-timeout", "2.5",
+                           "--api-key", ",".join(KEYS)],
+                          str(tmp_path_factory.mktemp("logs") / "priority.log"), on_engine=slow_steps(0.02))
+    yield srv
+    assert srv.stop() == 0
+
+
+def test_timeouts_end_requests_behind_a_queue_with_what_they_have(priority_server):
+    """A request with a 1-second timeout behind a long one ends in about a second (finish_reason length,
+    stop_reason timeout), streamed or not; the long one ends at --request-timeout with its text so far; no block
+    stays in use."""
+    srv = priority_server
+    auth = {"Authorization": f"Bearer {KEYS[0]}"}
+    long_body = {"prompt": "a long one", "max_tokens": 500, "temperature": 0, "ignore_eos": True}
+    short = {"prompt": "queued behind it", "max_tokens": 20, "temperature": 0, "ignore_eos": True, "timeout": 1}
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as c:
+            before = (await c.get(srv.url + "/metrics")).text
+            filler = asyncio.create_task(read_stream(c, srv.url, long_body, auth))
+            await asyncio.sleep(0.3)  # it runs (--max-seqs 1); the next two wait behind it
+            t0 = time.monotonic()
+            plain = asyncio.create_task(c.post(srv.url + "/v1/completions", json=short, headers=auth))
+            streamed = asyncio.create_task(read_stream(c, srv.url, short, auth))
+            r = await plain
+            plain_s = time.monotonic() - t0
+            results = await streamed, await filler
+            after = await wait_idle(c, srv.url)
+            return before, r, plain_s, results, after
+
+    before, r, plain_s, ((s_text, s_last, s_secs), (f_text, f_last, f_secs)), after = asyncio.run(run())
+    assert r.status_code == 200
+    choice = r.json()["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"], choice["text"]) == ("length", "timeout", "")
+    assert 0.9 <= plain_s <= 2.0
+    assert (s_last["finish_reason"], s_text) == ("length", "") and 0.9 <= s_secs <= 2.0
+    # the long one: cut by --request-timeout mid-decode, with what it had generated
+    assert f_last["finish_reason"] == "length" and len(f_text) > 0 and 2.3 <= f_secs <= 4.0
+    assert metric(after, "justapi_request_timeouts_total") - metric(before, "justapi_request_timeouts_total") == 3
+    assert metric(after, "justapi_kv_blocks_used_by_requests") == 0
+    srv.engine.scheduler.check_integrity()
+
+
+def test_priority_serves_the_urgent_request_first_and_keys_are_users(priority_server):
+    srv = priority_server
+    gold, basic = ({"Authorization": f"Bearer {k}"} for k in KEYS)
+    body = {"prompt": "who goes first", "max_tokens": 30, "temperature": 0, "ignore_eos": True}
+    finished: list[str] = []
+
+    async def one(c, name, priority, headers):
+        r = await c.post(srv.url + "/v1/completions", json=dict(body, priority=priority), headers=headers)
+        assert r.status_code == 200, r.text
+        finished.append(name)
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as c:
+            filler = asyncio.create_task(one(c, "filler", 0, basic))
+            await asyncio.sleep(0.2)
+            tasks = [asyncio.create_task(one(c, f"low{i}", 5, basic)) for i in range(3)]
+            await asyncio.sleep(0.2)  # the low ones queue first
+            tasks.append(asyncio.create_task(one(c, "urgent", -1, gold)))
+            await asyncio.gather(filler, *tasks)
+            bad = await c.post(srv.url + "/v1/completions", json=dict(body, priority="high"), headers=gold)
+            return bad, await wait_idle(c, srv.url)
+
+    bad, m = asyncio.run(run())
+    # the urgent one arrived last but displaced nothing as urgent (the filler has priority 0 > -1: it was preempted)
+    assert finished.index("urgent") < min(finished.index(f"low{i}") for i in range(3))
+    assert bad.status_code == 400 and "priority" in bad.json()["error"]["message"]
+    assert labelled(m, "justapi_tokens_served_by_user_total", user="key-1") > 0
+    assert labelled(m, "justapi_tokens_served_by_user_total", user="key-2") > 0
+    assert labelled(m, "justapi_time_to_first_token_by_priority_seconds_count", priority="5") >= 3
+    assert labelled(m, "justapi_time_to_first_token_by_priority_seconds_count", priority="-1") >= 1
+
+
+def test_fair_shares_let_a_light_user_past_a_heavy_backlog(tiny_model, tmp_path):
+    srv = InProcessServer(["--model", tiny_model, "--max-seqs", "2", "--pool-blocks", "200", "--threads", "1",
+                           "--scheduling-policy", "fair"], str(tmp_path / "fair.log"), on_engine=slow_steps(0.01))
+    try:
+        body = {"prompt": "share", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        done: list[str] = []
+
+        async def one(c, name, user):
+            r = await c.post(srv.url + "/v1/completions", json=dict(body, user=user))
+            assert r.status_code == 200, r.text
+            done.append(name)
+
+        async def run():
+            async with httpx.AsyncClient(timeout=120) as c:
+                heavy = [asyncio.create_task(one(c, f"heavy{i}", "heavy")) for i in range(12)]
+                await asyncio.sleep(0.5)
+                light = asyncio.create_task(one(c, "light", "light"))
+                await asyncio.gather(light, *heavy)
+
+        asyncio.run(run())
+        # two slots, twelve heavy requests queued first: under fcfs the light one would finish last
+        assert done.index("light") <= 4, done
+    finally:
+        assert srv.stop() == 0
+
+
+def test_ttft_slo_refuses_with_retry_after_and_measures_its_error(tiny_model, tmp_path):
+    gate = threading.Event()
+    srv = InProcessServer(["--model", tiny_model, "--max-seqs", "4", "--pool-blocks", "400", "--threads", "1",
+                           "--chunk-size", "16", "--ttft-slo", "1.0"], str(tmp_path / "slo.log"),
+                          on_engine=slow_steps(0.05, gate))
+    try:
+        prompt = " ".join(f"w{i}" for i in range(60))  # a few chunks of 16 each at 50 ms a step
+
+        async def run():
+            async with httpx.AsyncClient(timeout=120) as c:
+                body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+                gate.set()
+                warm = await c.post(srv.url + "/v1/completions", json=body)  # the engine measures its steps
+                assert warm.status_code == 200
+                burst = await asyncio.gather(*(c.post(srv.url + "/v1/completions", json=body) for _ in range(20)))
+                gate.clear()
+                m = await wait_idle(c, srv.url)
+                later = await c.post(srv.url + "/v1/completions", json=body)
+                return burst, m, later
+
+        burst, m, later = asyncio.run(run())
+        codes = [r.status_code for r in burst]
+        assert 200 in codes and 429 in codes, codes
+        refused = next(r for r in burst if r.status_code == 429)
+        assert int(refused.headers["retry-after"]) >= 1
+        assert "predicted time to first token" in refused.json()["error"]["message"]
+        assert later.status_code == 200  # with the queue drained it is admitted again
+        assert metric(m, "justapi_slo_refusals_total") == codes.count(429)
+        assert metric(m, "justapi_ttft_prediction_error_seconds_count") >= codes.count(200)
+    finally:
+        assert srv.stop() == 0
