@@ -90,7 +90,7 @@ def summarize(results: list[RequestResult], elapsed: float, slo: Slo | None = No
         figures["goodput"] = good / span
         figures["good_requests"] = good
     kinds = sorted({r.kind for r in results if r.kind})
-    if len(kinds) > 1:  # burst's steady decodes and long prompts, or traffic classes (--class), apart
+    if kinds:  # burst's steady decodes and long prompts, or traffic classes (--class), apart
         figures["by_kind"] = {k: _class_figures([r for r in results if r.kind == k], span, slo) for k in kinds}
     return figures
 

@@ -69,6 +69,10 @@ class SchedulerSnapshot:
         """Prompt tokens to compute before a new request's (of ``priority``; None: all queued count)."""
         return sum(n for p, n in self.prefill_backlog if priority is None or p <= priority)
 
+    def requests_ahead(self, priority: int | None) -> int:
+        """Waiting requests that start before a new one (of ``priority``; None: all of them)."""
+        return sum(n for p, n in self.waiting_by_priority if priority is None or p <= priority)
+
     @classmethod
     def of(cls, sched: Scheduler) -> SchedulerSnapshot:
         cache = sched.cache

@@ -148,12 +148,14 @@ class AsyncLLM:
     def predict_ttft(self, num_prompt_tokens: int, params: SamplingParams) -> float | None:
         """Seconds to this request's first token if queued now (core.admission); None before the engine has run a
         step, or where its steps run in worker processes (no step times here)."""
-        costs, snap = self.step_costs.costs, self._stats
+        costs, snap, config = self.step_costs.costs, self._stats, self.engine.config
         if costs is None or not isinstance(snap, SchedulerSnapshot):
             return None
-        ranked = self.engine.config.scheduling_policy == "priority"
-        ahead = snap.tokens_ahead(params.priority if ranked else None) + self._pending_tokens
-        return costs.ttft(ahead, num_prompt_tokens, snap.num_decoding, self.engine.config.chunk_size)
+        rank = params.priority if config.scheduling_policy == "priority" else None
+        tokens = snap.tokens_ahead(rank) + self._pending_tokens
+        queued = snap.requests_ahead(rank) + self._pending_adds
+        slots_awaited = queued + 1 - (config.max_seqs - snap.num_running)
+        return costs.ttft(tokens, num_prompt_tokens, snap.num_decoding, config.chunk_size, slots_awaited)
 
     def check_slo(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise SloRefusal when ``--ttft-slo`` is set and this request's predicted time to first token exceeds it."""
@@ -192,7 +194,8 @@ class AsyncLLM:
                 now = time.monotonic()
                 work = self.engine.last_step
                 if work is not None:  # what the step cost, as a request queued behind it waits for it
-                    self.step_costs.observe(now - t0, work.num_prefill_tokens, work.num_decodes)
+                    self.step_costs.observe(now - t0, work.num_prefill_tokens, work.num_decodes,
+                                            sum(out.finished for out in outputs))
                 self._take_stats(now, force=any(out.finished for out in outputs))  # before any client sees it end
                 for out in outputs:
                     self._deliver(out, now)

@@ -55,8 +55,10 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
         state.metrics.observe(out, timing)
         ttft = (timing.first_token - timing.arrival) if timing.first_token else float("nan")
         total = (timing.finished or timing.arrival) - timing.arrival
-        log.info("request %s: %d prompt tokens (%d cached), %d output tokens, TTFT %.3f s, total %.3f s, %s",
-                 rid, out.num_prompt_tokens, out.num_cached_tokens, len(out.token_ids), ttft, total, out.finish_reason)
+        predicted = timing.predicted_ttft if timing.predicted_ttft is not None else float("nan")
+        log.info("request %s: %d prompt tokens (%d cached), %d output tokens, TTFT %.3f s (predicted %.3f s), "
+                 "total %.3f s, %s", rid, out.num_prompt_tokens, out.num_cached_tokens, len(out.token_ids), ttft,
+                 predicted, total, out.stop_reason if out.stop_reason == "timeout" else out.finish_reason)
 
     def load() -> None:
         try:
