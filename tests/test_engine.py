@@ -63,6 +63,24 @@ def test_batching_never_changes_greedy_output(engines):
         assert not sched.running and sched.pool.num_free + sched.num_cached_blocks == sched.pool.num_blocks
 
 
+@pytest.mark.parametrize("policy", ["priority", "fair"])
+def test_scheduling_policies_never_change_greedy_output(engines, policy):
+    """The order requests run in and who is preempted change, each request's greedy tokens do not: with mixed
+    priorities and users, under preemption, with the prefix cache and with prompt-lookup speculation."""
+    base = engines()
+    prompts = prompts_for(base, 24, seed=5)
+    params = [SamplingParams(temperature=0, max_tokens=6 + (i * 5) % 30, ignore_eos=True, priority=i % 3,
+                             user=f"u{i % 4}") for i in range(24)]
+    alone = [base.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
+    small = engines(pool_blocks=40, block_size=4, scheduling_policy=policy)
+    assert tokens(small.generate(prompts, params)) == alone
+    assert small.engine.scheduler.stats.num_preemptions > 5
+    speculating = engines(scheduling_policy=policy, spec_method="ngram", max_seqs=4)
+    assert tokens(speculating.generate(prompts, params)) == alone
+    for llm in (small, speculating):
+        llm.engine.scheduler.check_integrity()
+
+
 def test_batch_invariance_takes_the_float32_path(tmp_path):
     """bf16 rounding turns last-bit reduction differences into different tokens, so --batch-invariant is fp32."""
     from justapi.config import EngineConfig
