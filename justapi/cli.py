@@ -108,9 +108,6 @@ def serve_app(args, on_engine=None):
 
         if not torch.cuda.is_available():
             raise CliError("--gpu was given but torch sees no CUDA device")
-    if server_cfg.ttft_slo is not None and cfg.disaggregate:
-        raise CliError("--ttft-slo predicts from the engine's own step times, which --disaggregate's worker "
-                       "processes do not report in this version; drop one of them")
     check_model_file(cfg.model, cfg.draft_model, tp_sizes(cfg))
     logging.basicConfig(level=server_cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     name = server_cfg.served_model_name or os.path.splitext(os.path.basename(cfg.model))[0]

@@ -162,3 +162,14 @@ def metric(text: str, name: str) -> float:
             if sample.name == name and not sample.labels:
                 return sample.value
     raise KeyError(name)
+
+
+def labelled(text: str, name: str, **labels) -> float:
+    """The value of the sample of ``name`` with exactly these labels in Prometheus text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return sample.value
+    raise KeyError((name, labels))

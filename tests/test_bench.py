@@ -15,7 +15,7 @@ import pytest
 from justapi.bench.workloads import WorkloadError, WorkloadSpec, arrival_times, build
 from justapi.model.gguf_loader import open_gguf
 from justapi.model.tokenizer import Tokenizer
-from server_helpers import InProcessServer, metric
+from server_helpers import InProcessServer, labelled, metric
 
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 
@@ -221,8 +221,6 @@ def test_extra_body_reaches_every_request(bench, server, tmp_path):
 def test_traffic_classes_send_their_fields_and_are_reported_apart(bench, server, tiny_model, tmp_path):
     """--class: each class's requests carry its body fields (the server counts tokens per user) and its figures
     come apart in the report."""
-    from test_scheduling_server import labelled
-
     def per_user():
         m = httpx.get(server.url + "/metrics").text
         return {u: labelled(m, "justapi_tokens_served_by_user_total", user=u) if f'user="{u}"' in m else 0.0

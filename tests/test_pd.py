@@ -126,6 +126,38 @@ def test_greedy_output_identical_to_the_colocated_engine_and_no_leaked_blocks(ti
         engine.close()
 
 
+def test_workers_schedule_by_priority_and_end_requests_at_their_deadlines(tiny_model):
+    """--scheduling-policy priority on both pools: greedy output as colocated; a request past its deadline in the
+    prefill queue and one cut mid-decode end with finish_reason length / stop_reason timeout, leaving no block."""
+    from dataclasses import replace
+
+    from justapi.engine.pd_engine import PdEngine
+
+    opts = dict(pool_blocks=256, batch_invariant=True, chunk_size=64, show_progress=False)
+    prompts, params = mixed_requests(8, seed=3)
+    params = [replace(q, priority=i % 3) for i, q in enumerate(params)]
+    want = LLM(tiny_model, **opts).generate(prompts, params)
+    engine = PdEngine(EngineConfig(tiny_model, disaggregate=True, num_threads=1, scheduling_policy="priority",
+                                   **opts))
+    try:
+        late = SamplingParams(temperature=0, max_tokens=5, deadline=time.monotonic() - 1)
+        long = SamplingParams(temperature=0, max_tokens=600, ignore_eos=True, deadline=time.monotonic() + 0.8)
+        done, failed = run_all(engine, prompts + [prompts[0], prompts[1]], params + [late, long])
+        assert not failed
+        assert [done[f"r{i}"].token_ids for i in range(len(prompts))] == [w.token_ids for w in want]
+        late_out, long_out = done[f"r{len(prompts)}"], done[f"r{len(prompts) + 1}"]
+        assert (late_out.finish_reason, late_out.stop_reason, late_out.token_ids) == ("length", "timeout", [])
+        assert (long_out.finish_reason, long_out.stop_reason) == ("length", "timeout")
+        assert 0 < len(long_out.token_ids) < 600
+        time.sleep(0.5)
+        engine.step()
+        for rank, (problem, held) in engine.check_integrity().items():
+            assert problem is None, (rank, problem)
+            assert held["running"] == held["handoffs"] == held["blocks_held_by_requests"] == 0
+    finally:
+        engine.close()
+
+
 def test_each_pool_with_its_own_tensor_parallel_size_gives_the_colocated_output(tiny_model):
     """Prefill on 2 ranks (the tiny model's 2 KV heads split), decode on 4 (each KV head replicated on two): the
     KV is gathered from one layout and spread over the other."""
@@ -211,3 +243,38 @@ def test_a_decode_worker_killed_mid_stream_fails_its_requests_and_serving_goes_o
     finally:
         assert srv.stop() == 0
     assert "decode worker" in srv.read_log() and "died" in srv.read_log()
+
+
+def test_ttft_slo_with_disaggregation_predicts_from_the_prefill_workers(tiny_model, tmp_path):
+    """--ttft-slo --disaggregate: the prefill workers report their step costs and backlog; a burst beyond the SLO is
+    partly refused with 429 and Retry-After, the rest served, and every served request's prediction is measured."""
+    import asyncio
+
+    import httpx
+
+    from server_helpers import InProcessServer, metric
+
+    srv = InProcessServer(["--model", tiny_model, "--pool-blocks", "400", "--disaggregate", "--threads", "1",
+                           "--chunk-size", "8", "--ttft-slo", "0.1"], str(tmp_path / "pd-slo.log"), timeout_s=300)
+    try:
+        rng = random.Random(7)
+
+        def body():
+            return {"prompt": [rng.randrange(3, 271) for _ in range(200)], "max_tokens": 2, "temperature": 0}
+
+        async def run():
+            async with httpx.AsyncClient(timeout=120) as c:
+                warm = await c.post(srv.url + "/v1/completions", json=body())
+                assert warm.status_code == 200, warm.text
+                await asyncio.sleep(0.6)  # a load report with the worker's step costs comes in
+                burst = await asyncio.gather(*(c.post(srv.url + "/v1/completions", json=body()) for _ in range(60)))
+                return burst, (await c.get(srv.url + "/metrics")).text
+
+        burst, m = asyncio.run(run())
+        codes = [r.status_code for r in burst]
+        assert 200 in codes and 429 in codes, codes
+        assert int(next(r for r in burst if r.status_code == 429).headers["retry-after"]) >= 1
+        assert metric(m, "justapi_slo_refusals_total") == codes.count(429)
+        assert metric(m, "justapi_ttft_prediction_error_seconds_count") >= codes.count(200)
+    finally:
+        assert srv.stop() == 0

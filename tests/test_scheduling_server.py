@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from server_helpers import InProcessServer, metric
+from server_helpers import InProcessServer, labelled, metric
 
 KEYS = ("k-one", "k-two")
 
@@ -31,16 +31,6 @@ def slow_steps(seconds: float, gate: threading.Event | None = None):
         engine.step = slowed
 
     return instrument
-
-
-def labelled(text: str, name: str, **labels) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and sample.labels == labels:
-                return sample.value
-    raise KeyError((name, labels))
 
 
 async def wait_idle(c: httpx.AsyncClient, url: str, key: str | None = None) -> str:
@@ -105,9 +95,11 @@ def test_timeouts_end_requests_behind_a_queue_with_what_they_have(priority_serve
     choice = r.json()["choices"][0]
     assert (choice["finish_reason"], choice["stop_reason"], choice["text"]) == ("length", "timeout", "")
     assert 0.9 <= plain_s <= 2.0
-    assert (s_last["finish_reason"], s_text) == ("length", "") and 0.9 <= s_secs <= 2.0
+    assert (s_last["finish_reason"], s_last["stop_reason"], s_text) == ("length", "timeout", "")
+    assert 0.9 <= s_secs <= 2.0
     # the long one: cut by --request-timeout mid-decode, with what it had generated
-    assert f_last["finish_reason"] == "length" and len(f_text) > 0 and 2.3 <= f_secs <= 4.0
+    assert (f_last["finish_reason"], f_last["stop_reason"]) == ("length", "timeout") and len(f_text) > 0
+    assert 2.3 <= f_secs <= 4.0
     assert metric(after, "justapi_request_timeouts_total") - metric(before, "justapi_request_timeouts_total") == 3
     assert metric(after, "justapi_kv_blocks_used_by_requests") == 0
     srv.engine.scheduler.check_integrity()

@@ -36,6 +36,9 @@ class WorkerInfo:
     cache_hits: int = 0
     cache_misses: int = 0
     cached_blocks: int = 0
+    costs: object = None  # core.admission.StepCosts the worker fitted to its steps, None before its first
+    prefill_backlog: int = 0  # prompt tokens still to compute, reported plus routed here since the report
+    num_decoding: int = 0
     # prompt prefixes recently prefilled here: block-chain hash → None, oldest first
     shadow: OrderedDict = field(default_factory=OrderedDict)
 
@@ -48,6 +51,7 @@ class WorkerInfo:
         self.free_blocks, self.running, self.waiting = load.free_blocks, load.running, load.waiting
         self.busy_fraction = load.busy_fraction
         self.cache_hits, self.cache_misses, self.cached_blocks = load.cache_hits, load.cache_misses, load.cached_blocks
+        self.costs, self.prefill_backlog, self.num_decoding = load.costs, load.prefill_backlog, load.num_decoding
 
 
 @dataclass
@@ -94,6 +98,8 @@ class PdScheduler:
         req.phase, req.prefill_rank = "prefill", best.rank
         self.requests[request_id] = req
         best.requests.add(request_id)
+        best.waiting += 1  # until its next report counts it
+        best.prefill_backlog += len(prompt_token_ids)
         self._remember(best, prompt_token_ids)
         return best.rank
 

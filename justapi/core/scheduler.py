@@ -43,6 +43,7 @@ class Scheduler:
         self.policy = make_policy(config.policy, config.priority_aging_s, dict(config.user_weights))
         self.clock = time.monotonic  # arrivals, priority aging and deadlines (tests set their own)
         self._num_arrivals = 0
+        self._num_with_deadline = 0  # requests that have one: expire() scans nothing while there are none
         self._short_of_blocks = False  # the last step found no blocks for the next waiting request
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
@@ -95,6 +96,7 @@ class Scheduler:
     def _queue(self, req: Request) -> None:
         req.arrival_time, req.arrival_seq = self.clock(), self._num_arrivals
         self._num_arrivals += 1
+        self._num_with_deadline += req.sampling_params.deadline is not None
         self.policy.on_arrival(req, self.waiting)
         self.requests[req.request_id] = req
         self.waiting.append(req)
@@ -135,6 +137,8 @@ class Scheduler:
 
     def expire(self) -> list[EngineCoreOutput]:
         """End every request whose deadline has passed with what it has (freeing its blocks): their outputs."""
+        if not self._num_with_deadline:
+            return []
         now = self.clock()
         late = [r for r in (*self.waiting, *self.running)
                 if r.sampling_params.deadline is not None and r.sampling_params.deadline <= now]
@@ -444,6 +448,7 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.release(req)
         req.status = status
+        self._num_with_deadline -= req.sampling_params.deadline is not None
         del self.requests[req.request_id]
         self._finished_ids.add(req.request_id)
         self._new_ids.discard(req.request_id)

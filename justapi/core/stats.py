@@ -120,6 +120,9 @@ class WorkerSnapshot:
     cache_misses: int
     cached_blocks: int
     load: int
+    costs: object = None  # core.admission.StepCosts, as last reported
+    prefill_backlog: int = 0
+    num_decoding: int = 0
 
 
 @dataclass(frozen=True)
@@ -132,7 +135,8 @@ class PdSnapshot:
     @classmethod
     def of(cls, pd: PdScheduler) -> PdSnapshot:
         workers = tuple(WorkerSnapshot(w.rank, w.role, w.alive, w.running, w.waiting, w.busy_fraction, w.cache_hits,
-                                       w.cache_misses, w.cached_blocks, w.load) for w in pd.workers.values())
+                                       w.cache_misses, w.cached_blocks, w.load, w.costs, w.prefill_backlog,
+                                       w.num_decoding) for w in pd.workers.values())
         return cls(workers, dataclasses.replace(pd.stats))
 
     def pool(self, role: str) -> list[WorkerSnapshot]:

@@ -146,16 +146,34 @@ class AsyncLLM:
             raise QueueFullError(f"the server is busy: {self.num_waiting} requests are already waiting")
 
     def predict_ttft(self, num_prompt_tokens: int, params: SamplingParams) -> float | None:
-        """Seconds to this request's first token if queued now (core.admission); None before the engine has run a
-        step, or where its steps run in worker processes (no step times here)."""
-        costs, snap, config = self.step_costs.costs, self._stats, self.engine.config
-        if costs is None or not isinstance(snap, SchedulerSnapshot):
+        """Seconds to this request's first token if queued now (core.admission); None before the engine (or, with
+        disaggregation, a prefill worker) has run a step."""
+        snap, config = self._stats, self.engine.config
+        if isinstance(snap, PdSnapshot):
+            return self._predict_on_prefill_workers(snap, num_prompt_tokens)
+        costs = self.step_costs.costs
+        if costs is None:
             return None
         rank = params.priority if config.scheduling_policy == "priority" else None
         tokens = snap.tokens_ahead(rank) + self._pending_tokens
         queued = snap.requests_ahead(rank) + self._pending_adds
         slots_awaited = queued + 1 - (config.max_seqs - snap.num_running)
         return costs.ttft(tokens, num_prompt_tokens, snap.num_decoding, config.chunk_size, slots_awaited)
+
+    def _predict_on_prefill_workers(self, snap: PdSnapshot, num_prompt_tokens: int) -> float | None:
+        """Disaggregated: the first token comes from a prefill worker; the best of theirs, from what each last
+        reported (every queued request counts as ahead: the workers report no priorities), requests not yet
+        handed to the engine thread counted on each."""
+        config = self.engine.config
+        best = None
+        for w in snap.pool("prefill"):
+            if w.costs is None:
+                continue
+            slots_awaited = w.waiting + self._pending_adds + 1 - (config.max_seqs - w.running)
+            t = w.costs.ttft(w.prefill_backlog + self._pending_tokens, num_prompt_tokens, w.num_decoding,
+                             config.chunk_size, slots_awaited)
+            best = t if best is None else min(best, t)
+        return best
 
     def check_slo(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise SloRefusal when ``--ttft-slo`` is set and this request's predicted time to first token exceeds it."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..core.admission import StepCosts
 from ..core.outputs import EngineCoreOutput
 from ..sampling_params import SamplingParams
 
@@ -131,6 +132,10 @@ class Load:
     cache_hits: int
     cache_misses: int
     cached_blocks: int
+    # for --ttft-slo (core.admission): the worker's fitted step costs, prompt tokens still to compute, decode rows
+    costs: StepCosts | None = None
+    prefill_backlog: int = 0
+    num_decoding: int = 0
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import traceback
 from dataclasses import dataclass
 
 from ..config import EngineConfig
+from ..core.admission import StepCostModel
 from .pd_messages import (AbortRequest, AddRequest, CheckIntegrity, Checked, Failed, Load, Outputs, Prefilled, Ready,
                           Received, RecvKv, RequestFailed, SendKv, Sent, Stop)
 
@@ -122,6 +123,7 @@ class _Worker:
         self.announced: set[str] = set()  # hand-offs already reported
         self.busy_s = 0.0
         self.last_report = time.monotonic()
+        self.step_costs = StepCostModel()  # reported to the server for --ttft-slo's prediction
 
     def run(self) -> None:
         while True:
@@ -141,13 +143,22 @@ class _Worker:
             if self.engine.has_unfinished:
                 t0 = time.perf_counter()
                 outs = self.engine.step_core()
-                self.busy_s += time.perf_counter() - t0
+                seconds = time.perf_counter() - t0
+                self.busy_s += seconds
                 if outs:
                     self.outbox.put(Outputs(self.spec.rank, outs))
-                for rid in self.sched.handoffs.keys() - self.announced:
+                handed_off = self.sched.handoffs.keys() - self.announced
+                for rid in handed_off:
                     self.announced.add(rid)
                     self.outbox.put(Prefilled(self.spec.rank, rid))
+                stats = self.sched.stats  # a request leaving the batch (finished or handed off) frees a slot
+                self.step_costs.observe(seconds, stats.last_step_prefill_tokens, stats.last_step_decodes,
+                                        sum(o.finish_reason is not None for o in outs) + len(handed_off))
             self._report()
+
+    def _prefill_backlog(self) -> int:
+        return sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in (*self.sched.waiting,
+                                                                                    *self.sched.running))
 
     def _drain(self, timeout: float | None) -> list:
         msgs = []
@@ -249,6 +260,8 @@ class _Worker:
             busy_fraction=min(1.0, self.busy_s / (now - self.last_report)),
             cache_hits=cache.hits if cache is not None else 0, cache_misses=cache.misses if cache is not None else 0,
             cached_blocks=self.sched.num_cached_blocks,
+            costs=self.step_costs.costs, prefill_backlog=self._prefill_backlog(),
+            num_decoding=sum(r.num_computed_tokens >= r.num_prompt_tokens for r in self.sched.running),
         ))
         self.busy_s = 0.0
         self.last_report = now

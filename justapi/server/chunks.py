@@ -25,8 +25,10 @@ class CompletionChunks:
             return []
         lps = completion_logprobs(self.tok, out.new_logprobs, self.offsets[c.index])
         self.offsets[c.index] += len(out.new_text)
-        return [dict(self.base, choices=[{"index": c.index, "text": out.new_text, "logprobs": lps,
-                                          "finish_reason": out.finish_reason}])]
+        choice = {"index": c.index, "text": out.new_text, "logprobs": lps, "finish_reason": out.finish_reason}
+        if out.finished:
+            choice["stop_reason"] = out.stop_reason  # as vLLM streams it: the stop string or token, or "timeout"
+        return [dict(self.base, choices=[choice])]
 
     def usage(self, u: dict):
         return dict(self.base, choices=[], usage=u)
@@ -64,7 +66,7 @@ class ChatChunks:
             if tools is not None and tools.made_calls and reason == "stop":
                 reason = "tool_calls"
             chunks.append(dict(self.base, choices=[{"index": c.index, "delta": {}, "logprobs": None,
-                                                    "finish_reason": reason}]))
+                                                    "finish_reason": reason, "stop_reason": out.stop_reason}]))
         return chunks
 
     def usage(self, u: dict):
