@@ -12,6 +12,12 @@ request sent at once; then, with arrivals over ``--seconds``:
   priority  an interactive class (priority 0) at 0.5 C and a batch class (priority 5) at 1.0 C, fcfs and priority;
   slo       one class at 1.5 C, without and with --ttft-slo; goodput = requests with TTFT <= the SLO per second.
 The TTFT predictions' error comes from the server's log (one line per request with predicted and measured TTFT).
+
+    python benchmarks/scheduling_bench.py --overhead
+
+prints instead what the policies cost the engine thread a step, in process without a model: the scheduler's
+schedule + update + expire with 32 running and 200 waiting requests per policy, a stats snapshot of that state (taken
+after every step that added requests), and one update of the step-cost fit.
 """
 
 from __future__ import annotations
@@ -178,6 +184,44 @@ def chart(res: dict, slo: float, path: str) -> None:
     plt.close(fig)
 
 
+def overhead() -> None:
+    import time
+
+    from justapi.config import SchedulerConfig
+    from justapi.core.admission import StepCostModel
+    from justapi.core.outputs import RunnerOutput
+    from justapi.core.scheduler import Scheduler
+    from justapi.core.stats import SchedulerSnapshot
+    from justapi.sampling_params import SamplingParams
+
+    def per_call_us(fn, n: int) -> float:
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t) / n * 1e6
+
+    model = StepCostModel()
+    print(f"step-cost fit update: {per_call_us(lambda: model.observe(0.05, 300, 20, 1), 20000):.1f} us")
+    for policy in ("fcfs", "priority", "fair"):
+        s = Scheduler(SchedulerConfig(num_blocks=100_000, block_size=16, policy=policy))
+        for i in range(232):
+            params = SamplingParams(max_tokens=4000, ignore_eos=True, priority=i % 3, user=f"u{i % 4}")
+            s.add_request(f"r{i}", list(range(100 + i)), params, {2}, 0)
+
+        def step():
+            out, res = s.schedule(), RunnerOutput()
+            for rid, n in out.num_scheduled_tokens.items():
+                req = s.requests[rid]
+                if req.num_computed_tokens + n == req.num_tokens:
+                    res.sampled_token_ids[rid] = [7]
+            s.update(out, res)
+            s.expire()
+
+        per_call_us(step, 50)  # past the prompts: 32 decoding
+        print(f"{policy:8} schedule + update + expire: {per_call_us(step, 300):6.1f} us a step; stats snapshot "
+              f"{per_call_us(lambda: SchedulerSnapshot.of(s), 200):6.1f} us")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--port", type=int, default=8031)
@@ -186,8 +230,12 @@ def main() -> None:
     p.add_argument("--slo", type=float, default=2.0, help="the TTFT SLO in seconds")
     p.add_argument("--out", default=None, help="write OUT.png (the chart) and OUT.json")
     p.add_argument("--json", default=None, help="write the figures here (default: OUT.json)")
+    p.add_argument("--overhead", action="store_true", help="only the policies' cost a step, in process")
     p.add_argument("serve_args", nargs="*", help="extra flags for justapi serve, after --")
     args = p.parse_args()
+    if args.overhead:
+        overhead()
+        return
     with tempfile.TemporaryDirectory() as tmp:
         res = run(args, Path(tmp))
     print(report(res, args.slo))

@@ -4,7 +4,6 @@ to read: the live scheduler changes under them between steps (vLLM's make_stats 
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -76,17 +75,22 @@ class SchedulerSnapshot:
     @classmethod
     def of(cls, sched: Scheduler) -> SchedulerSnapshot:
         cache = sched.cache
-        by_priority, by_user, backlog = Counter(), Counter(), Counter()
+        by_priority: dict[int, int] = {}
+        by_user: dict[str | None, int] = {}
+        backlog: dict[int, int] = {}
         for req in sched.waiting:
-            by_priority[req.sampling_params.priority] += 1
-            by_user[req.sampling_params.user] += 1
+            params = req.sampling_params
+            by_priority[params.priority] = by_priority.get(params.priority, 0) + 1
+            by_user[params.user] = by_user.get(params.user, 0) + 1
         num_decoding = 0
-        for req in (*sched.waiting, *sched.running):
-            left = req.num_prompt_tokens - req.num_computed_tokens
-            if left > 0:
-                backlog[req.sampling_params.priority] += left
-            else:
-                num_decoding += 1
+        for queue in (sched.waiting, sched.running):
+            for req in queue:
+                left = len(req.prompt_token_ids) - req.num_computed_tokens
+                if left > 0:
+                    priority = req.sampling_params.priority
+                    backlog[priority] = backlog.get(priority, 0) + left
+                else:
+                    num_decoding += 1
         return cls(
             num_running=len(sched.running),
             num_waiting=len(sched.waiting),
