@@ -158,7 +158,8 @@ class AsyncLLM:
         tokens = snap.tokens_ahead(rank) + self._pending_tokens
         queued = snap.requests_ahead(rank) + self._pending_adds
         slots_awaited = queued + 1 - (config.max_seqs - snap.num_running)
-        return costs.ttft(tokens, num_prompt_tokens, snap.num_decoding, config.chunk_size, slots_awaited)
+        predicted = costs.ttft(tokens, num_prompt_tokens, snap.num_decoding, config.chunk_size, slots_awaited)
+        return predicted if math.isfinite(predicted) else None  # no request finished yet: no basis for a slot wait
 
     def _predict_on_prefill_workers(self, snap: PdSnapshot, num_prompt_tokens: int) -> float | None:
         """Disaggregated: the first token comes from a prefill worker; the best of theirs, from what each last
@@ -173,7 +174,7 @@ class AsyncLLM:
             t = w.costs.ttft(w.prefill_backlog + self._pending_tokens, num_prompt_tokens, w.num_decoding,
                              config.chunk_size, slots_awaited)
             best = t if best is None else min(best, t)
-        return best
+        return best if best is not None and math.isfinite(best) else None
 
     def check_slo(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise SloRefusal when ``--ttft-slo`` is set and this request's predicted time to first token exceeds it."""
