@@ -15,10 +15,10 @@ import time
 from collections import Counter, deque
 from dataclasses import replace
 
-from ..config import SchedulerConfig, tree_size
+from ..config import SchedulerConfig
 from ..request import Request, RequestStatus
 from ..sampling_params import SamplingParams
-from ..spec.ngram import propose_ngram
+from .drafts import draft_slots, propose_drafts
 from .kv_blocks import KvBlocks
 from .outputs import CachedRequestData, EngineCoreOutput, NewRequestData, RunnerOutput, SchedulerOutput
 from .policy import make_policy
@@ -122,7 +122,7 @@ class Scheduler:
         req = self.handoffs.pop(request_id, None)
         if req is not None:
             self.kv.release(req)
-            del self.requests[request_id]
+            self._forget(req)
 
     def abort_request(self, request_id: str) -> EngineCoreOutput | None:
         """Stop a request at once and free its blocks; None if it is unknown or already finished."""
@@ -168,7 +168,7 @@ class Scheduler:
         self.policy.order_running(self.running, now)
         self._displace(now)
         self._admit_batch()
-        self._propose()
+        propose_drafts(self.running, self.config)
         preempted = self._schedule_running(out, budget, counts)
         if not preempted and self._may_admit():
             self._schedule_waiting(out, budget, counts, now)
@@ -211,7 +211,7 @@ class Scheduler:
                 break  # req itself was preempted; it was the last one
             if remaining == 1:
                 counts["decode"] += 1
-                if self._spec_slots(req):
+                if draft_slots(req, self.config.branch):
                     drafting.append(req)
             else:
                 counts["prefill"] += 1
@@ -225,7 +225,7 @@ class Scheduler:
     def _schedule_drafts(self, out: SchedulerOutput, req: Request) -> None:
         """Add a decode's draft slots if free (or cached) blocks allow: drafts never cost another request its
         blocks, nor a waiting request its admission order (they only ever use what is left)."""
-        slots = self._spec_slots(req)
+        slots = draft_slots(req, self.config.branch)
         if req.status is not RequestStatus.RUNNING:
             return
         new_blocks = self.kv.grow(req, req.num_computed_tokens + 1 + slots)
@@ -241,41 +241,6 @@ class Scheduler:
             out.spec_token_ids[rid] = req.spec_token_ids
         else:
             out.spec_depth[rid] = req.spec_depth
-
-    def _spec_slots(self, req: Request) -> int:
-        """KV slots this step's drafts take after the request's last token: prompt-lookup tokens or a tree."""
-        if req.spec_token_ids:
-            return len(req.spec_token_ids)
-        return tree_size(self.config.branch, req.spec_depth) if req.spec_depth else 0
-
-    def _propose(self) -> None:
-        """Drafts for every decoding request, unless the batch is too large for speculation to pay.
-
-        Prompt lookup proposes the tokens here; with a draft model the runner builds the tree, and the scheduler
-        only reserves its slots (``spec_depth`` levels of ``branch`` children each).
-        """
-        cfg = self.config
-        if cfg.spec_method is None:
-            return  # no request ever holds drafts
-        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        for req in self.running:
-            req.spec_token_ids = []
-            req.spec_depth = 0
-        if len(decoding) > cfg.spec_max_batch:
-            return
-        for req in decoding:
-            params = req.sampling_params
-            if params.logprobs is not None or not params.speculative:
-                continue  # logprobs are reported per sampled token: such requests decode one token a step
-            # never draft past max_tokens (the target's own token comes on top) or the context length
-            room = min(req.max_tokens - req.num_output_tokens - 1, cfg.max_model_len - req.num_tokens - 1)
-            gamma = min(cfg.gamma, room)
-            if gamma <= 0:
-                continue
-            if cfg.spec_method == "ngram":
-                req.spec_token_ids = propose_ngram(req.all_token_ids, gamma)
-            else:
-                req.spec_depth = gamma
 
     def _displace(self, now: float) -> None:
         """Preempt the last running request (the policy's least urgent) for the next waiting one when the policy
@@ -377,7 +342,7 @@ class Scheduler:
                 # tree's accepted path there); rejected drafts' slots are simply overwritten later
                 req.num_computed_tokens += len(new_ids)
                 depth = len(sched.spec_token_ids.get(rid, ())) or sched.spec_depth[rid]
-                self._count_spec(n - 1, depth, len(new_ids) - 1)
+                self.stats.count_spec(n - 1, depth, len(new_ids) - 1)
             else:
                 req.num_computed_tokens += n
             status = None
@@ -401,18 +366,6 @@ class Scheduler:
                 logprobs = logprobs[: len(new_ids)] if logprobs is not None else None
                 outputs.append(self._output(req, new_ids, logprobs, status and status.value, embedding))
         return outputs
-
-    def _count_spec(self, num_nodes: int, depth: int, accepted: int) -> None:
-        st = self.stats
-        st.spec_steps += 1
-        st.spec_draft_tokens += num_nodes
-        st.spec_accepted_tokens += accepted
-        while len(st.spec_proposed_at) < depth:
-            st.spec_proposed_at.append(0)
-            st.spec_accepted_at.append(0)
-        for k in range(depth):
-            st.spec_proposed_at[k] += 1
-            st.spec_accepted_at[k] += k < accepted
 
     def _output(self, req: Request, new_ids, logprobs, reason, embedding=None) -> EngineCoreOutput:
         return EngineCoreOutput(
@@ -448,11 +401,15 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.release(req)
         req.status = status
-        self._num_with_deadline -= req.sampling_params.deadline is not None
-        del self.requests[req.request_id]
+        self._forget(req)
         self._finished_ids.add(req.request_id)
         self._new_ids.discard(req.request_id)
         self._on_finished(req)
+
+    def _forget(self, req: Request) -> None:
+        """The request leaves the scheduler's books (finished, or its handed-off KV shipped)."""
+        del self.requests[req.request_id]
+        self._num_with_deadline -= req.sampling_params.deadline is not None
 
     def _on_finished(self, req: Request) -> None:
         pass

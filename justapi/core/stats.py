@@ -34,6 +34,18 @@ class SchedulerStats:
     spec_accepted_at: list[int] = field(default_factory=list)  # steps that accepted a draft at position k (0: first)
     spec_proposed_at: list[int] = field(default_factory=list)  # steps that proposed drafts at position k
 
+    def count_spec(self, num_nodes: int, depth: int, accepted: int) -> None:
+        """One request-step that verified ``num_nodes`` draft tokens ``depth`` levels deep and accepted ``accepted``."""
+        self.spec_steps += 1
+        self.spec_draft_tokens += num_nodes
+        self.spec_accepted_tokens += accepted
+        while len(self.spec_proposed_at) < depth:
+            self.spec_proposed_at.append(0)
+            self.spec_accepted_at.append(0)
+        for k in range(depth):
+            self.spec_proposed_at[k] += 1
+            self.spec_accepted_at[k] += k < accepted
+
     @property
     def spec_acceptance_rate(self) -> float:
         return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0

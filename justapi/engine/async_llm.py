@@ -243,13 +243,12 @@ class AsyncLLM:
             self._stats, self._stats_taken = self.engine.stats(), now
 
     def _apply_commands(self) -> None:
-        added_tokens = 0
+        added, added_tokens = 0, 0
         while self._commands:
             cmd = self._commands.popleft()
             if cmd[0] == "add":
                 _, rid, ids, params = cmd
-                with self._count_lock:
-                    self._pending_adds -= 1
+                added += 1
                 added_tokens += len(ids)
                 if rid not in self._streams:
                     continue  # aborted before it was added
@@ -264,9 +263,10 @@ class AsyncLLM:
                 if out is not None and stream is not None and self.on_finish is not None:
                     stream[2].finished = time.monotonic()
                     self.on_finish(rid, out, stream[2])
-        if added_tokens:  # the snapshot holds them now: admission's count of tokens ahead stays whole
+        if added:  # counted as pending until the snapshot holds them: admission's count ahead stays whole
             self._take_stats(time.monotonic(), force=True)
             with self._count_lock:
+                self._pending_adds -= added
                 self._pending_tokens -= added_tokens
 
     def _deliver(self, out: RequestOutput, now: float) -> None:

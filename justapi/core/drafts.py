@@ -1,0 +1,41 @@
+"""Speculative decoding as the scheduler sees it: which decoding requests draft this step and how many KV slots
+their drafts take. Prompt lookup proposes its tokens here; with a draft model the runner builds the tree and the
+scheduler only reserves its slots (``spec_depth`` levels of ``branch`` children each). Pure Python."""
+
+from __future__ import annotations
+
+from ..config import SchedulerConfig, tree_size
+from ..request import Request
+from ..spec.ngram import propose_ngram
+
+
+def draft_slots(req: Request, branch: int) -> int:
+    """KV slots this step's drafts take after the request's last token: prompt-lookup tokens or a tree."""
+    if req.spec_token_ids:
+        return len(req.spec_token_ids)
+    return tree_size(branch, req.spec_depth) if req.spec_depth else 0
+
+
+def propose_drafts(running: list[Request], cfg: SchedulerConfig) -> None:
+    """Drafts for every decoding request, unless the batch is too large for speculation to pay."""
+    if cfg.spec_method is None:
+        return  # no request ever holds drafts
+    decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+    for req in running:
+        req.spec_token_ids = []
+        req.spec_depth = 0
+    if len(decoding) > cfg.spec_max_batch:
+        return
+    for req in decoding:
+        params = req.sampling_params
+        if params.logprobs is not None or not params.speculative:
+            continue  # logprobs are reported per sampled token: such requests decode one token a step
+        # never draft past max_tokens (the target's own token comes on top) or the context length
+        room = min(req.max_tokens - req.num_output_tokens - 1, cfg.max_model_len - req.num_tokens - 1)
+        gamma = min(cfg.gamma, room)
+        if gamma <= 0:
+            continue
+        if cfg.spec_method == "ngram":
+            req.spec_token_ids = propose_ngram(req.all_token_ids, gamma)
+        else:
+            req.spec_depth = gamma
