@@ -8,7 +8,7 @@ import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 import httpx
 import jsonschema
@@ -65,8 +65,8 @@ class Models:  # twenty response formats: nested objects, arrays with bounds, en
     class Count(BaseModel):
         count: int = Field(ge=1, le=5)
 
-    class Tags(BaseModel):
-        tags: list[str] = Field(min_length=1, max_length=3)
+    class Tags(BaseModel):  # bounded items: greedy decoding of an unbounded tag ran past max_tokens on one CPU
+        tags: list[Annotated[str, Field(max_length=20)]] = Field(min_length=1, max_length=3)
 
     class Numbers(BaseModel):
         numbers: list[int] = Field(min_length=2, max_length=4)
