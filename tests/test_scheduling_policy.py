@@ -239,14 +239,21 @@ def test_an_idle_user_earns_no_credit():
     assert s.policy.counters["newcomer"] == heavy
 
 
-def test_fair_counters_of_idle_users_stay_bounded():
+@pytest.mark.parametrize("with_anchor", [False, True], ids=["new-users", "users-above-the-floor"])
+def test_fair_forgets_the_least_recently_active_users(monkeypatch, with_anchor):
+    """Clients name users freely: the counters kept stay bounded, also when every idle user's counter stays above
+    the floor (here an 'anchor' user of a large weight leaves the queue last each round: the floor hardly moves)."""
     from justapi.core import policy
 
-    s = make("fair", max_seqs=1)
-    for i in range(policy.MAX_IDLE_COUNTERS + 50):
-        add(s, f"r{i}", n_prompt=4, max_tokens=1, user=f"u{i}")
-        step(s)
-    assert len(s.policy.counters) <= policy.MAX_IDLE_COUNTERS + len(s.waiting) + 1
+    monkeypatch.setattr(policy, "MAX_IDLE_COUNTERS", 16)
+    s = make("fair", max_seqs=4, weights=(("anchor", 1000.0),))
+    for i in range(100):
+        add(s, f"r{i}", n_prompt=8, max_tokens=2, user=f"u{i}")
+        if with_anchor:
+            add(s, f"a{i}", n_prompt=1, max_tokens=1, user="anchor")
+        run_all(s)
+    assert len(s.policy.counters) <= 2 * 16 + 2
+    assert "u99" in s.policy.counters and "u0" not in s.policy.counters
 
 
 # --- configuration and admission --------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from ..request import Request
 
 PROMPT_TOKEN_WEIGHT = 1.0  # VTC's w_p
 OUTPUT_TOKEN_WEIGHT = 2.0  # VTC's w_q: a decode step costs more per token than a prefill chunk
-MAX_IDLE_COUNTERS = 4096  # users with nothing queued whose counters are kept (clients name users freely)
+MAX_IDLE_COUNTERS = 4096  # counters kept of users with nothing queued (clients name users freely); up to twice that
 
 
 class FcfsPolicy:
@@ -93,11 +93,17 @@ class FairPolicy(FcfsPolicy):
             floor = min(self.counters.get(u, 0.0) for u in queued)
         else:
             floor = self.counters.get(self._last_left, 0.0)
-        self.counters[user] = max(self.counters.get(user, 0.0), floor)
-        if len(self.counters) > MAX_IDLE_COUNTERS + len(queued):
-            # a counter at or under the floor would be lifted to it on arrival anyway (the floor rarely falls)
-            keep = queued | {user, self._last_left}
-            self.counters = {u: c for u, c in self.counters.items() if c > floor or u in keep}
+        self.counters[user] = max(self.counters.pop(user, 0.0), floor)  # the dict runs least to most recently active
+        if len(self.counters) > 2 * MAX_IDLE_COUNTERS + len(queued):
+            self._forget_idle(queued | {user, self._last_left})
+
+    def _forget_idle(self, keep: set) -> None:
+        """Keep the counters of the MAX_IDLE_COUNTERS most recently active users outside ``keep``. A forgotten user
+        who returns is lifted to the floor, losing what its counter had above it: only a user idle while thousands
+        of others were served gains that (API keys as users bound who one client can be)."""
+        idle = [u for u in self.counters if u not in keep]
+        for u in idle[:len(idle) - MAX_IDLE_COUNTERS]:
+            del self.counters[u]
 
     def on_admit(self, req: Request, waiting: Sequence[Request]) -> None:
         user = self.user(req)
@@ -113,7 +119,7 @@ class FairPolicy(FcfsPolicy):
     def charge(self, req: Request, num_prompt_tokens: int, num_output_tokens: int) -> None:
         user = self.user(req)
         cost = PROMPT_TOKEN_WEIGHT * num_prompt_tokens + OUTPUT_TOKEN_WEIGHT * num_output_tokens
-        self.counters[user] = self.counters.get(user, 0.0) + cost / self.weights.get(user, 1.0)
+        self.counters[user] = self.counters.pop(user, 0.0) + cost / self.weights.get(user, 1.0)  # now most recent
 
 
 def make_policy(name: str, aging_s: float, weights: dict[str, float]) -> FcfsPolicy:
