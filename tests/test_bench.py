@@ -243,3 +243,6 @@ def test_traffic_classes_send_their_fields_and_are_reported_apart(bench, server,
     assert served["alice"] > 0
     bad = bench("serve", "--base-url", server.url, "--tokenizer", tiny_model, "--class", "name=x,rate=0,requests=2")
     assert bad.returncode == 2 and "--class" in bad.stderr and "Traceback" not in bad.stderr
+    sweep = bench("sweep", "--base-url", server.url, "--tokenizer", tiny_model, "--rates", "1,2", "--out",
+                  str(tmp_path / "s"), "--class", "name=x,rate=5,requests=2")  # rates would change nothing
+    assert sweep.returncode == 2 and "own arrival times" in sweep.stderr and "Traceback" not in sweep.stderr

@@ -194,6 +194,9 @@ def cmd_sweep(args) -> int:
         raise BenchError("--rates needs at least one rate")
     slo = report.Slo.parse(args.goodput)
     jobs = build(_spec(args), _tokenizer(args.tokenizer))
+    if any(j.at is not None for j in jobs):  # --class and the bursty workload time their own arrivals
+        raise BenchError("bench sweep varies the request rate, but this workload sets its own arrival times "
+                         "(--class rates, or bursty's --steady-rate): run bench serve once per setting instead")
     sweep = {"title": f"{args.workload}, {sum(len(j.turns) for j in jobs)} requests a point", "servers": []}
     bar = tqdm(total=len(names) * len(rates), desc="sweep", unit="run", file=sys.stderr)
     for name, url in zip(names, args.base_url):
