@@ -175,8 +175,12 @@ def test_ttft_slo_refuses_with_retry_after_and_measures_its_error(tiny_model, tm
             async with httpx.AsyncClient(timeout=120) as c:
                 body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
                 gate.set()
-                warm = await c.post(srv.url + "/v1/completions", json=body)  # the engine measures its steps
-                assert warm.status_code == 200
+                post = lambda: c.post(srv.url + "/v1/completions", json=body)  # noqa: E731
+                first = [asyncio.create_task(post()) for _ in range(4)]  # every slot; the engine measures steps
+                await asyncio.sleep(0.2)
+                waiting = await asyncio.gather(*(post() for _ in range(2)))  # a slot wait, nothing finished yet:
+                warm = await asyncio.gather(*first)  # no finish rate to predict by, so no refusal (it was a 500)
+                assert [r.status_code for r in warm + waiting] == [200] * 6, [r.text for r in warm + waiting]
                 burst = await asyncio.gather(*(c.post(srv.url + "/v1/completions", json=body) for _ in range(20)))
                 gate.clear()
                 m = await wait_idle(c, srv.url)
