@@ -196,7 +196,7 @@ def test_workloads_are_seeded_and_shaped(tokenizer, tmp_path):
 def test_offline_reports_static_utilisation_next_to_continuous(bench, tiny_model, tmp_path):
     out = tmp_path / "offline.json"
     p = bench("offline", "--model", tiny_model, "--pool-blocks", "300", "--num-requests", "8", "--input-len", "8:30",
-              "--output-len", "2:40", "--json", str(out))
+              "--output-len", "2:40", "--json", str(out), "--scheduling-policy", "priority")  # static: fcfs
     assert p.returncode == 0, p.stderr
     runs = json.loads(out.read_text())["runs"]
     assert runs["static"]["completed"] == runs["continuous"]["completed"] == 8

@@ -237,7 +237,8 @@ def cmd_offline(args, engine_config) -> int:
     jobs = None
     for static in (True, False):
         engine = None  # free the previous engine's KV pool before the next one allocates its own
-        engine = EngineCore(replace(base, static_batching=static, show_progress=False))
+        policy = "fcfs" if static else base.scheduling_policy  # static batches admit in arrival order only
+        engine = EngineCore(replace(base, static_batching=static, scheduling_policy=policy, show_progress=False))
         if jobs is None:
             jobs = build(_spec(args), engine.tokenizer)
         results, elapsed = run_offline(engine, jobs, args.time_limit, args.temperature)
