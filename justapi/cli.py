@@ -116,7 +116,7 @@ def serve_app(args, on_engine=None):
     logging.getLogger("justapi").info("loading %s; scheduler: %s", cfg.model, mode)
 
     def load_engine():
-        if cfg.disaggregate:
+        if cfg.worker_processes:
             from .engine.pd_engine import PdEngine
 
             engine = PdEngine(cfg)
@@ -154,8 +154,8 @@ def cmd_generate(args) -> int:
     from .sampling_params import SamplingParams
 
     cfg = engine_config(args)
-    if cfg.disaggregate:
-        raise CliError("--disaggregate is for justapi serve")
+    if cfg.worker_processes:
+        raise CliError("--disaggregate and --data-parallel are for justapi serve")
     check_model_file(cfg.model, cfg.draft_model, tp_sizes(cfg))
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

@@ -54,6 +54,8 @@ DEFAULT_MAX_PREFILL = 4
 DEFAULT_MAX_DECODE = 32
 DEFAULT_CHUNK_SIZE = 512
 SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
+ROUTER_POLICIES = ("prefix", "round-robin")  # core.router.PrefixRouter
+DEFAULT_PREFIX_SLACK = 2  # a prefix hit may go to a replica with this many more requests in flight than the least loaded
 DEFAULT_PRIORITY_AGING_S = 30.0
 DEFAULT_GAMMA = 4  # draft tokens per speculative step
 # speculation only while at most this many requests decode. benchmarks/spec_decode.py (docs/benchmarks.md) measured
@@ -210,6 +212,13 @@ class EngineConfig:
     disaggregate: bool = flag(False, "prefill and decode on separate worker processes, KV shipped between them")
     prefill_workers: int | None = flag(None, "prefill worker processes with --disaggregate (default: 1)")
     decode_workers: int | None = flag(None, "decode worker processes with --disaggregate (default: 1)")
+    data_parallel: int | None = flag(None, "engine replicas, each a worker process with its own KV pool, behind this "
+                                     "server; requests routed by --router", metavar="N")
+    router: str = flag("prefix", "how requests are spread over --data-parallel replicas (and prefill workers): prefix "
+                       "(the likeliest prefix-cache hit among those not much busier than the least loaded) or "
+                       "round-robin", choices=ROUTER_POLICIES)
+    router_prefix_slack: int = flag(DEFAULT_PREFIX_SLACK, "requests in flight beyond the least loaded replica's that a "
+                                    "prefix hit may still be routed to")
     kv_memory_fraction: float = flag(DEFAULT_KV_MEMORY_FRACTION, "share of available memory a default-sized KV pool "
                                      "takes")
     tp: int = flag(1, "tensor-parallel ranks: every layer sharded across this many processes")
@@ -256,6 +265,7 @@ class EngineConfig:
         self._check_scheduling()
         self._check_speculation()
         self._check_disaggregation()
+        self._check_data_parallel()
         if not isinstance(self.spec_max_batch, int) or self.spec_max_batch < 0:
             raise ValueError(f"--spec-max-batch must be a non-negative integer, not {self.spec_max_batch!r}")
         if not 0 < self.kv_memory_fraction <= 0.9:
@@ -315,6 +325,26 @@ class EngineConfig:
         if nodes > self.spec_tree_nodes:
             raise ValueError(f"--branch {self.branch} with --gamma {gamma} makes a draft tree of {nodes} nodes, "
                              f"more than the node budget --spec-tree-nodes {self.spec_tree_nodes}")
+
+    def _check_data_parallel(self) -> None:
+        if self.router not in ROUTER_POLICIES:
+            raise ValueError(f"--router must be one of {', '.join(ROUTER_POLICIES)}, not {self.router!r}")
+        if not isinstance(self.router_prefix_slack, int) or self.router_prefix_slack < 0:
+            raise ValueError(f"--router-prefix-slack must be a non-negative integer, not {self.router_prefix_slack!r}")
+        if self.data_parallel is None:
+            return
+        if not isinstance(self.data_parallel, int) or self.data_parallel < 1:
+            raise ValueError(f"--data-parallel must be a positive integer, not {self.data_parallel!r}")
+        if self.disaggregate:
+            raise ValueError("--data-parallel and --disaggregate cannot be combined in this version: use "
+                             "--prefill-workers / --decode-workers for several workers of each pool")
+        if self.static_batching:
+            raise ValueError("--data-parallel runs continuous batching on every replica: drop --static-batching")
+
+    @property
+    def worker_processes(self) -> bool:
+        """Whether the server's engine is worker processes (PdEngine): disaggregated pools or replicas."""
+        return self.disaggregate or self.data_parallel is not None
 
     def _check_disaggregation(self) -> None:
         for name in ("prefill_workers", "decode_workers", "prefill_tp", "decode_tp"):

@@ -228,8 +228,9 @@ def cmd_offline(args, engine_config) -> int:
 
     _check(args)
     base = engine_config(args)
-    if base.disaggregate:
-        raise ValueError("--disaggregate is for justapi serve; bench offline runs one engine in process")
+    if base.worker_processes:
+        raise ValueError("--disaggregate and --data-parallel are for justapi serve; bench offline runs one engine in "
+                         "process")
     if args.classes:
         raise ValueError("--class is for bench serve and sweep: offline queues every request at once")
     engine = None

@@ -6,24 +6,26 @@ Each request goes through three phases::
     transfer  its prompt's KV blocks go from that worker to a decode worker (torch.distributed isend / irecv)
     decode    on the decode worker: continuous batching until it finishes; tokens stream back through the server
 
-Routing: a prefill worker is the least loaded one, unless another holds more of the prompt's prefix in its prefix
-cache (tracked here from the prompts sent to it, block by block) without being much busier; a decode worker is
-the least loaded one with room for the request's blocks (as last reported). A worker that dies takes its requests
-with it: those still in prefill are sent to another prefill worker, the others fail with an error.
+Routing: a prefill worker is chosen by core.router.PrefixRouter (the likeliest prefix-cache hit among the workers
+not much busier than the least loaded); a decode worker is the least loaded one with room for the request's blocks
+(as last reported). A worker that dies takes its requests with it: those still in prefill are sent to another
+prefill worker, the others fail with an error.
+
+Data-parallel replicas (``--data-parallel N``) are workers of the role ``replica``: each computes its requests
+whole (they never leave the prefill phase), routed the same way; one that dies is handled the same way too.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
-PREFIX_SLACK = 2  # a prefix-cache hit may route to a worker with at most this many more requests than the least loaded
+from .router import PrefixRouter
 
 
 @dataclass
 class WorkerInfo:
     rank: int
-    role: str  # "prefill" | "decode"
+    role: str  # "prefill" | "decode" | "replica"
     num_blocks: int = 0
     block_size: int = 16
     alive: bool = True
@@ -39,8 +41,7 @@ class WorkerInfo:
     costs: object = None  # core.admission.StepCosts the worker fitted to its steps, None before its first
     prefill_backlog: int = 0  # prompt tokens still to compute, reported plus routed here since the report
     num_decoding: int = 0
-    # prompt prefixes recently prefilled here: block-chain hash → None, oldest first
-    shadow: OrderedDict = field(default_factory=OrderedDict)
+    routed: int = 0  # requests sent here (retries included)
 
     @property
     def load(self) -> int:
@@ -77,30 +78,34 @@ class PdStats:
 class PdScheduler:
     """Which worker computes what; the workers' own schedulers batch, page and preempt inside each worker."""
 
-    def __init__(self, workers: list[WorkerInfo]) -> None:
+    def __init__(self, workers: list[WorkerInfo], router: PrefixRouter | None = None) -> None:
         self.workers = {w.rank: w for w in workers}
         self.requests: dict[str, PdRequest] = {}
         self.stats = PdStats()
+        # where a request starts: the prefill pool, or the replicas when data-parallel
+        self.entry_role = "prefill" if any(w.role == "prefill" for w in workers) else "replica"
+        self.router = router or PrefixRouter(block_size=workers[0].block_size)
+        for w in self.pool(self.entry_role):
+            self.router.add(w.rank, w.num_blocks)
 
     def pool(self, role: str, alive_only: bool = True) -> list[WorkerInfo]:
         return [w for w in self.workers.values() if w.role == role and (w.alive or not alive_only)]
 
     # --- routing ----------------------------------------------------------------------------------------------
-    def route_prefill(self, request_id: str, prompt_token_ids: list[int]) -> int:
-        """Assign a new request to a prefill worker; its rank. Raises RuntimeError when none is alive."""
-        pool = self.pool("prefill")
+    def route(self, request_id: str, prompt_token_ids: list[int]) -> int:
+        """Assign a new (or retried) request to a prefill worker or replica; its rank. Raises RuntimeError when
+        none is alive."""
+        pool = self.pool(self.entry_role)
         if not pool:
-            raise RuntimeError("no prefill worker is alive")
-        least = min(w.load for w in pool)
-        best = max(pool, key=lambda w: (self._prefix_hit(w, prompt_token_ids) if w.load <= least + PREFIX_SLACK
-                                        else -1, -w.load, -w.rank))
+            raise RuntimeError(f"no {self.entry_role} worker is alive")
+        best = self.workers[self.router.choose(prompt_token_ids, {w.rank: w.load for w in pool})]
         req = self.requests.get(request_id) or PdRequest(request_id, list(prompt_token_ids))
         req.phase, req.prefill_rank = "prefill", best.rank
         self.requests[request_id] = req
         best.requests.add(request_id)
+        best.routed += 1
         best.waiting += 1  # until its next report counts it
         best.prefill_backlog += len(prompt_token_ids)
-        self._remember(best, prompt_token_ids)
         return best.rank
 
     def route_decode(self, request_id: str, num_tokens: int) -> int:
@@ -154,34 +159,12 @@ class PdScheduler:
             involved = req.prefill_rank == rank if req.phase == "prefill" else rank in self.holder(rid)
             if not involved:
                 continue
-            if req.phase == "prefill" and self.pool("prefill"):
+            if req.phase == "prefill" and self.pool(self.entry_role):
                 retry.append(rid)
             else:
                 fail.append(rid)
         w.requests.clear()
+        self.router.remove(rank)
         self.stats.retried += len(retry)
         self.stats.failed += len(fail)
         return retry, fail
-
-    # --- prefix-cache affinity ---------------------------------------------------------------------------------
-    @staticmethod
-    def _chain(prompt: list[int], block_size: int):
-        h = 0
-        for i in range(len(prompt) // block_size):
-            h = hash((h, tuple(prompt[i * block_size : (i + 1) * block_size])))
-            yield h
-
-    def _prefix_hit(self, w: WorkerInfo, prompt: list[int]) -> int:
-        hit = 0
-        for h in self._chain(prompt, w.block_size):
-            if h not in w.shadow:
-                break
-            hit += 1
-        return hit
-
-    def _remember(self, w: WorkerInfo, prompt: list[int]) -> None:
-        for h in self._chain(prompt, w.block_size):
-            w.shadow[h] = None
-            w.shadow.move_to_end(h)
-        while len(w.shadow) > max(w.num_blocks, 1):
-            w.shadow.popitem(last=False)

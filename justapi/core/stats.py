@@ -124,7 +124,7 @@ class SchedulerSnapshot:
 
 @dataclass(frozen=True)
 class WorkerSnapshot:
-    """A disaggregated worker as its last report left it."""
+    """A worker (disaggregated pool member or data-parallel replica) as its last report left it."""
 
     rank: int
     role: str
@@ -139,21 +139,24 @@ class WorkerSnapshot:
     costs: object = None  # core.admission.StepCosts, as last reported
     prefill_backlog: int = 0
     num_decoding: int = 0
+    routed: int = 0
 
 
 @dataclass(frozen=True)
 class PdSnapshot:
-    """Disaggregated serving: every worker's last report and the KV transfer counters."""
+    """Engines in worker processes (disaggregated pools or replicas): every worker's last report and the KV
+    transfer counters."""
 
     workers: tuple[WorkerSnapshot, ...]
     counters: PdStats  # a copy
+    entry_role: str = "prefill"  # the pool new requests start in: "prefill", or "replica" when data-parallel
 
     @classmethod
     def of(cls, pd: PdScheduler) -> PdSnapshot:
         workers = tuple(WorkerSnapshot(w.rank, w.role, w.alive, w.running, w.waiting, w.busy_fraction, w.cache_hits,
                                        w.cache_misses, w.cached_blocks, w.load, w.costs, w.prefill_backlog,
-                                       w.num_decoding) for w in pd.workers.values())
-        return cls(workers, dataclasses.replace(pd.stats))
+                                       w.num_decoding, w.routed) for w in pd.workers.values())
+        return cls(workers, dataclasses.replace(pd.stats), pd.entry_role)
 
     def pool(self, role: str) -> list[WorkerSnapshot]:
         """The live workers of a role."""

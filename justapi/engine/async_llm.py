@@ -167,7 +167,7 @@ class AsyncLLM:
         handed to the engine thread counted on each."""
         config = self.engine.config
         best = None
-        for w in snap.pool("prefill"):
+        for w in snap.pool(snap.entry_role):
             if w.costs is None:
                 continue
             slots_awaited = w.waiting + self._pending_adds + 1 - (config.max_seqs - w.running)

@@ -1,7 +1,9 @@
-"""PdEngine: the server side of prefill/decode disaggregation (``justapi serve --disaggregate``).
+"""PdEngine: the server side of engines in worker processes: prefill/decode disaggregation (``justapi serve
+--disaggregate``) and data-parallel replicas (``--data-parallel N``).
 
-It starts P prefill and D decode workers (engine.pd_worker; workers 0..P-1 prefill, P..P+D-1 decode) in one
-torch.distributed group, and offers AsyncLLM the same interface as EngineCore: add, abort, step, has_unfinished.
+It starts P prefill and D decode workers (engine.pd_worker; workers 0..P-1 prefill, P..P+D-1 decode), or N replicas
+that each compute their requests whole, in one torch.distributed group, and offers AsyncLLM the same interface as
+EngineCore: add, abort, step, has_unfinished.
 Each pool has its own tensor-parallel size (``--prefill-tp``, ``--decode-tp``): a worker of size N is N processes
 forming a sub-group of the world; the server talks to its leader, which ships or receives the KV with every head
 (gathered from its ranks, or handed to them with the step that admits the request).
@@ -25,6 +27,7 @@ import time
 from ..config import EngineConfig, SchedulerConfig
 from ..core.outputs import EngineCoreOutput
 from ..core.pd_scheduler import PdScheduler, WorkerInfo
+from ..core.router import PrefixRouter
 from ..core.scheduler import Scheduler
 from ..core.stats import PdSnapshot
 from ..distributed.group import describe, rendezvous
@@ -58,9 +61,13 @@ class PdEngine(ModelFront):
     # --- workers ------------------------------------------------------------------------------------------------
     def _start_workers(self) -> None:
         cfg = self.config
-        p, d = cfg.prefill_workers, cfg.decode_workers
-        roles = ["prefill"] * p + ["decode"] * d
-        sizes = [cfg.prefill_tp] * p + [cfg.decode_tp] * d  # each worker's tensor-parallel ranks
+        if cfg.data_parallel is not None:
+            roles, sizes = ["replica"] * cfg.data_parallel, [cfg.tp] * cfg.data_parallel
+        else:
+            p, d = cfg.prefill_workers, cfg.decode_workers
+            roles = ["prefill"] * p + ["decode"] * d
+            sizes = [cfg.prefill_tp] * p + [cfg.decode_tp] * d  # each worker's tensor-parallel ranks
+        mode = "--data-parallel" if cfg.data_parallel is not None else "--disaggregate"
         layout, start = [], 0
         for n in sizes:  # global ranks: worker after worker, each leader first
             layout.append(tuple(range(start, start + n)))
@@ -76,11 +83,11 @@ class PdEngine(ModelFront):
         self.inboxes = []
         self.procs = []  # the workers' leaders, by worker index
         self.followers: list[list] = []  # the workers' tensor-parallel ranks > 0
-        workers = p + d
+        workers = len(roles)
         for rank, (role, n) in enumerate(zip(roles, sizes)):
             worker_config = dataclasses.replace(
                 cfg, disaggregate=False, prefill_workers=None, decode_workers=None, prefill_tp=None, decode_tp=None,
-                tp=n, num_threads=threads, show_progress=False, kv_memory_fraction=cfg.kv_memory_fraction / workers,
+                data_parallel=None, tp=n, num_threads=threads, show_progress=False, kv_memory_fraction=cfg.kv_memory_fraction / workers,
             )
             spec = WorkerSpec(rank, world, role, worker_config, init_method, threads, tuple(layout))
             inbox = ctx.Queue()
@@ -98,8 +105,8 @@ class PdEngine(ModelFront):
                                 name=f"justapi-{role}-{rank}-tp{tp_rank}", daemon=True)
                 f.start()
                 self.followers[rank].append(f)
-        log.info("started %d prefill (tp %d) and %d decode (tp %d) workers, %d processes of %d threads, "
-                 "rendezvous %s", p, cfg.prefill_tp, d, cfg.decode_tp, world, threads,
+        pools = ", ".join(f"{roles.count(r)} {r} (tp {sizes[roles.index(r)]})" for r in dict.fromkeys(roles))
+        log.info("started workers: %s; %d processes of %d threads, rendezvous %s", pools, world, threads,
                  describe(init_method))
         ready: dict[int, tuple[int, int]] = {}
         self._pids: dict[int, int] = {}
@@ -114,18 +121,19 @@ class PdEngine(ModelFront):
                 if dead or time.monotonic() > deadline:
                     self.close()
                     why = f"worker {dead[0]} exited" if dead else "workers did not start in time"
-                    raise ModelLoadError(f"--disaggregate: {why} while loading the model")
+                    raise ModelLoadError(f"{mode}: {why} while loading the model")
                 continue
             msg = pending.pop(0)
             if isinstance(msg, Failed):
                 self.close()
-                raise ModelLoadError(f"--disaggregate: {roles[msg.rank]} worker {msg.rank} failed to start: "
+                raise ModelLoadError(f"{mode}: {roles[msg.rank]} worker {msg.rank} failed to start: "
                                      f"{msg.error}")
             if isinstance(msg, Ready):
                 ready[msg.rank] = (msg.num_blocks, msg.block_size)
                 self._pids[msg.rank] = msg.pid
+        router = PrefixRouter(cfg.router, cfg.router_prefix_slack, cfg.block_size)
         self.pd = PdScheduler([WorkerInfo(r, roles[r], num_blocks=ready[r][0], block_size=ready[r][1],
-                                          free_blocks=ready[r][0]) for r in range(workers)])
+                                          free_blocks=ready[r][0]) for r in range(workers)], router)
         smallest = min(n for n, _ in ready.values())
         self._admission = Scheduler(SchedulerConfig(num_blocks=smallest, block_size=cfg.block_size,
                                                     max_model_len=self.max_model_len))
@@ -150,9 +158,9 @@ class PdEngine(ModelFront):
     def health(self) -> tuple[bool, dict]:
         """(serving, details): serving while each pool has a live worker; details name any dead worker."""
         dead = [f"{w.role} worker {w.rank}" for w in self.pd.workers.values() if not w.alive]
-        serving = bool(self.pd.pool("prefill")) and bool(self.pd.pool("decode"))
-        detail = {"prefill_workers_alive": len(self.pd.pool("prefill")),
-                  "decode_workers_alive": len(self.pd.pool("decode")),
+        roles = dict.fromkeys(w.role for w in self.pd.workers.values())
+        serving = all(self.pd.pool(role) for role in roles)
+        detail = {f"{role}_workers_alive": len(self.pd.pool(role)) for role in roles} | {
                   "workers": [{"rank": w.rank, "role": w.role, "alive": w.alive, "pid": self._pids.get(w.rank),
                                "tp": len(self.followers[w.rank]) + 1,
                                "requests": w.load} for w in self.pd.workers.values()]}
@@ -182,7 +190,7 @@ class PdEngine(ModelFront):
     # --- requests -----------------------------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """As EngineCore.check_request, against the smallest worker pool."""
-        if params.pooling is not None:
+        if params.pooling is not None and self.pd.entry_role == "prefill":
             raise ValueError("embeddings are not served with --disaggregate (a prompt's prefill is all they are: "
                              "serve them from a plain server)")
         self.check_token_ids(prompt_token_ids)
@@ -196,7 +204,7 @@ class PdEngine(ModelFront):
         params = dataclasses.replace(params, max_tokens=max_tokens)
         seed = params.seed if params.seed is not None else self.new_seed()
         try:
-            rank = self.pd.route_prefill(request_id, prompt_token_ids)
+            rank = self.pd.route(request_id, prompt_token_ids)
         except RuntimeError as e:
             raise EngineDeadError(str(e)) from None
         self._first[request_id] = (list(prompt_token_ids), -1, params, seed)
@@ -228,13 +236,14 @@ class PdEngine(ModelFront):
 
     def stats_line(self) -> str:
         parts = []
-        for role in ("prefill", "decode"):
+        for role in dict.fromkeys(w.role for w in self.pd.workers.values()):
             pool = self.pd.pool(role, alive_only=False)
             parts.append(f"{role}: " + ", ".join(
                 f"[{w.rank}] {'dead' if not w.alive else f'{w.running} running {w.waiting} waiting {w.busy_fraction:.0%} busy'}"
                 for w in pool))
         st = self.pd.stats
-        parts.append(f"KV moved: {st.kv_transfers} requests, {st.kv_bytes / 2**20:.1f} MiB in {st.kv_seconds:.2f} s")
+        if self.pd.entry_role == "prefill":
+            parts.append(f"KV moved: {st.kv_transfers} requests, {st.kv_bytes / 2**20:.1f} MiB in {st.kv_seconds:.2f} s")
         return "; ".join(parts)
 
     def idle(self) -> None:
@@ -363,6 +372,6 @@ class PdEngine(ModelFront):
                                 + (" during its KV transfer" if held.get(rid) == "transfer" else ""))
             for rid in retry:
                 prompt, _, params, seed = self._first[rid]
-                new_rank = self.pd.route_prefill(rid, prompt)
+                new_rank = self.pd.route(rid, prompt)
                 self.inboxes[new_rank].put(AddRequest(rid, prompt, params, seed))
                 log.info("request %s: prefill moved to worker %d", rid, new_rank)

@@ -107,38 +107,65 @@ def _scheduler_metrics(snap: SchedulerSnapshot):
 
 
 def _pd_metrics(snap: PdSnapshot):
-    """Disaggregated serving: the workers' last reports and the KV transfers."""
-    prefill = [w for w in snap.workers if w.role == "prefill"]
-    # the prefix cache that matters is the prefill workers' (prompts are computed there)
-    yield from _prefix_cache_metrics(sum(w.cache_hits for w in prefill), sum(w.cache_misses for w in prefill),
-                                     sum(w.cached_blocks for w in prefill), "the prefill workers' prefix caches")
+    """Engines in worker processes: each pool's and each worker's last reports, and the KV transfers."""
+    entry = [w for w in snap.workers if w.role == snap.entry_role]
+    # the prefix cache that matters is where prompts are computed: the prefill workers', or the replicas'
+    yield from _prefix_cache_metrics(sum(w.cache_hits for w in entry), sum(w.cache_misses for w in entry),
+                                     sum(w.cached_blocks for w in entry), f"the {snap.entry_role} workers' prefix caches")
     st = snap.counters
-    yield CounterMetricFamily("justapi_pd_kv_transfers", "Requests whose KV moved to a decode worker",
-                              value=st.kv_transfers)
-    yield CounterMetricFamily("justapi_pd_kv_transfer_bytes", "KV bytes moved prefill → decode", value=st.kv_bytes)
-    yield CounterMetricFamily("justapi_pd_kv_transfer_blocks", "KV blocks moved prefill → decode", value=st.kv_blocks)
-    yield CounterMetricFamily("justapi_pd_kv_transfer_seconds", "Time from posting a KV send to its completion",
-                              value=st.kv_seconds)
-    yield CounterMetricFamily("justapi_pd_requests_retried", "Requests moved to another prefill worker after a "
-                              "worker died", value=st.retried)
+    if snap.entry_role == "prefill":
+        yield CounterMetricFamily("justapi_pd_kv_transfers", "Requests whose KV moved to a decode worker",
+                                  value=st.kv_transfers)
+        yield CounterMetricFamily("justapi_pd_kv_transfer_bytes", "KV bytes moved prefill → decode", value=st.kv_bytes)
+        yield CounterMetricFamily("justapi_pd_kv_transfer_blocks", "KV blocks moved prefill → decode",
+                                  value=st.kv_blocks)
+        yield CounterMetricFamily("justapi_pd_kv_transfer_seconds", "Time from posting a KV send to its completion",
+                                  value=st.kv_seconds)
+    yield CounterMetricFamily("justapi_pd_requests_retried", f"Requests sent to another {snap.entry_role} worker "
+                              "after a worker died (nothing streamed yet)", value=st.retried)
     yield CounterMetricFamily("justapi_pd_requests_failed", "Requests failed because a worker died", value=st.failed)
+    roles = list(dict.fromkeys(w.role for w in snap.workers))
     for name, help_text, attr in (
         ("justapi_pd_queue_length", "Requests waiting in a pool (sum of its workers' queues)", "waiting"),
         ("justapi_pd_running", "Requests being computed in a pool", "running"),
     ):
         g = GaugeMetricFamily(name, help_text, labels=["pool"])
-        for role in ("prefill", "decode"):
+        for role in roles:
             g.add_metric([role], sum(getattr(w, attr) for w in snap.pool(role)))
         yield g
     util = GaugeMetricFamily("justapi_pd_utilization", "Share of wall time a pool's live workers spent in engine "
                              "steps (mean over the workers, last report)", labels=["pool"])
     alive = GaugeMetricFamily("justapi_pd_workers_alive", "Live workers per pool", labels=["pool"])
-    for role in ("prefill", "decode"):
+    for role in roles:
         live = snap.pool(role)
         util.add_metric([role], sum(w.busy_fraction for w in live) / len(live) if live else 0.0)
         alive.add_metric([role], len(live))
     yield util
     yield alive
+    yield from _per_worker_metrics(snap)
+
+
+def _per_worker_metrics(snap: PdSnapshot):
+    """The same figures worker by worker (label ``worker``: its rank; ``role``: its pool), as last reported."""
+    families = [
+        (GaugeMetricFamily, "justapi_worker_alive", "1 while the worker process lives", lambda w: float(w.alive)),
+        (GaugeMetricFamily, "justapi_worker_requests_running", "Requests being computed", lambda w: w.running),
+        (GaugeMetricFamily, "justapi_worker_requests_waiting", "Requests queued or preempted", lambda w: w.waiting),
+        (GaugeMetricFamily, "justapi_worker_utilization", "Share of wall time in engine steps", lambda w: w.busy_fraction),
+        (GaugeMetricFamily, "justapi_worker_prefix_cache_hits", "Prompt KV blocks found in its prefix cache",
+         lambda w: w.cache_hits),
+        (GaugeMetricFamily, "justapi_worker_prefix_cache_misses", "Prompt KV blocks looked up and not found",
+         lambda w: w.cache_misses),
+        (GaugeMetricFamily, "justapi_worker_prefix_cache_blocks", "KV blocks held by its prefix cache",
+         lambda w: w.cached_blocks),
+        (CounterMetricFamily, "justapi_worker_requests_routed", "Requests the router sent to it (retries included)",
+         lambda w: w.routed),
+    ]
+    for kind, name, help_text, value in families:
+        family = kind(name, help_text, labels=["worker", "role"])
+        for w in snap.workers:
+            family.add_metric([str(w.rank), w.role], value(w))
+        yield family
 
 
 class Metrics:

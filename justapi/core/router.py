@@ -1,0 +1,81 @@
+"""Which engine takes a new request when several could: the one most likely to hold the prompt's prefix in its
+radix cache, unless it is much busier than the least loaded one. One policy wherever JustAPI picks among engines:
+the prefill pool of disaggregated serving, data-parallel replicas on one host (``--data-parallel``) and Ray Serve
+replicas (``justapi.ray_serve``). Pure Python.
+
+The router cannot see the engines' caches, so it keeps a shadow of each: the block-chain hashes of the prompts it
+sent there, as many blocks as that engine's pool holds, the least recently sent forgotten first, a prompt's deepest
+blocks before its first (the engines' radix caches evict least recently used leaves). A prompt's prefix hit on an engine is the number of its leading full blocks in that shadow. Choice:
+
+- ``prefix`` (default): among the engines with at most ``slack`` more requests in flight than the least loaded, the
+  one with the longest prefix hit; ties (and no hit anywhere) go to the least loaded, then the first added.
+- ``round-robin``: each engine in turn, whatever the prompt (the baseline a prefix-aware router is measured against).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Iterator, Mapping
+
+from ..config import DEFAULT_PREFIX_SLACK, ROUTER_POLICIES
+
+
+class PrefixRouter:
+    def __init__(self, policy: str = "prefix", slack: int = DEFAULT_PREFIX_SLACK, block_size: int = 16) -> None:
+        if policy not in ROUTER_POLICIES:
+            raise ValueError(f"router policy must be one of {', '.join(ROUTER_POLICIES)}, not {policy!r}")
+        self.policy, self.slack, self.block_size = policy, slack, block_size
+        self._shadows: dict[Hashable, OrderedDict] = {}  # engine → block-chain hash → None, least recent first
+        self._capacity: dict[Hashable, int] = {}
+        self._turn = 0
+
+    def add(self, engine: Hashable, capacity_blocks: int) -> None:
+        """An engine to route to, whose prefix cache holds up to ``capacity_blocks`` blocks."""
+        self._shadows.setdefault(engine, OrderedDict())
+        self._capacity[engine] = max(1, capacity_blocks)
+
+    def remove(self, engine: Hashable) -> None:
+        self._shadows.pop(engine, None)
+        self._capacity.pop(engine, None)
+
+    def choose(self, prompt: list[int], loads: Mapping[Hashable, int]) -> Hashable:
+        """The engine for ``prompt`` among ``loads`` (engine → requests in flight there, not empty); it is
+        remembered as holding the prompt from now on."""
+        order = {e: i for i, e in enumerate(self._shadows)}
+        candidates = sorted(loads, key=lambda e: order.get(e, len(order)))
+        if self.policy == "round-robin":
+            best = candidates[self._turn % len(candidates)]
+            self._turn += 1
+        else:
+            least = min(loads.values())
+            best = max(candidates, key=lambda e: (self.prefix_blocks(e, prompt) if loads[e] <= least + self.slack
+                                                  else -1, -loads[e], -order.get(e, len(order))))
+        self.remember(best, prompt)
+        return best
+
+    def prefix_blocks(self, engine: Hashable, prompt: list[int]) -> int:
+        """Leading full blocks of ``prompt`` the engine was last sent (as far as the shadow remembers)."""
+        shadow = self._shadows.get(engine, {})
+        hit = 0
+        for h in self._chain(prompt):
+            if h not in shadow:
+                break
+            hit += 1
+        return hit
+
+    def remember(self, engine: Hashable, prompt: list[int]) -> None:
+        if engine not in self._shadows:
+            self.add(engine, self._capacity.get(engine, 1 << 16))
+        shadow = self._shadows[engine]
+        for h in reversed(list(self._chain(prompt))):  # the first block most recent: the deepest go first, as
+            shadow[h] = None                             # the radix cache evicts leaves before what they extend
+            shadow.move_to_end(h)
+        while len(shadow) > self._capacity[engine]:
+            shadow.popitem(last=False)
+
+    def _chain(self, prompt: list[int]) -> Iterator[int]:
+        """One hash per full block, each covering every block before it (as the radix cache keys blocks)."""
+        h, bs = 0, self.block_size
+        for i in range(len(prompt) // bs):
+            h = hash((h, tuple(prompt[i * bs : (i + 1) * bs])))
+            yield h
