@@ -82,13 +82,18 @@ def check_model_file(path: str, draft_path: str | None = None, tps: dict[str, in
         check_same_vocabulary(reader, path, draft, draft_path)
 
 
+# asyncio's own loop and h11, whatever else is installed (the Ray extra pulls in uvloop and httptools, which uvicorn
+# would otherwise switch to): the measured stack, the same with and without extras
+UVICORN_STACK = {"loop": "asyncio", "http": "h11"}
+
+
 def cmd_serve(args) -> int:
     import uvicorn
 
     app, server_cfg = serve_app(args)
     server = _uvicorn_server_class()(uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port, access_log=False,
                                                     log_level=server_cfg.log_level.lower(),
-                                                    timeout_graceful_shutdown=5))
+                                                    timeout_graceful_shutdown=5, **UVICORN_STACK))
     server.run()
     return 0 if server.started else 1
 
