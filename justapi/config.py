@@ -55,6 +55,8 @@ DEFAULT_MAX_DECODE = 32
 DEFAULT_CHUNK_SIZE = 512
 SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
 ROUTER_POLICIES = ("prefix", "round-robin")  # core.router.PrefixRouter
+DISTRIBUTED_EXECUTORS = ("mp", "ray")  # distributed.launch
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's placement-group strategies
 DEFAULT_PREFIX_SLACK = 2  # a prefix hit may go to a replica with this many more requests in flight than the least loaded
 DEFAULT_PRIORITY_AGING_S = 30.0
 DEFAULT_GAMMA = 4  # draft tokens per speculative step
@@ -219,6 +221,12 @@ class EngineConfig:
                        "round-robin", choices=ROUTER_POLICIES)
     router_prefix_slack: int = flag(DEFAULT_PREFIX_SLACK, "requests in flight beyond the least loaded replica's that a "
                                     "prefix hit may still be routed to")
+    distributed_executor: str = flag("mp", "where worker processes and tensor-parallel ranks run: mp (processes on this "
+                                     "host) or ray (Ray actors over a Ray cluster: RAY_ADDRESS, else a local Ray; "
+                                     "pip install 'justapi[ray]')", choices=DISTRIBUTED_EXECUTORS)
+    placement_strategy: str = flag("PACK", "with --distributed-executor ray: how the processes' bundles (--threads CPUs "
+                                   "each) are placed over the nodes, Ray's placement-group strategy",
+                                   choices=PLACEMENT_STRATEGIES)
     kv_memory_fraction: float = flag(DEFAULT_KV_MEMORY_FRACTION, "share of available memory a default-sized KV pool "
                                      "takes")
     tp: int = flag(1, "tensor-parallel ranks: every layer sharded across this many processes")
@@ -266,6 +274,7 @@ class EngineConfig:
         self._check_speculation()
         self._check_disaggregation()
         self._check_data_parallel()
+        self._check_executor()
         if not isinstance(self.spec_max_batch, int) or self.spec_max_batch < 0:
             raise ValueError(f"--spec-max-batch must be a non-negative integer, not {self.spec_max_batch!r}")
         if not 0 < self.kv_memory_fraction <= 0.9:
@@ -325,6 +334,23 @@ class EngineConfig:
         if nodes > self.spec_tree_nodes:
             raise ValueError(f"--branch {self.branch} with --gamma {gamma} makes a draft tree of {nodes} nodes, "
                              f"more than the node budget --spec-tree-nodes {self.spec_tree_nodes}")
+
+    def _check_executor(self) -> None:
+        if self.distributed_executor not in DISTRIBUTED_EXECUTORS:
+            raise ValueError(f"--distributed-executor must be one of {', '.join(DISTRIBUTED_EXECUTORS)}, not "
+                             f"{self.distributed_executor!r}")
+        if self.placement_strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(f"--placement-strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}, not "
+                             f"{self.placement_strategy!r}")
+        if self.distributed_executor != "ray":
+            return
+        if not (self.worker_processes or self.tp > 1):
+            raise ValueError("--distributed-executor ray places worker processes or tensor-parallel ranks: use it "
+                             "with --data-parallel, --disaggregate or --tp above 1")
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise ValueError("--distributed-executor ray needs Ray: pip install 'justapi[ray]'") from None
 
     def _check_data_parallel(self) -> None:
         if self.router not in ROUTER_POLICIES:

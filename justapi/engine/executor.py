@@ -1,6 +1,7 @@
 """Executors: how the engine runs its model, one way to call every rank. ``Executor`` holds one worker in this
 process; ``TpExecutor`` leads a tensor-parallel group, whose other ranks run ``follow`` in their own processes
-(started here for --tp, or by the disaggregated engine for its workers' sub-groups).
+(started here for --tp, on this host or as Ray actors: distributed.launch; or by PdEngine for its workers'
+sub-groups).
 
 Rank 0 runs the scheduler and sends each step's SchedulerOutput (new requests once, then small diffs) to the other
 ranks as a typed message; every rank runs the same step on its shard, the model's all-reduces combine the partial
@@ -12,7 +13,6 @@ the next collective on rank 0 with an error (gloo closes the pair), which fails 
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 from dataclasses import dataclass
 
@@ -21,6 +21,7 @@ import torch
 from ..config import EngineConfig, ModelConfig
 from ..core.outputs import RunnerOutput, SchedulerOutput
 from ..distributed import group as pg
+from ..distributed.launch import make_launcher
 from .worker import Worker
 
 log = logging.getLogger("justapi.engine")
@@ -86,16 +87,16 @@ class TpExecutor(Executor):
         from ..distributed.tp import TpComm, TpPlan
 
         plan = TpPlan.make(model_config, 0, config.tp)  # a bad --tp fails here, before any process starts
-        self.group, self.procs = group, []
+        self.group, self.procs, self.launcher = group, [], None
         if group is None:
-            init = pg.rendezvous()
-            ctx = multiprocessing.get_context("spawn")
+            threads = config.num_threads or max(1, (os.cpu_count() or 1) // config.tp)
+            self.launcher = make_launcher(config, config.tp, threads, driver_bundle=True)  # rank 0 is this process
+            init = self.launcher.rendezvous(None)
             for rank in range(1, config.tp):
-                proc = ctx.Process(target=tp_rank_main, args=(config, model_config, rank, init),
-                                   name=f"justapi-tp-{rank}", daemon=True)
-                proc.start()
-                self.procs.append(proc)
-            log.info("started %d tensor-parallel ranks, rendezvous %s", len(self.procs), pg.describe(init))
+                self.procs.append(self.launcher.start(tp_rank_main, (config, model_config, rank, init),
+                                                      f"justapi-tp-{rank}", rank))
+            log.info("started %d tensor-parallel ranks (%s), rendezvous %s", len(self.procs),
+                     config.distributed_executor, pg.describe(init))
             if config.gpu:
                 torch.cuda.set_device(0)
             pg.init_process_group(0, config.tp, init, config.gpu)
@@ -133,6 +134,8 @@ class TpExecutor(Executor):
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.terminate()
+        if self.launcher is not None:
+            self.launcher.close()
         if self.group is None:
             import torch.distributed as dist
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import multiprocessing
 import multiprocessing.connection as mp_connection
 import os
 import time
@@ -30,14 +29,16 @@ from ..core.pd_scheduler import PdScheduler, WorkerInfo
 from ..core.router import PrefixRouter
 from ..core.scheduler import Scheduler
 from ..core.stats import PdSnapshot
-from ..distributed.group import describe, rendezvous
+from ..distributed.group import describe
+from ..distributed.launch import make_launcher
 from ..model.gguf_loader import ModelLoadError
 from ..sampling_params import SamplingParams
 from .async_llm import EngineDeadError
 from .model_front import ModelFront
 from .output_processor import OutputProcessor, RequestOutput
 from .pd_messages import (AbortRequest, AddRequest, CheckIntegrity, Checked, Failed, Load, Outputs, Prefilled,
-                          PrefilledRequest, Ready, Received, RecvKv, RequestFailed, SendKv, Sent, Stop)
+                          PrefilledRequest, Ready, Received, RecvKv, RequestFailed, SendKv, Sent, Stop,
+                          seconds_left)
 from .pd_worker import WorkerSpec, follower_main, worker_main
 
 log = logging.getLogger("justapi.pd")
@@ -75,36 +76,33 @@ class PdEngine(ModelFront):
         self._dist_rank = [ranks[0] for ranks in layout]  # where a worker's KV is sent from / to
         world = start
         threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // world)
-        init_method = rendezvous()
-        ctx = multiprocessing.get_context("spawn")
-        # one pipe per worker to the server, not one shared queue: a worker killed while writing to a shared
-        # queue would leave its lock taken (and a half-written message in it), and every other worker would block
-        self._pipes: dict = {}  # the server's ends of the live workers' pipes → worker index
-        self.inboxes = []
+        # under Ray, each process a bundle of this many CPUs (--threads sets it; the default splits this host's cores)
+        self.launcher = make_launcher(cfg, world, threads)
+        init_method = self.launcher.rendezvous(0)  # on the node of global rank 0, worker 0's leader
         self.procs = []  # the workers' leaders, by worker index
         self.followers: list[list] = []  # the workers' tensor-parallel ranks > 0
+        links = []
         workers = len(roles)
         for rank, (role, n) in enumerate(zip(roles, sizes)):
             worker_config = dataclasses.replace(
                 cfg, disaggregate=False, prefill_workers=None, decode_workers=None, prefill_tp=None, decode_tp=None,
-                data_parallel=None, tp=n, num_threads=threads, show_progress=False, kv_memory_fraction=cfg.kv_memory_fraction / workers,
+                data_parallel=None, distributed_executor="mp", tp=n, num_threads=threads, show_progress=False,
+                kv_memory_fraction=cfg.kv_memory_fraction / workers,
             )
             spec = WorkerSpec(rank, world, role, worker_config, init_method, threads, tuple(layout))
-            inbox = ctx.Queue()
-            reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=worker_main, args=(spec, inbox, writer), name=f"justapi-{role}-{rank}",
-                               daemon=True)
-            proc.start()
-            writer.close()  # the worker holds the only write end: its death reads as end of file here
-            self._pipes[reader] = rank
-            self.inboxes.append(inbox)
-            self.procs.append(proc)
-            self.followers.append([])
-            for tp_rank in range(1, n):
-                f = ctx.Process(target=follower_main, args=(dataclasses.replace(spec, tp_rank=tp_rank),),
-                                name=f"justapi-{role}-{rank}-tp{tp_rank}", daemon=True)
-                f.start()
-                self.followers[rank].append(f)
+            links.append(self.launcher.link(rank))
+            self.procs.append(self.launcher.start(worker_main, (spec, links[-1]), f"justapi-{role}-{rank}",
+                                                  layout[rank][0]))
+            self.followers.append([
+                self.launcher.start(follower_main, (dataclasses.replace(spec, tp_rank=t),),
+                                    f"justapi-{role}-{rank}-tp{t}", layout[rank][t]) for t in range(1, n)])
+        try:
+            channels = self.launcher.channels(dict(enumerate(self.procs)), time.monotonic() + START_TIMEOUT_S)
+        except RuntimeError as e:
+            self.close()
+            raise ModelLoadError(f"{mode}: {e}") from None
+        self.inboxes = [channels[r] for r in range(workers)]  # commands in
+        self._pipes = {ch.conn: r for r, ch in channels.items()}  # reports out, while the worker lives
         pools = ", ".join(f"{roles.count(r)} {r} (tp {sizes[roles.index(r)]})" for r in dict.fromkeys(roles))
         log.info("started workers: %s; %d processes of %d threads, rendezvous %s", pools, world, threads,
                  describe(init_method))
@@ -145,7 +143,8 @@ class PdEngine(ModelFront):
         if self._closed:
             return
         self._closed = True
-        for inbox, proc in zip(self.inboxes, self.procs):
+        inboxes = getattr(self, "inboxes", [])  # none when the workers never connected
+        for inbox, proc in zip(inboxes, self.procs):
             if proc.is_alive():
                 inbox.put(Stop())
         deadline = time.monotonic() + 5
@@ -154,6 +153,9 @@ class PdEngine(ModelFront):
             if proc.is_alive():
                 proc.terminate()
                 proc.join(timeout=5)
+        for inbox in inboxes:
+            inbox.close()
+        self.launcher.close()
 
     def health(self) -> tuple[bool, dict]:
         """(serving, details): serving while each pool has a live worker; details name any dead worker."""
@@ -209,7 +211,7 @@ class PdEngine(ModelFront):
             raise EngineDeadError(str(e)) from None
         self._first[request_id] = (list(prompt_token_ids), -1, params, seed)
         self.outputs.add_request(request_id, prompt_token_ids, params)
-        self.inboxes[rank].put(AddRequest(request_id, list(prompt_token_ids), params, seed))
+        self.inboxes[rank].put(AddRequest(request_id, list(prompt_token_ids), params, seed, seconds_left(params)))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         if request_id not in self.pd.requests:
@@ -337,7 +339,8 @@ class PdEngine(ModelFront):
         shape = tuple(nblocks if x is None else x for x in self._kv_shape)
         self.inboxes[src].put(SendKv(rid, self._dist_rank[dst], self._tag))
         self.inboxes[dst].put(RecvKv(rid, self._dist_rank[src], self._tag, shape,
-                                     PrefilledRequest(prompt, first, params, seed, req.num_cached_tokens)))
+                                     PrefilledRequest(prompt, first, params, seed, req.num_cached_tokens,
+                                                      seconds_left(params))))
 
     def _fail(self, rid: str, why: str) -> None:
         self._drop(rid)
@@ -373,5 +376,5 @@ class PdEngine(ModelFront):
             for rid in retry:
                 prompt, _, params, seed = self._first[rid]
                 new_rank = self.pd.route(rid, prompt)
-                self.inboxes[new_rank].put(AddRequest(rid, prompt, params, seed))
+                self.inboxes[new_rank].put(AddRequest(rid, prompt, params, seed, seconds_left(params)))
                 log.info("request %s: prefill moved to worker %d", rid, new_rank)

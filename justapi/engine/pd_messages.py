@@ -3,11 +3,23 @@ through a worker's queue, reports come out through its pipe. Both ends match on 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 
 from ..core.admission import StepCosts
 from ..core.outputs import EngineCoreOutput
 from ..sampling_params import SamplingParams
+
+
+def seconds_left(params: SamplingParams) -> float | None:
+    """A deadline as it travels: the seconds left now (time.monotonic is per host, and a worker may be a Ray actor
+    on another one)."""
+    return None if params.deadline is None else params.deadline - time.monotonic()
+
+
+def local_params(params: SamplingParams, deadline_in: float | None) -> SamplingParams:
+    """The params with their deadline on this host's clock, ``deadline_in`` seconds from now."""
+    return params if deadline_in is None else replace(params, deadline=time.monotonic() + deadline_in)
 
 
 # --- server → worker -------------------------------------------------------------------------------------------
@@ -17,6 +29,7 @@ class AddRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     seed: int
+    deadline_in: float | None = None  # seconds left when sent: hosts' monotonic clocks differ (see local_params)
 
 
 @dataclass(frozen=True)
@@ -42,6 +55,7 @@ class PrefilledRequest:
     params: SamplingParams
     seed: int
     num_cached_tokens: int  # counted by the prefill worker's prefix cache
+    deadline_in: float | None = None
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """A prefill or decode worker process of the disaggregated engine (``justapi serve --disaggregate``).
 
 Each worker is a whole engine (model replica, KV pool, continuous-batching scheduler) in its own process. The
-server (engine.pd_engine) talks to it through a multiprocessing queue of commands in (add, abort, send KV,
-receive KV, stop) and a pipe of reports out (new token ids per request, hand-offs, transfer figures, load), each a
-dataclass of engine.pd_messages. KV itself goes worker to worker over torch.distributed (distributed.kv_transfer),
+server (engine.pd_engine) talks to it over one connection (distributed.channel: a pipe, or a TCP socket when the
+worker is a Ray actor on another host): commands in (add, abort, send KV, receive KV, stop) and reports out (new
+token ids per request, hand-offs, transfer figures, load), each a dataclass of engine.pd_messages. KV itself goes worker to worker over torch.distributed (distributed.kv_transfer),
 never through the server.
 
 A prefill worker's scheduler hands a request off after its first token, keeping the prompt's blocks until the
@@ -13,6 +13,7 @@ decoding with the prompt's KV copied into its own blocks.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -22,8 +23,9 @@ from dataclasses import dataclass
 
 from ..config import EngineConfig
 from ..core.admission import StepCostModel
+from ..distributed.channel import WorkerLink, connect
 from .pd_messages import (AbortRequest, AddRequest, CheckIntegrity, Checked, Failed, Load, Outputs, Prefilled, Ready,
-                          Received, RecvKv, RequestFailed, SendKv, Sent, Stop)
+                          Received, RecvKv, RequestFailed, SendKv, Sent, Stop, local_params)
 
 log = logging.getLogger("justapi.worker")
 
@@ -67,19 +69,11 @@ def _join(spec: WorkerSpec):
     return group
 
 
-class _Outbox:
-    """The worker's end of its own pipe to the server (engine.pd_engine says why not a shared queue)."""
-
-    def __init__(self, conn) -> None:
-        self.conn = conn
-
-    def put(self, msg) -> None:
-        self.conn.send(msg)
-
-
-def worker_main(spec: WorkerSpec, inbox, conn) -> None:
-    """Process entry point: join the group, load the model, then serve commands until told to stop."""
-    outbox = _Outbox(conn)
+def worker_main(spec: WorkerSpec, link) -> None:
+    """Process entry point: join the group, load the model, then serve commands until told to stop. ``link``: the
+    worker's end of a pipe to the server, or (address, key, rank) to dial it (distributed.launch)."""
+    link = WorkerLink(link if not isinstance(link, tuple) else connect(*link))
+    outbox = inbox = link
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {spec.role}-worker-{spec.rank}: %(message)s")
     try:
         from .engine_core import EngineCore
@@ -175,7 +169,8 @@ class _Worker:
 
     def _handle(self, msg) -> None:
         match msg:
-            case AddRequest(rid, prompt, params, seed):
+            case AddRequest(rid, prompt, params, seed, deadline_in):
+                params = local_params(params, deadline_in)
                 self.sched.add_request(rid, prompt, params, self.engine.tokenizer.eos_token_ids, seed)
             case AbortRequest(rid):
                 self.sched.abort_request(rid)
@@ -195,7 +190,8 @@ class _Worker:
                 from ..distributed.kv_transfer import recv_kv
 
                 transfer = recv_kv(rid, shape, self.engine.model.kv_dtype, src, tag, self.engine.config.device)
-                self.recvs[rid] = (transfer, request)
+                self.recvs[rid] = (transfer, dataclasses.replace(
+                    request, params=local_params(request.params, request.deadline_in), deadline_in=None))
             case CheckIntegrity():
                 self.outbox.put(self._check())
             case _:
