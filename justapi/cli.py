@@ -90,6 +90,11 @@ UVICORN_STACK = {"loop": "asyncio", "http": "h11"}
 def cmd_serve(args) -> int:
     import uvicorn
 
+    cfg = engine_config(args)
+    if cfg.distributed_executor == "ray" and cfg.data_parallel is not None:  # replicas as Ray Serve deployments
+        from .ray_serve import run
+
+        return run(args)
     app, server_cfg = serve_app(args)
     server = _uvicorn_server_class()(uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port, access_log=False,
                                                     log_level=server_cfg.log_level.lower(),
@@ -98,9 +103,10 @@ def cmd_serve(args) -> int:
     return 0 if server.started else 1
 
 
-def serve_app(args, on_engine=None):
+def serve_app(args, on_engine=None, make_engine=None):
     """``justapi serve``'s checked configuration and FastAPI app (the engine loads when the app starts), and the
-    server settings. ``on_engine(engine)`` runs on the loaded engine before it serves (tests instrument it)."""
+    server settings. ``on_engine(engine)`` runs on the loaded engine before it serves (tests instrument it);
+    ``make_engine(config)`` builds another kind of engine (Ray Serve's ingress: justapi.ray_serve)."""
     from .server.api import build_app
 
     cfg = engine_config(args)
@@ -121,7 +127,9 @@ def serve_app(args, on_engine=None):
     logging.getLogger("justapi").info("loading %s; scheduler: %s", cfg.model, mode)
 
     def load_engine():
-        if cfg.worker_processes:
+        if make_engine is not None:
+            engine = make_engine(cfg)
+        elif cfg.worker_processes:
             from .engine.pd_engine import PdEngine
 
             engine = PdEngine(cfg)

@@ -227,6 +227,10 @@ class EngineConfig:
     placement_strategy: str = flag("PACK", "with --distributed-executor ray: how the processes' bundles (--threads CPUs "
                                    "each) are placed over the nodes, Ray's placement-group strategy",
                                    choices=PLACEMENT_STRATEGIES)
+    max_replicas: int | None = flag(None, "with --data-parallel N --distributed-executor ray: Ray Serve autoscales the "
+                                    "replicas between N and this many on ongoing requests")
+    target_ongoing_requests: float = flag(8.0, "with --max-replicas: the ongoing requests per replica Ray Serve's "
+                                          "autoscaler aims at")
     kv_memory_fraction: float = flag(DEFAULT_KV_MEMORY_FRACTION, "share of available memory a default-sized KV pool "
                                      "takes")
     tp: int = flag(1, "tensor-parallel ranks: every layer sharded across this many processes")
@@ -342,6 +346,12 @@ class EngineConfig:
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
             raise ValueError(f"--placement-strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}, not "
                              f"{self.placement_strategy!r}")
+        if self.max_replicas is not None and (self.distributed_executor != "ray" or self.data_parallel is None
+                                              or self.max_replicas < self.data_parallel):
+            raise ValueError("--max-replicas autoscales Ray Serve replicas: it needs --data-parallel N (at most "
+                             "--max-replicas) and --distributed-executor ray")
+        if not self.target_ongoing_requests > 0:
+            raise ValueError(f"--target-ongoing-requests must be positive, not {self.target_ongoing_requests!r}")
         if self.distributed_executor != "ray":
             return
         if not (self.worker_processes or self.tp > 1):

@@ -112,3 +112,72 @@ def test_a_replica_actor_killed_mid_load_fails_only_what_it_streamed(cluster, ti
         assert serving and detail["dead_workers"] == ["replica worker 0"]
     finally:
         engine.close()
+
+
+def test_serve_replicas_behind_the_prefix_router(cluster, tiny_model):
+    """--data-parallel 2 --distributed-executor ray: two Ray Serve replicas behind Serve's HTTP proxy and the
+    prefix-aware request router give the single engine's greedy text; one prefix stays on one replica; a replica
+    killed mid-load fails only what it had streamed, the rest is served."""
+    import concurrent.futures
+    import socket
+
+    import httpx
+    from ray import serve
+
+    from justapi.cli import build_parser
+    from justapi.ray_serve import build_application
+    from server_helpers import metric
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    parsed = build_parser().parse_args([
+        "serve", "--model", tiny_model, "--data-parallel", "2", "--distributed-executor", "ray", "--threads", "1",
+        "--pool-blocks", "256", "--batch-invariant", "--port", str(port), "--served-model-name", "tiny"])
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        serve.run(build_application(parsed), name="justapi", route_prefix="/")
+        deadline = time.monotonic() + 120
+        while httpx.get(url + "/health").status_code != 200:
+            assert time.monotonic() < deadline, "the Serve app did not become ready"
+            time.sleep(0.5)
+        ref = LLM(tiny_model, **OPTS)
+        prompts = [[5 + i, 6, 7, 8] * (3 + i) for i in range(6)]
+        want = [o.text for o in ref.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))]
+
+        def complete(prompt, max_tokens=12):
+            r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
+                                                          "temperature": 0, "ignore_eos": True}, timeout=120)
+            return r.status_code, r.json()
+
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(complete, prompts))
+        assert [g[1]["choices"][0]["text"] for g in got] == want
+        shared = list(range(3, 67))  # 4 blocks, one request after another: one replica, whose cache then hits
+        for i in range(3):
+            assert complete(shared + [100 + i], 2)[0] == 200
+        time.sleep(1.5)  # the replicas' load reports ride on their streams
+        m = httpx.get(url + "/metrics").text
+        assert metric(m, "prefix_cache_hits") >= 8
+        # kill the replica serving a long request mid-stream
+        body = {"prompt": [9, 9, 9], "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=120) as client, client.stream("POST", url + "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            for n, line in enumerate(lines):
+                if n > 10:
+                    break
+            names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                     if "EngineReplica" in a["name"]]
+            assert len(names) == 2, names
+            ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=False)  # Serve replaces it
+            rest = [line for line in lines if line]
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:  # served on meanwhile
+                after = list(pool.map(complete, prompts[:4]))
+        assert rest[-1] == "data: [DONE]"
+        assert all(code == 200 for code, _ in after), after
+        errored = any('"error"' in line for line in rest)  # the long request was on the killed replica
+        m = httpx.get(url + "/metrics").text
+        assert metric(m, "justapi_pd_requests_failed_total") == int(errored)
+    finally:
+        serve.shutdown()

@@ -118,6 +118,7 @@ class _Worker:
         self.busy_s = 0.0
         self.last_report = time.monotonic()
         self.step_costs = StepCostModel()  # reported to the server for --ttft-slo's prediction
+        self.report_every = REPORT_INTERVAL_S  # seconds between load reports (0: after every step, Ray Serve's)
 
     def run(self) -> None:
         while True:
@@ -246,7 +247,7 @@ class _Worker:
 
     def _report(self) -> None:
         now = time.monotonic()
-        if now - self.last_report < REPORT_INTERVAL_S:
+        if now - self.last_report < self.report_every:
             return
         cache = self.sched.cache
         self.outbox.put(Load(

@@ -1,0 +1,413 @@
+"""Data-parallel replicas on a Ray cluster through Ray Serve (``justapi serve --data-parallel N --distributed-executor
+ray``, or ``serve run justapi.ray_serve:app_builder model=PATH data-parallel=N``). Needs the Ray extra.
+
+- ``EngineReplica`` (a Serve deployment, N replicas or autoscaled between ``--data-parallel`` and ``--max-replicas`` on
+  ongoing requests by Serve's own autoscaler): a whole engine, the loop of a worker process (engine.pd_worker) run
+  in a thread of the replica; ``generate`` streams a request's EngineCoreOutputs (token ids) with the replica's load.
+- ``PrefixAwareRequestRouter``: Serve's request-router extension point, choosing the replica with core.router's
+  PrefixRouter (the policy of every mode) from the request's token ids and the replicas' queue lengths.
+- ``Ingress``: the OpenAI server (server.api.build_app, the same routes, metrics and admission) over ``ServeEngine``,
+  which tokenizes, sends each request to the replicas through a deployment handle, detokenizes what streams back,
+  and, when the replica serving a request dies (Ray reports the actor's death), sends it to another if nothing was
+  streamed yet, else fails it. Serve's HTTP proxy listens on ``--host``/``--port``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import signal
+import threading
+import time
+
+from ray import serve
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from .config import EngineConfig
+from .core.outputs import EngineCoreOutput
+from .core.pd_scheduler import PdStats
+from .core.router import PrefixRouter
+from .core.stats import PdSnapshot, WorkerSnapshot
+from .engine.async_llm import EngineDeadError
+from .engine.model_front import ModelFront
+from .engine.output_processor import OutputProcessor, RequestOutput
+from .engine.pd_messages import AbortRequest, AddRequest, Load, Outputs, RequestFailed, Stop, seconds_left
+from .sampling_params import SamplingParams
+
+log = logging.getLogger("justapi.ray_serve")
+
+REPLICAS = "EngineReplica"
+
+
+# --- the replicas ---------------------------------------------------------------------------------------------
+class _Dispatch:
+    """The replica's worker loop reports here (as a worker process would to its server): outputs to the request's
+    stream, the load kept for routing and metrics."""
+
+    def __init__(self) -> None:
+        self.loop: asyncio.AbstractEventLoop | None = None  # the replica's, known at its first request
+        self.streams: dict[str, asyncio.Queue] = {}
+        self.load: Load | None = None
+
+    def put(self, msg) -> None:
+        match msg:
+            case Outputs(_, outs):
+                for out in outs:
+                    self._send(out.request_id, out)
+            case RequestFailed(_, rid, why):
+                self._send(rid, why)
+            case Load():
+                self.load = msg
+
+    def _send(self, rid: str, item) -> None:
+        q = self.streams.get(rid)
+        if q is not None:
+            self.loop.call_soon_threadsafe(q.put_nowait, item)
+
+
+class EngineReplica:
+    """One engine; its loop runs in a thread, requests come and go through ``generate``."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from .engine.engine_core import EngineCore
+        from .engine.pd_worker import WorkerSpec, _Worker
+
+        self.engine = EngineCore(config)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.inbox: queue.Queue = queue.Queue()
+        self.dispatch = _Dispatch()
+        spec = WorkerSpec(0, 1, "replica", config, None, config.num_threads or 1, ((0,),))
+        worker = _Worker(spec, self.engine, self.inbox, self.dispatch)
+        worker.report_every = 0.0  # the load rides on the request streams: let each chunk carry the latest
+        self.thread = threading.Thread(target=worker.run, name="justapi-replica", daemon=True)
+        self.thread.start()
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int,
+                       deadline_in: float | None):
+        """Stream (the request's new EngineCoreOutputs, this replica's id, its last load) until it finishes."""
+        q: asyncio.Queue = asyncio.Queue()
+        self.dispatch.loop = asyncio.get_running_loop()
+        self.dispatch.streams[request_id] = q
+        self.inbox.put(AddRequest(request_id, prompt_token_ids, params, seed, deadline_in))
+        finished = False
+        try:
+            while not finished:
+                batch = [await q.get()]
+                while not q.empty():
+                    batch.append(q.get_nowait())
+                failure = next((b for b in batch if isinstance(b, str)), None)
+                if failure is not None:
+                    finished = True
+                    raise RuntimeError(failure)
+                finished = any(o.finish_reason is not None for o in batch)
+                yield batch, self.replica_id, self.dispatch.load
+        finally:
+            self.dispatch.streams.pop(request_id, None)
+            if not finished:  # cancelled by the caller (client gone, aborted)
+                self.inbox.put(AbortRequest(request_id))
+
+    def record_routing_stats(self) -> dict:
+        load = self.dispatch.load
+        return {} if load is None else {"running": load.running, "waiting": load.waiting}
+
+    def __del__(self) -> None:
+        self.inbox.put(Stop())
+
+
+# --- the router -----------------------------------------------------------------------------------------------
+class PrefixAwareRequestRouter(RequestRouter):
+    """Serve's replica choice by core.router.PrefixRouter: the request's token ids (``generate``'s second argument)
+    against a shadow of what each replica was sent, loads from Serve's queue-length cache (else its probes'
+    routing stats)."""
+
+    def initialize_state(self, policy: str = "prefix", slack: int = 2, block_size: int = 16, **kwargs) -> None:
+        self.router = PrefixRouter(policy, slack, block_size)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        if pending_request is None or len(pending_request.args) < 2:
+            return [candidate_replicas]
+        loads = {rid: self._load(r) for rid, r in by_id.items()}
+        best = self.router.choose(list(pending_request.args[1]), loads)
+        return [[by_id[best]], [r for rid, r in by_id.items() if rid != best]]
+
+    def _load(self, replica: RunningReplica) -> int:
+        cached = self.replica_queue_len_cache.get(replica.replica_id)
+        if cached is not None:
+            return cached
+        stats = replica.routing_stats or {}
+        return stats.get("running", 0) + stats.get("waiting", 0)
+
+    def on_replica_actor_died(self, replica_id) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.router.remove(replica_id.unique_id)
+
+
+# --- the ingress's engine ---------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Pending:
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    streamed: bool = False
+    replica: str | None = None
+    task: object = None
+
+
+class ServeEngine(ModelFront):
+    """The Engine interface (engine.protocol) over the replicas' deployment handle; AsyncLLM drives it."""
+
+    def __init__(self, config: EngineConfig, handle) -> None:
+        super().__init__(config)
+        self.handle = handle.options(stream=True)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.last_step = None
+        self.requests: dict[str, _Pending] = {}
+        self.stats_counters = PdStats()
+        self.replicas: dict[str, tuple[bool, Load | None]] = {}  # id → (alive, last load)
+        self.routed: dict[str, int] = {}  # id → requests it served (first chunk from it)
+        self._events: queue.Queue = queue.Queue()  # from the handle's loop to step()
+        self._failures: list[tuple[str, BaseException]] = []
+        self._status: tuple[float, str, dict] = (float("-inf"), "", {})  # (when, deployment status, replica states)
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="justapi-serve-handle", daemon=True).start()
+
+    # requests
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        self.check_token_ids(prompt_token_ids)
+        if len(prompt_token_ids) + (params.max_tokens or 1) > self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt_token_ids)} tokens and max_tokens {params.max_tokens} exceed "
+                             f"the model's length {self.max_model_len}")
+        return params.max_tokens or self.max_model_len - len(prompt_token_ids)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        max_tokens = self.check_request(prompt_token_ids, params)
+        self.prepare(params)
+        params = dataclasses.replace(params, max_tokens=max_tokens)
+        seed = params.seed if params.seed is not None else self.new_seed()
+        req = self.requests[request_id] = _Pending(list(prompt_token_ids), params, seed)
+        self.outputs.add_request(request_id, prompt_token_ids, params)
+        req.task = asyncio.run_coroutine_threadsafe(self._stream(request_id, req), self._loop)
+
+    async def _stream(self, rid: str, req: _Pending) -> None:
+        for attempt in (0, 1):
+            try:
+                gen = self.handle.generate.remote(rid, req.prompt, req.params, req.seed, seconds_left(req.params))
+                async for outs, replica, load in gen:
+                    self._events.put(("out", rid, outs, replica, load))
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the replica died (RayActorError) or the request failed there
+                why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                dead = "ActorDied" in type(e).__name__ or "ActorError" in type(e).__name__ or "Unavailable" in why
+                if dead and not req.streamed and attempt == 0:
+                    self._events.put(("retry", rid, req.replica))
+                    continue
+                self._events.put(("fail", rid, why, req.replica if dead else None))
+                return
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        req.task.cancel()  # cancels the stream: the replica aborts the request and frees its blocks
+        report, _ = self.outputs.process(EngineCoreOutput(request_id, [], None, "abort", len(req.prompt), 0))
+        return report
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(load.waiting for alive, load in self.replicas.values() if alive and load is not None)
+
+    # the loop
+    def step(self) -> list[RequestOutput]:
+        reports: list[RequestOutput] = []
+        try:
+            event = self._events.get(timeout=0.02)
+            while True:
+                self._handle(event, reports)
+                event = self._events.get_nowait()
+        except queue.Empty:
+            pass
+        return reports
+
+    def _handle(self, event, reports: list[RequestOutput]) -> None:
+        kind, rid = event[0], event[1]
+        req = self.requests.get(rid)
+        if kind == "out":
+            _, _, outs, replica, load = event
+            self.replicas[replica] = (True, load)
+            if req is None:
+                return  # aborted meanwhile
+            if req.replica != replica:
+                self.routed[replica] = self.routed.get(replica, 0) + 1
+            req.replica = replica
+            for out in outs:
+                req.streamed = req.streamed or bool(out.new_token_ids)
+                report, stopped = self.outputs.process(out)
+                reports.append(report)
+                if report.finished:
+                    if stopped:  # a stop string: the replica does not know yet
+                        req.task.cancel()
+                    self.requests.pop(rid, None)
+                    return
+        elif kind == "retry":
+            self._mark_dead(event[2])
+            self.stats_counters.retried += 1
+        elif kind == "fail" and req is not None:
+            self._mark_dead(event[3])
+            self.stats_counters.failed += 1
+            self.requests.pop(rid, None)
+            self.outputs.drop(rid)
+            self._failures.append((rid, EngineDeadError(f"the request failed: {event[2]}")))
+
+    def _mark_dead(self, replica: str | None) -> None:
+        if replica is not None:
+            self.replicas[replica] = (False, self.replicas.get(replica, (False, None))[1])
+
+    def idle(self) -> None:
+        self.step()
+
+    def take_failures(self) -> list[tuple[str, BaseException]]:
+        out, self._failures = self._failures, []
+        return out
+
+    def health(self) -> tuple[bool, dict]:
+        """Serve's view of the replica deployment (asked at most every 2 s), and the replicas seen dying here."""
+        if time.monotonic() - self._status[0] > 2.0:
+            try:
+                app = serve.status().applications[serve.get_replica_context().app_name]
+                d = app.deployments[REPLICAS]
+                self._status = (time.monotonic(), _name(d.status), {_name(k): v for k, v in d.replica_states.items()})
+            except Exception as e:  # noqa: BLE001 - the controller is unreachable: say so, do not fail /health
+                self._status = (time.monotonic(), f"unknown ({type(e).__name__}: {e})", {})
+        _, status, states = self._status
+        running = states.get("RUNNING", 0)
+        dead = [r for r, (ok, _) in self.replicas.items() if not ok]
+        detail = {"replica_workers_alive": running, "replica_deployment": status, "replica_states": states,
+                  "executor": "ray serve",
+                  "workers": [{"rank": r, "role": "replica", "alive": ok} for r, (ok, _) in self.replicas.items()]}
+        if dead:
+            detail["dead_workers"] = [f"replica {r}" for r in dead]
+        return running > 0, detail
+
+    def stats(self) -> PdSnapshot:
+        workers = tuple(self._snapshot(r, ok, load) for r, (ok, load) in self.replicas.items())
+        return PdSnapshot(workers, dataclasses.replace(self.stats_counters), "replica")
+
+    def _snapshot(self, replica: str, alive: bool, load: Load | None) -> WorkerSnapshot:
+        if load is None:
+            return WorkerSnapshot(replica, "replica", alive, 0, 0, 0.0, 0, 0, 0, 0, routed=self.routed.get(replica, 0))
+        return WorkerSnapshot(replica, "replica", alive, load.running, load.waiting, load.busy_fraction,
+                              load.cache_hits, load.cache_misses, load.cached_blocks, 0, load.costs,
+                              load.prefill_backlog, load.num_decoding, self.routed.get(replica, 0))
+
+    def stats_line(self) -> str:
+        return "replicas: " + ", ".join(
+            f"[{r[:8]}] " + ("dead" if not ok else "?" if load is None else f"{load.running} running {load.waiting} "
+                             f"waiting {load.busy_fraction:.0%} busy") for r, (ok, load) in self.replicas.items())
+
+    def close(self) -> None:
+        for req in self.requests.values():
+            req.task.cancel()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+
+
+def _name(value) -> str:
+    """An enum member's value, or the string Serve already gave."""
+    return str(getattr(value, "value", value))
+
+
+# --- the application --------------------------------------------------------------------------------------------
+def app_builder(args: dict):
+    """A Serve application from ``justapi serve``'s flags given as a dict (``serve run justapi.ray_serve:app_builder
+    model=PATH data-parallel=2``; keys with - or _)."""
+    from .cli import build_parser
+
+    argv = ["serve"]
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        argv += [flag] if value is True or value == "true" else [flag, str(value)]
+    return build_application(build_parser().parse_args(argv))
+
+
+def build_application(parsed):
+    """The Serve application of parsed ``justapi serve`` arguments: the ingress over the replica deployment."""
+    from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+
+    from .cli import engine_config
+    from .config import ServerConfig
+    from .flags import config_from_args
+
+    cfg = engine_config(parsed)
+    server_cfg = config_from_args(ServerConfig, parsed)
+    replica_cfg = dataclasses.replace(cfg, data_parallel=None, distributed_executor="mp", show_progress=False)
+    n = cfg.data_parallel or 1
+    scaling = {"num_replicas": n} if cfg.max_replicas is None else {"autoscaling_config": AutoscalingConfig(
+        min_replicas=n, max_replicas=cfg.max_replicas, target_ongoing_requests=cfg.target_ongoing_requests)}
+    router = RequestRouterConfig(
+        request_router_class="justapi.ray_serve:PrefixAwareRequestRouter",
+        request_router_kwargs={"policy": cfg.router, "slack": cfg.router_prefix_slack, "block_size": cfg.block_size},
+        request_routing_stats_period_s=1.0)
+    replicas = serve.deployment(EngineReplica, name=REPLICAS).options(
+        ray_actor_options={"num_cpus": cfg.num_threads or 1}, max_ongoing_requests=cfg.max_seqs * 4,
+        request_router_config=router, **scaling).bind(replica_cfg)
+    return _ingress(parsed, server_cfg).options(name="Ingress", ray_actor_options={"num_cpus": 0}).bind(replicas)
+
+
+def _ingress(parsed, server_cfg):
+    from .cli import serve_app
+
+    def make_engine(cfg):
+        return ServeEngine(cfg, serve.get_deployment_handle(REPLICAS, serve.get_replica_context().app_name))
+
+    app, _ = serve_app(parsed, make_engine=make_engine)
+
+    @serve.ingress(app)
+    class Ingress:
+        def __init__(self, replicas) -> None:
+            self.replicas = replicas  # (the engine finds them by name; bound so Serve deploys them with the app)
+
+    return serve.deployment(Ingress)
+
+
+def run(parsed) -> int:
+    """``justapi serve --data-parallel N --distributed-executor ray``: the application on the Ray cluster (RAY_ADDRESS,
+    else a local Ray), Serve's HTTP proxy on --host/--port, until interrupted."""
+    import os
+
+    import ray
+
+    from .config import ServerConfig
+    from .flags import config_from_args
+
+    server_cfg = config_from_args(ServerConfig, parsed)
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False)
+    serve.start(http_options={"host": server_cfg.host, "port": server_cfg.port})
+    serve.run(build_application(parsed), name="justapi", route_prefix="/")
+    log.info("serving on http://%s:%d through Ray Serve", server_cfg.host, server_cfg.port)
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)  # (Ray's own handler exits mid-shutdown with a traceback)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        serve.shutdown()
+        ray.shutdown()
+    return 0
