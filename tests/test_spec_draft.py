@@ -196,8 +196,9 @@ def test_engine_config_refuses_bad_speculation_settings(tiny_model):
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("draft,gamma,branch", [("self", 4, 1), ("self", 2, 2), ("random", 2, 1), ("random", 2, 2)],
-                         ids=["self-chain", "self-tree", "random-chain", "random-tree"])
+# on the real model a chain that is nearly always accepted and a tree that nearly never is (every combination runs
+# on the tiny model above; two here keep the suite's time)
+@pytest.mark.parametrize("draft,gamma,branch", [("self", 4, 1), ("random", 2, 2)], ids=["self-chain", "random-tree"])
 def test_smollm2_greedy_identical_with_draft_models(real_model_path, smollm2_random_draft, smollm2_copy_task, draft,
                                                     gamma, branch):
     chats, params, want, opts = smollm2_copy_task
