@@ -84,13 +84,16 @@ def test_timeouts_end_requests_behind_a_queue_with_what_they_have(priority_serve
             t0 = time.monotonic()
             plain = asyncio.create_task(c.post(srv.url + "/v1/completions", json=short, headers=auth))
             streamed = asyncio.create_task(read_stream(c, srv.url, short, auth))
+            embed = asyncio.create_task(c.post(srv.url + "/v1/embeddings", headers=auth,
+                                               json={"input": "queued too", "timeout": 1}))
             r = await plain
             plain_s = time.monotonic() - t0
             results = await streamed, await filler
             after = await wait_idle(c, srv.url)
-            return before, r, plain_s, results, after
+            return before, r, plain_s, results, after, await embed
 
-    before, r, plain_s, ((s_text, s_last, s_secs), (f_text, f_last, f_secs)), after = asyncio.run(run())
+    before, r, plain_s, ((s_text, s_last, s_secs), (f_text, f_last, f_secs)), after, embed = asyncio.run(run())
+    assert embed.status_code == 408 and "timeout" in embed.json()["error"]["message"]  # nothing to give: an error
     assert r.status_code == 200
     choice = r.json()["choices"][0]
     assert (choice["finish_reason"], choice["stop_reason"], choice["text"]) == ("length", "timeout", "")
@@ -100,7 +103,7 @@ def test_timeouts_end_requests_behind_a_queue_with_what_they_have(priority_serve
     # the long one: cut by --request-timeout mid-decode, with what it had generated
     assert (f_last["finish_reason"], f_last["stop_reason"]) == ("length", "timeout") and len(f_text) > 0
     assert 2.3 <= f_secs <= 4.0
-    assert metric(after, "justapi_request_timeouts_total") - metric(before, "justapi_request_timeouts_total") == 3
+    assert metric(after, "justapi_request_timeouts_total") - metric(before, "justapi_request_timeouts_total") == 4
     assert metric(after, "justapi_kv_blocks_used_by_requests") == 0
     srv.engine.scheduler.check_integrity()
 

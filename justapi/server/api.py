@@ -227,13 +227,18 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
         except ValueError as e:
             raise ApiError(400, f"this model cannot serve embeddings: {e}") from None
         tok = engine.tokenizer
-        params = dataclasses.replace(SamplingParams.for_embedding(pooling), user=getattr(raw.state, "api_user",
-                                                                                         None) or req.user)
+        timeouts = [t for t in (req.timeout, config.request_timeout) if t is not None]
+        params = dataclasses.replace(SamplingParams.for_embedding(pooling),
+                                     user=getattr(raw.state, "api_user", None) or req.user,
+                                     deadline=time.monotonic() + min(timeouts) if timeouts else None)
         choices = [Choice(i, i, tok.encode(x) if isinstance(x, str) else list(x), params)
                    for i, x in enumerate(req.inputs())]
         for c in choices:
             _validate(llm, c)
         await _collect(raw, llm, new_id("embd"), choices)
+        if any(c.final.embedding is None for c in choices):  # its deadline passed before it was computed
+            raise ApiError(408, f"the embedding was not computed within its timeout ({min(timeouts):g} s)",
+                           "timeout")
         tokens = sum(len(c.prompt_ids) for c in choices)
         return {"object": "list", "model": model_name,
                 "data": [embedding_data(c.index, c.final.embedding, req.encoding_format) for c in choices],

@@ -171,6 +171,7 @@ class EmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
+    timeout: float | None = Field(default=None, gt=0)  # JustAPI: seconds, then 408 if not computed yet
 
     @field_validator("input")
     @classmethod
