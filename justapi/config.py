@@ -231,6 +231,8 @@ class EngineConfig:
                                     "replicas between N and this many on ongoing requests")
     target_ongoing_requests: float = flag(8.0, "with --max-replicas: the ongoing requests per replica Ray Serve's "
                                           "autoscaler aims at")
+    upscale_delay: float = flag(30.0, "with --max-replicas: seconds the load must stay above the target before Ray "
+                                "Serve adds a replica (Serve's default)")
     kv_memory_fraction: float = flag(DEFAULT_KV_MEMORY_FRACTION, "share of available memory a default-sized KV pool "
                                      "takes")
     tp: int = flag(1, "tensor-parallel ranks: every layer sharded across this many processes")
@@ -352,6 +354,8 @@ class EngineConfig:
                              "--max-replicas) and --distributed-executor ray")
         if not self.target_ongoing_requests > 0:
             raise ValueError(f"--target-ongoing-requests must be positive, not {self.target_ongoing_requests!r}")
+        if not self.upscale_delay >= 0:
+            raise ValueError(f"--upscale-delay must be 0 or more seconds, not {self.upscale_delay!r}")
         if self.distributed_executor != "ray":
             return
         if not (self.worker_processes or self.tp > 1):

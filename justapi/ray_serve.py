@@ -352,10 +352,12 @@ def build_application(parsed):
 
     cfg = engine_config(parsed)
     server_cfg = config_from_args(ServerConfig, parsed)
-    replica_cfg = dataclasses.replace(cfg, data_parallel=None, distributed_executor="mp", show_progress=False)
+    replica_cfg = dataclasses.replace(cfg, data_parallel=None, max_replicas=None, distributed_executor="mp",
+                                      show_progress=False)
     n = cfg.data_parallel or 1
     scaling = {"num_replicas": n} if cfg.max_replicas is None else {"autoscaling_config": AutoscalingConfig(
-        min_replicas=n, max_replicas=cfg.max_replicas, target_ongoing_requests=cfg.target_ongoing_requests)}
+        min_replicas=n, max_replicas=cfg.max_replicas, target_ongoing_requests=cfg.target_ongoing_requests,
+        upscale_delay_s=cfg.upscale_delay)}
     router = RequestRouterConfig(
         request_router_class="justapi.ray_serve:PrefixAwareRequestRouter",
         request_router_kwargs={"policy": cfg.router, "slack": cfg.router_prefix_slack, "block_size": cfg.block_size},

@@ -5,6 +5,7 @@ mid-load fails only what it had streamed. Needs the Ray extra (pip install 'just
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -179,5 +180,56 @@ def test_serve_replicas_behind_the_prefix_router(cluster, tiny_model):
         errored = any('"error"' in line for line in rest)  # the long request was on the killed replica
         m = httpx.get(url + "/metrics").text
         assert metric(m, "justapi_pd_requests_failed_total") == int(errored)
+    finally:
+        serve.shutdown()
+
+
+@pytest.mark.skipif(not os.environ.get("JUSTAPI_SLOW_TESTS"), reason="about 40 s (Serve's autoscaler looks at 10-30 s "
+                    "of metrics): set JUSTAPI_SLOW_TESTS=1 to run it")
+def test_serve_autoscales_the_replicas_on_ongoing_requests(cluster, tiny_model):
+    """--data-parallel 1 --max-replicas 2: under more ongoing requests than the target, Serve adds a replica."""
+    import concurrent.futures
+    import socket
+
+    import httpx
+    from ray import serve
+
+    from justapi.cli import build_parser
+    from justapi.ray_serve import build_application
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    parsed = build_parser().parse_args([
+        "serve", "--model", tiny_model, "--data-parallel", "1", "--max-replicas", "2", "--target-ongoing-requests",
+        "1", "--upscale-delay", "1", "--distributed-executor", "ray", "--threads", "1", "--pool-blocks", "256",
+        "--port", str(port)])
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    url = f"http://127.0.0.1:{port}"
+
+    def running() -> int:
+        return httpx.get(url + "/health").json().get("replica_states", {}).get("RUNNING", 0)
+
+    try:
+        serve.run(build_application(parsed), name="justapi", route_prefix="/")
+        deadline = time.monotonic() + 120
+        while httpx.get(url + "/health").status_code != 200:
+            assert time.monotonic() < deadline, "the Serve app did not become ready"
+            time.sleep(0.5)
+        assert running() == 1
+        deadline = time.monotonic() + 120
+        body = {"prompt": [5, 6, 7], "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+        codes = []
+
+        def client():  # keeps a request in flight until the second replica runs
+            while running() < 2 and time.monotonic() < deadline:
+                codes.append(httpx.post(url + "/v1/completions", json=body, timeout=120).status_code)
+
+        t0 = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda _: client(), range(4)))
+        print(f"scaled to {running()} replicas after {time.monotonic() - t0:.1f} s of load, {len(codes)} requests")
+        assert running() == 2, "Serve did not add a replica"
+        assert set(codes) == {200}
     finally:
         serve.shutdown()
