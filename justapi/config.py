@@ -361,6 +361,8 @@ class EngineConfig:
         if not (self.worker_processes or self.tp > 1):
             raise ValueError("--distributed-executor ray places worker processes or tensor-parallel ranks: use it "
                              "with --data-parallel, --disaggregate or --tp above 1")
+        if self.gpu:
+            raise ValueError("--distributed-executor ray reserves CPUs only in this version: drop --gpu")
         try:
             import ray  # noqa: F401
         except ImportError:

@@ -81,12 +81,29 @@ class EngineReplica:
         spec = WorkerSpec(0, 1, "replica", config, None, config.num_threads or 1, ((0,),))
         worker = _Worker(spec, self.engine, self.inbox, self.dispatch)
         worker.report_every = 0.0  # the load rides on the request streams: let each chunk carry the latest
-        self.thread = threading.Thread(target=worker.run, name="justapi-replica", daemon=True)
+        self.broken: str | None = None  # why the engine loop died: every stream fails, Serve replaces the replica
+        self.thread = threading.Thread(target=self._run, args=(worker,), name="justapi-replica", daemon=True)
         self.thread.start()
+
+    def _run(self, worker) -> None:
+        try:
+            worker.run()
+        except BaseException as e:  # noqa: BLE001 - reported to every open stream and to Serve's health check
+            self.broken = f"the replica's engine failed ({type(e).__name__}: {e})"
+            log.error(self.broken)
+            for rid in list(self.dispatch.streams):
+                self.dispatch.put(RequestFailed(0, rid, self.broken))
+
+    def check_health(self) -> None:
+        """Serve's health check: a replica whose engine loop died is replaced."""
+        if self.broken is not None:
+            raise RuntimeError(self.broken)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int,
                        deadline_in: float | None):
         """Stream (the request's new EngineCoreOutputs, this replica's id, its last load) until it finishes."""
+        if self.broken is not None:
+            raise RuntimeError(self.broken)
         q: asyncio.Queue = asyncio.Queue()
         self.dispatch.loop = asyncio.get_running_loop()
         self.dispatch.streams[request_id] = q
@@ -110,7 +127,8 @@ class EngineReplica:
 
     def record_routing_stats(self) -> dict:
         load = self.dispatch.load
-        return {} if load is None else {"running": load.running, "waiting": load.waiting}
+        stats = {"num_blocks": self.engine.scheduler.pool.num_blocks}
+        return stats if load is None else stats | {"running": load.running, "waiting": load.waiting}
 
     def __del__(self) -> None:
         self.inbox.put(Stop())
@@ -132,9 +150,24 @@ class PrefixAwareRequestRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         if pending_request is None or len(pending_request.args) < 2:
             return [candidate_replicas]
+        for rid, r in by_id.items():  # each replica's shadow as large as its KV pool, once it has said
+            blocks = (r.routing_stats or {}).get("num_blocks")
+            if blocks:
+                self.router.add(rid, blocks)
         loads = {rid: self._load(r) for rid, r in by_id.items()}
-        best = self.router.choose(list(pending_request.args[1]), loads)
+        best = self.router.best(list(pending_request.args[1]), loads)
         return [[by_id[best]], [r for rid, r in by_id.items() if rid != best]]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        """Where the request went in the end (Serve may fall back to another rank): that replica holds it now."""
+        if len(pending_request.args) >= 2:
+            self.router.remember(replica_id.unique_id, list(pending_request.args[1]))
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        current = {r.replica_id.unique_id for r in replicas}
+        for gone in [e for e in self.router.engines() if e not in current]:  # scaled down or replaced
+            self.router.remove(gone)
 
     def _load(self, replica: RunningReplica) -> int:
         cached = self.replica_queue_len_cache.get(replica.replica_id)
@@ -156,7 +189,8 @@ class _Pending:
     seed: int
     streamed: bool = False
     replica: str | None = None
-    task: object = None
+    task: object = None  # the consuming coroutine's future (concurrent.futures)
+    gen: object = None  # the current response stream (DeploymentResponseGenerator), to cancel on the replica
 
 
 class ServeEngine(ModelFront):
@@ -173,9 +207,11 @@ class ServeEngine(ModelFront):
         self.routed: dict[str, int] = {}  # id → requests it served (first chunk from it)
         self._events: queue.Queue = queue.Queue()  # from the handle's loop to step()
         self._failures: list[tuple[str, BaseException]] = []
-        self._status: tuple[float, str, dict] = (float("-inf"), "", {})  # (when, deployment status, replica states)
+        self._status: tuple[str, dict] = ("", {})  # the deployment's status and replica states, as Serve last said
+        self._closed = False
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="justapi-serve-handle", daemon=True).start()
+        threading.Thread(target=self._watch_status, name="justapi-serve-status", daemon=True).start()
 
     # requests
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
@@ -197,28 +233,41 @@ class ServeEngine(ModelFront):
         req.task = asyncio.run_coroutine_threadsafe(self._stream(request_id, req), self._loop)
 
     async def _stream(self, rid: str, req: _Pending) -> None:
+        """Consume the request's stream; once more on another replica if the first died before any token."""
+        from ray.exceptions import ActorDiedError, RayActorError
+
+        streamed, replica = False, None  # seen here, not by the engine thread: its view lags the queue
         for attempt in (0, 1):
             try:
-                gen = self.handle.generate.remote(rid, req.prompt, req.params, req.seed, seconds_left(req.params))
-                async for outs, replica, load in gen:
+                req.gen = self.handle.generate.remote(rid if attempt == 0 else f"{rid}#retry", req.prompt,
+                                                      req.params, req.seed, seconds_left(req.params))
+                async for outs, replica, load in req.gen:
+                    if attempt:  # the retry ran under an id of its own on the replica
+                        outs = [dataclasses.replace(o, request_id=rid) for o in outs]
+                    streamed = streamed or any(o.new_token_ids for o in outs)
                     self._events.put(("out", rid, outs, replica, load))
                 return
             except asyncio.CancelledError:
+                req.gen.cancel()  # the replica aborts the request and frees its blocks
                 raise
-            except Exception as e:  # noqa: BLE001 - the replica died (RayActorError) or the request failed there
-                why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                dead = "ActorDied" in type(e).__name__ or "ActorError" in type(e).__name__ or "Unavailable" in why
-                if dead and not req.streamed and attempt == 0:
-                    self._events.put(("retry", rid, req.replica))
+            except (ActorDiedError, RayActorError) as e:  # Ray reports the replica's death
+                if not streamed and attempt == 0:
+                    self._events.put(("retry", rid, replica))
                     continue
-                self._events.put(("fail", rid, why, req.replica if dead else None))
+                self._events.put(("fail", rid, f"the replica {replica or ''} serving it died ({type(e).__name__})",
+                                  replica))
+                return
+            except Exception as e:  # noqa: BLE001 - the request failed on the replica: its reason, not Ray's header
+                cause = getattr(e, "cause", None) or e
+                self._events.put(("fail", rid, str(cause).strip().splitlines()[-1] if str(cause).strip()
+                                  else type(cause).__name__, None))
                 return
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        req.task.cancel()  # cancels the stream: the replica aborts the request and frees its blocks
+        self._cancel(req)
         report, _ = self.outputs.process(EngineCoreOutput(request_id, [], None, "abort", len(req.prompt), 0))
         return report
 
@@ -259,7 +308,7 @@ class ServeEngine(ModelFront):
                 reports.append(report)
                 if report.finished:
                     if stopped:  # a stop string: the replica does not know yet
-                        req.task.cancel()
+                        self._cancel(req)
                     self.requests.pop(rid, None)
                     return
         elif kind == "retry":
@@ -272,6 +321,10 @@ class ServeEngine(ModelFront):
             self.outputs.drop(rid)
             self._failures.append((rid, EngineDeadError(f"the request failed: {event[2]}")))
 
+    def _cancel(self, req: _Pending) -> None:
+        """Stop consuming the request's stream; cancelling the stream's task cancels it on the replica too."""
+        req.task.cancel()
+
     def _mark_dead(self, replica: str | None) -> None:
         if replica is not None:
             self.replicas[replica] = (False, self.replicas.get(replica, (False, None))[1])
@@ -283,27 +336,32 @@ class ServeEngine(ModelFront):
         out, self._failures = self._failures, []
         return out
 
-    def health(self) -> tuple[bool, dict]:
-        """Serve's view of the replica deployment (asked at most every 2 s), and the replicas seen dying here."""
-        if time.monotonic() - self._status[0] > 2.0:
+    def _watch_status(self) -> None:
+        """Serve's view of the replica deployment, every 2 s, on a thread of its own (the call blocks)."""
+        app = serve.get_replica_context().app_name
+        while not self._closed:
             try:
-                app = serve.status().applications[serve.get_replica_context().app_name]
-                d = app.deployments[REPLICAS]
-                self._status = (time.monotonic(), _name(d.status), {_name(k): v for k, v in d.replica_states.items()})
-            except Exception as e:  # noqa: BLE001 - the controller is unreachable: say so, do not fail /health
-                self._status = (time.monotonic(), f"unknown ({type(e).__name__}: {e})", {})
-        _, status, states = self._status
+                d = serve.status().applications[app].deployments[REPLICAS]
+                self._status = (_name(d.status), {_name(k): v for k, v in d.replica_states.items()})
+            except Exception as e:  # noqa: BLE001 - the controller is unreachable: /health says so
+                self._status = (f"unknown ({type(e).__name__})", {})
+            time.sleep(2.0)
+
+    def health(self) -> tuple[bool, dict]:
+        """Serving while Serve runs a replica; degraded while the deployment is not healthy (a replica died and is
+        being replaced, or scaling)."""
+        status, states = self._status
         running = states.get("RUNNING", 0)
-        dead = [r for r, (ok, _) in self.replicas.items() if not ok]
+        replicas = dict(self.replicas)
         detail = {"replica_workers_alive": running, "replica_deployment": status, "replica_states": states,
-                  "executor": "ray serve",
-                  "workers": [{"rank": r, "role": "replica", "alive": ok} for r, (ok, _) in self.replicas.items()]}
-        if dead:
-            detail["dead_workers"] = [f"replica {r}" for r in dead]
+                  "executor": "ray serve", "replicas_lost": [r for r, (ok, _) in replicas.items() if not ok],
+                  "workers": [{"rank": r, "role": "replica", "alive": ok} for r, (ok, _) in replicas.items()]}
+        if status not in ("HEALTHY", ""):
+            detail["dead_workers"] = [f"the replica deployment is {status}: {states}"]
         return running > 0, detail
 
     def stats(self) -> PdSnapshot:
-        workers = tuple(self._snapshot(r, ok, load) for r, (ok, load) in self.replicas.items())
+        workers = tuple(self._snapshot(r, ok, load) for r, (ok, load) in dict(self.replicas).items())
         return PdSnapshot(workers, dataclasses.replace(self.stats_counters), "replica")
 
     def _snapshot(self, replica: str, alive: bool, load: Load | None) -> WorkerSnapshot:
@@ -319,8 +377,9 @@ class ServeEngine(ModelFront):
                              f"waiting {load.busy_fraction:.0%} busy") for r, (ok, load) in self.replicas.items())
 
     def close(self) -> None:
-        for req in self.requests.values():
-            req.task.cancel()
+        self._closed = True
+        for req in list(self.requests.values()):
+            self._cancel(req)
         self._loop.call_soon_threadsafe(self._loop.stop)
 
 
@@ -352,8 +411,9 @@ def build_application(parsed):
 
     cfg = engine_config(parsed)
     server_cfg = config_from_args(ServerConfig, parsed)
+    threads = cfg.num_threads or 1  # each replica's torch threads, and the CPUs Ray reserves for it
     replica_cfg = dataclasses.replace(cfg, data_parallel=None, max_replicas=None, distributed_executor="mp",
-                                      show_progress=False)
+                                      num_threads=threads, show_progress=False)
     n = cfg.data_parallel or 1
     scaling = {"num_replicas": n} if cfg.max_replicas is None else {"autoscaling_config": AutoscalingConfig(
         min_replicas=n, max_replicas=cfg.max_replicas, target_ongoing_requests=cfg.target_ongoing_requests,
@@ -363,7 +423,7 @@ def build_application(parsed):
         request_router_kwargs={"policy": cfg.router, "slack": cfg.router_prefix_slack, "block_size": cfg.block_size},
         request_routing_stats_period_s=1.0)
     replicas = serve.deployment(EngineReplica, name=REPLICAS).options(
-        ray_actor_options={"num_cpus": cfg.num_threads or 1}, max_ongoing_requests=cfg.max_seqs * 4,
+        ray_actor_options={"num_cpus": threads}, max_ongoing_requests=cfg.max_seqs * 4,
         request_router_config=router, **scaling).bind(replica_cfg)
     return _ingress(parsed, server_cfg).options(name="Ingress", ray_actor_options={"num_cpus": 0}).bind(replicas)
 

@@ -38,9 +38,18 @@ class PrefixRouter:
         self._shadows.pop(engine, None)
         self._capacity.pop(engine, None)
 
+    def engines(self) -> list[Hashable]:
+        return list(self._shadows)
+
     def choose(self, prompt: list[int], loads: Mapping[Hashable, int]) -> Hashable:
         """The engine for ``prompt`` among ``loads`` (engine → requests in flight there, not empty); it is
         remembered as holding the prompt from now on."""
+        best = self.best(prompt, loads)
+        self.remember(best, prompt)
+        return best
+
+    def best(self, prompt: list[int], loads: Mapping[Hashable, int]) -> Hashable:
+        """The engine ``choose`` would pick, remembering nothing (the caller calls ``remember`` where it went)."""
         order = {e: i for i, e in enumerate(self._shadows)}
         candidates = sorted(loads, key=lambda e: order.get(e, len(order)))
         if self.policy == "round-robin":
@@ -50,7 +59,6 @@ class PrefixRouter:
             least = min(loads.values())
             best = max(candidates, key=lambda e: (self.prefix_blocks(e, prompt) if loads[e] <= least + self.slack
                                                   else -1, -loads[e], -order.get(e, len(order))))
-        self.remember(best, prompt)
         return best
 
     def prefix_blocks(self, engine: Hashable, prompt: list[int]) -> int:

@@ -32,13 +32,14 @@ class Channel:
         while (msg := self._queue.get()) is not _CLOSE:
             try:
                 self.conn.send(msg)
-            except (OSError, ValueError):
-                return  # the worker is gone; the server notices its death by the process, or the end of file
+            except Exception:  # noqa: BLE001 - the worker is gone (or its connection was closed by the reader):
+                return  # the server notices its death by the process, or the end of file
 
     def close(self) -> None:
-        """Stop the feeder after what was put so far (the connection itself is closed by its reader)."""
+        """Stop the feeder after what was put so far, then close the connection."""
         self._queue.put(_CLOSE)
         self._feeder.join(timeout=5)
+        self.conn.close()
 
 
 class WorkerLink:

@@ -29,6 +29,8 @@ from .channel import Channel
 
 log = logging.getLogger("justapi.launch")
 
+START_TIMEOUT_S = 300.0  # for a Ray actor to start (scheduling, importing torch)
+
 
 class LocalProcesses:
     """Processes on this host."""
@@ -71,7 +73,8 @@ class RayProcess:
         import ray
 
         self.actor, self.name = actor, name
-        self.pid, self.node_ip, self.node_id = ray.get(actor.describe.remote())
+        # an actor that cannot start (a node without justapi, no room) fails here instead of hanging the server
+        self.pid, self.node_ip, self.node_id = ray.get(actor.describe.remote(), timeout=START_TIMEOUT_S)
         self._ref = None
         self.exitcode: int | None = None
 
@@ -181,9 +184,19 @@ class RayActors:
             while len(accepted) < len(self._expected):
                 try:
                     conn = self._listener.accept()
-                    accepted.append((conn.recv(), conn))
-                except (OSError, EOFError, mp_connection.AuthenticationError):
-                    return
+                except mp_connection.AuthenticationError:
+                    continue  # a stray connection without the key: not one of ours
+                except OSError:
+                    return  # the listener was closed
+                try:
+                    rank = conn.recv()
+                except (OSError, EOFError):
+                    conn.close()
+                    continue
+                if rank in self._expected and all(r != rank for r, _ in accepted):
+                    accepted.append((rank, conn))
+                else:
+                    conn.close()
 
         t = threading.Thread(target=accept, name="justapi-accept", daemon=True)
         t.start()

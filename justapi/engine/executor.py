@@ -92,9 +92,15 @@ class TpExecutor(Executor):
             threads = config.num_threads or max(1, (os.cpu_count() or 1) // config.tp)
             self.launcher = make_launcher(config, config.tp, threads, driver_bundle=True)  # rank 0 is this process
             init = self.launcher.rendezvous(None)
-            for rank in range(1, config.tp):
-                self.procs.append(self.launcher.start(tp_rank_main, (config, model_config, rank, init),
-                                                      f"justapi-tp-{rank}", rank))
+            try:
+                for rank in range(1, config.tp):
+                    self.procs.append(self.launcher.start(tp_rank_main, (config, model_config, rank, init),
+                                                          f"justapi-tp-{rank}", rank))
+            except Exception:
+                for proc in self.procs:  # the ranks that did start, and their placement
+                    proc.kill()
+                self.launcher.close()
+                raise
             log.info("started %d tensor-parallel ranks (%s), rendezvous %s", len(self.procs),
                      config.distributed_executor, pg.describe(init))
             if config.gpu:

@@ -81,21 +81,12 @@ class PdEngine(ModelFront):
         init_method = self.launcher.rendezvous(0)  # on the node of global rank 0, worker 0's leader
         self.procs = []  # the workers' leaders, by worker index
         self.followers: list[list] = []  # the workers' tensor-parallel ranks > 0
-        links = []
         workers = len(roles)
-        for rank, (role, n) in enumerate(zip(roles, sizes)):
-            worker_config = dataclasses.replace(
-                cfg, disaggregate=False, prefill_workers=None, decode_workers=None, prefill_tp=None, decode_tp=None,
-                data_parallel=None, distributed_executor="mp", tp=n, num_threads=threads, show_progress=False,
-                kv_memory_fraction=cfg.kv_memory_fraction / workers,
-            )
-            spec = WorkerSpec(rank, world, role, worker_config, init_method, threads, tuple(layout))
-            links.append(self.launcher.link(rank))
-            self.procs.append(self.launcher.start(worker_main, (spec, links[-1]), f"justapi-{role}-{rank}",
-                                                  layout[rank][0]))
-            self.followers.append([
-                self.launcher.start(follower_main, (dataclasses.replace(spec, tp_rank=t),),
-                                    f"justapi-{role}-{rank}-tp{t}", layout[rank][t]) for t in range(1, n)])
+        try:
+            self._launch(roles, sizes, layout, threads, init_method)
+        except Exception as e:  # noqa: BLE001 - e.g. a Ray actor that cannot start: stop what did, say why
+            self.close()
+            raise ModelLoadError(f"{mode}: the workers could not be started: {e}") from None
         try:
             channels = self.launcher.channels(dict(enumerate(self.procs)), time.monotonic() + START_TIMEOUT_S)
         except RuntimeError as e:
@@ -137,6 +128,23 @@ class PdEngine(ModelFront):
                                                     max_model_len=self.max_model_len))
         c = self.model_config
         self._kv_shape = (c.num_layers, 2, c.num_kv_heads, None, cfg.block_size, c.head_dim)
+
+    def _launch(self, roles, sizes, layout, threads: int, init_method: str | None) -> None:
+        """Start every worker's leader and tensor-parallel ranks through the launcher."""
+        cfg, workers, world = self.config, len(roles), sum(sizes)
+        for rank, (role, n) in enumerate(zip(roles, sizes)):
+            worker_config = dataclasses.replace(
+                cfg, disaggregate=False, prefill_workers=None, decode_workers=None, prefill_tp=None, decode_tp=None,
+                data_parallel=None, distributed_executor="mp", tp=n, num_threads=threads, show_progress=False,
+                kv_memory_fraction=cfg.kv_memory_fraction / workers,
+            )
+            spec = WorkerSpec(rank, world, role, worker_config, init_method, threads, tuple(layout))
+            link = self.launcher.link(rank)
+            self.procs.append(self.launcher.start(worker_main, (spec, link), f"justapi-{role}-{rank}",
+                                                  layout[rank][0]))
+            self.followers.append([
+                self.launcher.start(follower_main, (dataclasses.replace(spec, tp_rank=t),),
+                                    f"justapi-{role}-{rank}-tp{t}", layout[rank][t]) for t in range(1, n)])
 
     def close(self) -> None:
         """Stop every worker (they get a moment to leave the group cleanly, then are terminated)."""
@@ -274,8 +282,7 @@ class PdEngine(ModelFront):
                 while conn.poll():
                     msgs.append(conn.recv())
             except (EOFError, OSError):
-                log.info("worker %d closed its pipe", self._pipes.pop(conn))
-                conn.close()
+                log.info("worker %d closed its pipe", self._pipes.pop(conn))  # (closed with its channel)
         return msgs
 
     def _handle(self, msg, reports: list[RequestOutput]) -> None:
