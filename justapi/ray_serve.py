@@ -104,6 +104,7 @@ class EngineReplica:
         """Stream (the request's new EngineCoreOutputs, this replica's id, its last load) until it finishes."""
         if self.broken is not None:
             raise RuntimeError(self.broken)
+        self.engine.scheduler.check_admissible(len(prompt_token_ids), params.max_tokens)  # ValueError: a 400
         q: asyncio.Queue = asyncio.Queue()
         self.dispatch.loop = asyncio.get_running_loop()
         self.dispatch.streams[request_id] = q
@@ -255,12 +256,13 @@ class ServeEngine(ModelFront):
                     self._events.put(("retry", rid, replica))
                     continue
                 self._events.put(("fail", rid, f"the replica {replica or ''} serving it died ({type(e).__name__})",
-                                  replica))
+                                  replica, None, True))
                 return
             except Exception as e:  # noqa: BLE001 - the request failed on the replica: its reason, not Ray's header
                 cause = getattr(e, "cause", None) or e
-                self._events.put(("fail", rid, str(cause).strip().splitlines()[-1] if str(cause).strip()
-                                  else type(cause).__name__, None))
+                why = str(cause).strip().splitlines()[-1] if str(cause).strip() else type(cause).__name__
+                # a request the replica refused (it can never fit its pool) is the client's error, a 400
+                self._events.put(("fail", rid, why, None, ValueError if isinstance(cause, ValueError) else None, False))
                 return
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -315,11 +317,14 @@ class ServeEngine(ModelFront):
             self._mark_dead(event[2])
             self.stats_counters.retried += 1
         elif kind == "fail" and req is not None:
-            self._mark_dead(event[3])
-            self.stats_counters.failed += 1
+            _, _, why, replica, error, died = event
+            if died:
+                self._mark_dead(replica)
+                self.stats_counters.failed += 1  # (the metric counts requests lost with a replica)
             self.requests.pop(rid, None)
             self.outputs.drop(rid)
-            self._failures.append((rid, EngineDeadError(f"the request failed: {event[2]}")))
+            error = error or EngineDeadError
+            self._failures.append((rid, error(why if error is ValueError else f"the request failed: {why}")))
 
     def _cancel(self, req: _Pending) -> None:
         """Stop consuming the request's stream; cancelling the stream's task cancels it on the replica too."""

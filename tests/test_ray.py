@@ -134,7 +134,7 @@ def test_serve_replicas_behind_the_prefix_router(cluster, tiny_model):
         port = s.getsockname()[1]
     parsed = build_parser().parse_args([
         "serve", "--model", tiny_model, "--data-parallel", "2", "--distributed-executor", "ray", "--threads", "1",
-        "--pool-blocks", "256", "--batch-invariant", "--port", str(port), "--served-model-name", "tiny"])
+        "--pool-blocks", "48", "--batch-invariant", "--port", str(port), "--served-model-name", "tiny"])
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     url = f"http://127.0.0.1:{port}"
     try:
@@ -155,6 +155,8 @@ def test_serve_replicas_behind_the_prefix_router(cluster, tiny_model):
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             got = list(pool.map(complete, prompts))
         assert [g[1]["choices"][0]["text"] for g in got] == want
+        code, too_big = complete([5] * 900, 4)  # within the model's length, beyond a replica's 48 blocks
+        assert code == 400 and "block" in too_big["error"]["message"], too_big
         shared = list(range(3, 67))  # 4 blocks, one request after another: one replica, whose cache then hits
         for i in range(3):
             assert complete(shared + [100 + i], 2)[0] == 200

@@ -5,7 +5,8 @@ replicas (``justapi.ray_serve``). Pure Python.
 
 The router cannot see the engines' caches, so it keeps a shadow of each: the block-chain hashes of the prompts it
 sent there, as many blocks as that engine's pool holds, the least recently sent forgotten first, a prompt's deepest
-blocks before its first (the engines' radix caches evict least recently used leaves). A prompt's prefix hit on an engine is the number of its leading full blocks in that shadow. Choice:
+blocks before its first (the engines' radix caches evict least recently used leaves). A prompt's prefix hit on an
+engine is the number of its leading full blocks in that shadow. Choice:
 
 - ``prefix`` (default): among the engines with at most ``slack`` more requests in flight than the least loaded, the
   one with the longest prefix hit; ties (and no hit anywhere) go to the least loaded, then the first added.
