@@ -5,6 +5,8 @@ engine and app, served by uvicorn from a thread) or as a real child process (Ser
 from __future__ import annotations
 
 import os
+import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -173,3 +175,24 @@ def labelled(text: str, name: str, **labels) -> float:
             if sample.name == name and sample.labels == labels:
                 return sample.value
     raise KeyError((name, labels))
+
+
+def documented_metrics() -> set[str]:
+    """The metric names docs/metrics.md's table lists."""
+    page = (pathlib.Path(__file__).parent.parent / "docs" / "metrics.md").read_text()
+    return set(re.findall(r"^\| `([a-z0-9_]+)` \|", page, flags=re.M))
+
+
+def undocumented_metrics(text: str) -> set[str]:
+    """Names in a /metrics text that docs/metrics.md does not list (histograms by their family name)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    documented, out = documented_metrics(), set()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue  # prometheus_client's own creation times
+            name = re.sub(r"_(bucket|sum|count)$", "", sample.name) if family.type == "histogram" else sample.name
+            if name not in documented:
+                out.add(name)
+    return out

@@ -115,7 +115,7 @@ def test_requests_routed_to_a_dead_replica_before_it_streamed_are_retried(tiny_m
 def test_a_replica_killed_mid_load_fails_what_it_streamed_and_the_other_serves_on(tiny_model, tmp_path):
     import httpx
 
-    from server_helpers import ServerProcess, labelled, metric
+    from server_helpers import ServerProcess, labelled, metric, undocumented_metrics
 
     srv = ServerProcess(["--model", tiny_model, "--pool-blocks", "256", "--data-parallel", "2", "--threads", "1"],
                         str(tmp_path / "dp.log"), timeout_s=300)
@@ -155,6 +155,7 @@ def test_a_replica_killed_mid_load_fails_what_it_streamed_and_the_other_serves_o
         assert metric(m, "justapi_pd_requests_failed_total") == 1  # only the one that had streamed tokens
         dead = str(serving[0]["rank"])
         assert labelled(m, "justapi_worker_alive", worker=dead, role="replica") == 0.0
+        assert undocumented_metrics(m) == set()  # docs/metrics.md lists them
         assert labelled(m, "justapi_worker_requests_routed_total", worker=str(1 - int(dead)), role="replica") >= 4
     finally:
         assert srv.stop() == 0

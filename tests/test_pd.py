@@ -208,7 +208,7 @@ def test_requests_routed_to_a_dead_prefill_worker_are_retried_on_another(tiny_mo
 def test_a_decode_worker_killed_mid_stream_fails_its_requests_and_serving_goes_on(tiny_model, tmp_path):
     import httpx
 
-    from server_helpers import ServerProcess, metric
+    from server_helpers import ServerProcess, metric, undocumented_metrics
 
     srv = ServerProcess(["--model", tiny_model, "--pool-blocks", "256", "--disaggregate",
                          "--prefill-workers", "1", "--decode-workers", "2", "--threads", "1"],
@@ -241,6 +241,7 @@ def test_a_decode_worker_killed_mid_stream_fails_its_requests_and_serving_goes_o
         assert metric(m, "justapi_pd_requests_failed_total") == 1
         assert metric(m, "justapi_pd_kv_transfers_total") >= 4
         assert 'justapi_pd_workers_alive{pool="decode"} 1.0' in m
+        assert undocumented_metrics(m) == set()  # docs/metrics.md lists them
     finally:
         assert srv.stop() == 0
     assert "decode worker" in srv.read_log() and "died" in srv.read_log()
