@@ -5,6 +5,7 @@ mid-load fails only what it had streamed. Needs the Ray extra (pip install 'just
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -115,11 +116,10 @@ def test_a_replica_actor_killed_mid_load_fails_only_what_it_streamed(cluster, ti
         engine.close()
 
 
-def test_serve_replicas_behind_the_prefix_router(cluster, tiny_model):
-    """--data-parallel 2 --distributed-executor ray: two Ray Serve replicas behind Serve's HTTP proxy and the
-    prefix-aware request router give the single engine's greedy text; one prefix stays on one replica; a replica
-    killed mid-load fails only what it had streamed, the rest is served."""
-    import concurrent.futures
+@contextlib.contextmanager
+def serve_app(tiny_model, *flags):
+    """``justapi serve --distributed-executor ray FLAGS`` as a Serve application on the cluster, Serve's proxy on a
+    free loopback port, ready; its URL. Serve is shut down after."""
     import socket
 
     import httpx
@@ -127,14 +127,12 @@ def test_serve_replicas_behind_the_prefix_router(cluster, tiny_model):
 
     from justapi.cli import build_parser
     from justapi.ray_serve import build_application
-    from server_helpers import metric
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    parsed = build_parser().parse_args([
-        "serve", "--model", tiny_model, "--data-parallel", "2", "--distributed-executor", "ray", "--threads", "1",
-        "--pool-blocks", "48", "--batch-invariant", "--port", str(port), "--served-model-name", "tiny"])
+    parsed = build_parser().parse_args(["serve", "--model", tiny_model, "--distributed-executor", "ray", "--threads",
+                                        "1", "--port", str(port), *flags])
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     url = f"http://127.0.0.1:{port}"
     try:
@@ -143,6 +141,23 @@ def test_serve_replicas_behind_the_prefix_router(cluster, tiny_model):
         while httpx.get(url + "/health").status_code != 200:
             assert time.monotonic() < deadline, "the Serve app did not become ready"
             time.sleep(0.5)
+        yield url
+    finally:
+        serve.shutdown()
+
+
+def test_serve_replicas_behind_the_prefix_router(cluster, tiny_model):
+    """--data-parallel 2 --distributed-executor ray: two Ray Serve replicas behind Serve's HTTP proxy and the
+    prefix-aware request router give the single engine's greedy text; one prefix stays on one replica; a replica
+    killed mid-load fails only what it had streamed, the rest is served."""
+    import concurrent.futures
+
+    import httpx
+
+    from server_helpers import metric
+
+    with serve_app(tiny_model, "--data-parallel", "2", "--pool-blocks", "48", "--batch-invariant",
+                   "--served-model-name", "tiny") as url:
         ref = LLM(tiny_model, **OPTS)
         prompts = [[5 + i, 6, 7, 8] * (3 + i) for i in range(6)]
         want = [o.text for o in ref.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))]
@@ -182,8 +197,6 @@ def test_serve_replicas_behind_the_prefix_router(cluster, tiny_model):
         errored = any('"error"' in line for line in rest)  # the long request was on the killed replica
         m = httpx.get(url + "/metrics").text
         assert metric(m, "justapi_pd_requests_failed_total") == int(errored)
-    finally:
-        serve.shutdown()
 
 
 @pytest.mark.skipif(not os.environ.get("JUSTAPI_SLOW_TESTS"), reason="about 40 s (Serve's autoscaler looks at 10-30 s "
@@ -191,33 +204,14 @@ def test_serve_replicas_behind_the_prefix_router(cluster, tiny_model):
 def test_serve_autoscales_the_replicas_on_ongoing_requests(cluster, tiny_model):
     """--data-parallel 1 --max-replicas 2: under more ongoing requests than the target, Serve adds a replica."""
     import concurrent.futures
-    import socket
 
     import httpx
-    from ray import serve
-
-    from justapi.cli import build_parser
-    from justapi.ray_serve import build_application
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    parsed = build_parser().parse_args([
-        "serve", "--model", tiny_model, "--data-parallel", "1", "--max-replicas", "2", "--target-ongoing-requests",
-        "1", "--upscale-delay", "1", "--distributed-executor", "ray", "--threads", "1", "--pool-blocks", "256",
-        "--port", str(port)])
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    url = f"http://127.0.0.1:{port}"
 
     def running() -> int:
         return httpx.get(url + "/health").json().get("replica_states", {}).get("RUNNING", 0)
 
-    try:
-        serve.run(build_application(parsed), name="justapi", route_prefix="/")
-        deadline = time.monotonic() + 120
-        while httpx.get(url + "/health").status_code != 200:
-            assert time.monotonic() < deadline, "the Serve app did not become ready"
-            time.sleep(0.5)
+    with serve_app(tiny_model, "--data-parallel", "1", "--max-replicas", "2", "--target-ongoing-requests", "1",
+                   "--upscale-delay", "1", "--pool-blocks", "256") as url:
         assert running() == 1
         deadline = time.monotonic() + 120
         body = {"prompt": [5, 6, 7], "max_tokens": 300, "temperature": 0, "ignore_eos": True}
@@ -233,5 +227,3 @@ def test_serve_autoscales_the_replicas_on_ongoing_requests(cluster, tiny_model):
         print(f"scaled to {running()} replicas after {time.monotonic() - t0:.1f} s of load, {len(codes)} requests")
         assert running() == 2, "Serve did not add a replica"
         assert set(codes) == {200}
-    finally:
-        serve.shutdown()
