@@ -1,4 +1,4 @@
-"""Dense families beyond Llama and Gemma 3 (issue 27 item 4), each a small declarative difference (config.ARCHS,
+"""Dense families beyond Llama and Gemma 3 (issue 27 item 4), each a small declarative difference (model_config.ARCHS,
 and what the file states), held to transformers on tiny random GGUFs: phi3 (fused Q/K/V and gate/up tensors),
 gemma2 (soft-capped attention and logits, a window on every other layer) and a Mistral-style window on llama."""
 

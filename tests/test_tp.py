@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from justapi import LLM, SamplingParams
-from justapi.config import ModelConfig
+from justapi.model_config import ModelConfig
 from justapi.distributed.tp import TpPlan, even_range
 from justapi.structured.spec import StructuredOutput
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..config import ModelConfig
+from ..model_config import ModelConfig
 
 
 def even_range(n: int, parts: int, index: int) -> tuple[int, int]:

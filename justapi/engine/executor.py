@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import EngineConfig, ModelConfig
+from ..config import EngineConfig
+from ..model_config import ModelConfig
 from ..core.outputs import RunnerOutput, SchedulerOutput
 from ..distributed import group as pg
 from ..distributed.launch import make_launcher

@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..config import EngineConfig, ModelConfig
+from ..config import EngineConfig
+from ..model_config import ModelConfig
 from ..core.stats import PdSnapshot, SchedulerSnapshot
 from ..model.tokenizer import Tokenizer
 from ..sampling_params import SamplingParams

@@ -9,7 +9,8 @@ import logging
 
 import torch
 
-from ..config import EngineConfig, ModelConfig
+from ..config import EngineConfig
+from ..model_config import ModelConfig
 from ..core.outputs import RunnerOutput, SchedulerOutput
 from ..kernels import decode_kernels
 from ..model.gguf_loader import ModelLoadError, load_tensors, open_gguf, read_model_config

@@ -11,7 +11,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from ..config import ARCHS, SUPPORTED_ARCHS, ModelConfig
+from ..model_config import ARCHS, SUPPORTED_ARCHS, ModelConfig
 from .unpack import (Q4Unpacked, Q8Unpacked, unpack_q2_k, unpack_q3_k, unpack_q4, unpack_q4_k, unpack_q5_0,
                      unpack_q5_1, unpack_q5_k, unpack_q6_k, unpack_q8_0)
 

@@ -1,7 +1,7 @@
 """The Llama family (llama, qwen2 with QKV biases, qwen3 with QK norm, phi3 with fused tensors) and Gemma 2/3 over a
 paged KV cache.
 
-Gemma is Llama with the differences config.ARCHS names: embeddings scaled by sqrt(hidden), a norm on each
+Gemma is Llama with the differences model_config.ARCHS names: embeddings scaled by sqrt(hidden), a norm on each
 sublayer's output before its residual add, GELU (tanh) in the MLP, sliding-window layers (Gemma 3: five to each
 global one, RoPE base 10,000; Gemma 2: every other one) and, for Gemma 2, soft-capped attention scores and logits.
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..config import ModelConfig
+from ..model_config import ModelConfig
 from .attention import AttentionMetadata, paged_attention, write_kv
 from .gguf_loader import Q8_SUFFIX, ModelLoadError
 from . import hugepages

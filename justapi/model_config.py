@@ -1,0 +1,88 @@
+"""What a model is, as the engine sees it: ``ModelConfig``, the facts a GGUF file's metadata states, and ``ARCHS``,
+what sets each supported architecture apart from Llama (what the file does not state)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ArchTraits:
+    """What sets an architecture apart from Llama, for the one decoder in model/llama.py. Everything a GGUF file
+    states (sizes, biases and norms present, the window) is read from the file; these are what it does not state."""
+
+    rope_style: str = "neox"  # "norm": rotate adjacent pairs (llama.cpp's llama); "neox": rotate halves
+    mlp_act: str = "silu"  # the gate's activation: "silu" or "gelu_tanh"
+    embed_scale: bool = False  # token embeddings times sqrt(hidden) (Gemma)
+    post_norms: bool = False  # RMSNorm on the attention and MLP outputs before each residual add (Gemma 2/3)
+    sliding_window: bool = False  # reads {arch}.attention.sliding_window (other families' files may carry the key
+    # for a model that transformers and JustAPI run without a window)
+    global_every: int = 0  # with a sliding window: every Nth layer attends globally (Gemma 3: 6); 0: every layer
+    local_rope_theta: float | None = None  # the sliding layers' RoPE base where it differs (Gemma 3: 10,000)
+    moe_norm_top_k: bool = False  # mixture of experts: the top-k routing weights renormalized to sum to 1
+
+
+ARCHS = {
+    # a llama file with {arch}.attention.sliding_window (Mistral 7B v0.1's 4096) attends through that window
+    "llama": ArchTraits(rope_style="norm", sliding_window=True),
+    "qwen2": ArchTraits(),
+    "qwen3": ArchTraits(),
+    # mixtures of experts (model/moe.py): Qwen2-MoE with a shared expert and raw top-k softmax weights, Qwen3-MoE
+    # (QK norm) with renormalized ones (llama.cpp's and transformers' GGUF defaults for each)
+    "qwen2moe": ArchTraits(),
+    "qwen3moe": ArchTraits(moe_norm_top_k=True),
+    # Phi-3: fused attn_qkv and gate/up (ffn_up) tensors, which the model reads as stored; a window where the file
+    # gives one (Phi-3 mini's 2047, on every layer)
+    "phi3": ArchTraits(sliding_window=True),
+    # Gemma 2 and 3: the GGUF stores norm weights as 1 + w (llama.cpp's converter), so their RMSNorm is Llama's;
+    # the attention scale is head_dim ** -0.5, as llama.cpp uses for every size but 27B. Gemma 2 also soft-caps
+    # attention scores and logits ({arch}.attn_logit_softcapping, final_logit_softcapping: ModelConfig)
+    "gemma2": ArchTraits(mlp_act="gelu_tanh", embed_scale=True, post_norms=True, sliding_window=True, global_every=2),
+    "gemma3": ArchTraits(mlp_act="gelu_tanh", embed_scale=True, post_norms=True, sliding_window=True, global_every=6,
+                         local_rope_theta=10000.0),
+}
+SUPPORTED_ARCHS = tuple(ARCHS)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture facts read from a GGUF file's metadata (see ``model.gguf_loader.read_model_config``)."""
+
+    path: str
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    context_length: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    # per layer, the attention window in tokens (each token sees itself and the window - 1 before it), None: all
+    layer_windows: tuple[int | None, ...] = ()
+    pooling: str = "last"  # what /v1/embeddings pools: the file's {arch}.pooling_type, else the last token
+    attn_softcap: float | None = None  # attention scores s -> c·tanh(s / c) before the softmax (Gemma 2)
+    num_experts: int = 0  # a mixture of experts' experts per layer ({arch}.expert_count); 0: a dense MLP
+    num_experts_used: int = 0  # experts per token ({arch}.expert_used_count)
+    final_softcap: float | None = None  # logits likewise
+
+    def __post_init__(self) -> None:
+        assert self.arch in SUPPORTED_ARCHS, self.arch
+        assert self.num_heads % self.num_kv_heads == 0, "heads must be a multiple of KV heads"
+        assert not self.layer_windows or len(self.layer_windows) == self.num_layers
+
+    @property
+    def traits(self) -> ArchTraits:
+        return ARCHS[self.arch]
+
+    @property
+    def rope_style(self) -> str:
+        return self.traits.rope_style
+
+    def window(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
