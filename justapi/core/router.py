@@ -1,7 +1,7 @@
 """Which engine takes a new request when several could: the one most likely to hold the prompt's prefix in its
 radix cache, unless it is much busier than the least loaded one. One policy wherever JustAPI picks among engines:
 the prefill pool of disaggregated serving, data-parallel replicas on one host (``--data-parallel``) and Ray Serve
-replicas (``justapi.ray_serve``). Pure Python.
+replicas (``justapi.ray_replica``). Pure Python.
 
 The router cannot see the engines' caches, so it keeps a shadow of each: the block-chain hashes of the prompts it
 sent there, as many blocks as that engine's pool holds, the least recently sent forgotten first, a prompt's deepest
