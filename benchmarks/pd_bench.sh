@@ -17,13 +17,8 @@ PORT_CO=${PORT_CO:-8020}
 PORT_PD=${PORT_PD:-8021}
 if [ "${HEAVY:-0}" = 1 ]; then NUM=40 RATE=1 OUT_LEN=64:128 EVERY=8 SIZE=4
 else NUM=24 RATE=0.5 OUT_LEN=32:64 EVERY=12 SIZE=2; fi
-wait_up() {
-  for _ in $(seq 600); do
-    curl -s "http://127.0.0.1:$1/health" | grep -q '"status":"ok"' && return 0
-    sleep 1
-  done
-  echo "server on port $1 did not start" >&2; return 1
-}
+# shellcheck source=benchmarks/wait_up.sh
+source "$ROOT/benchmarks/wait_up.sh"
 "$J" serve --port "$PORT_CO" > "$OUT/pd_colocated.log" 2>&1 &
 CO=$!
 "$J" serve --disaggregate --port "$PORT_PD" > "$OUT/pd_disaggregated.log" 2>&1 &

@@ -23,13 +23,8 @@ if [ "${RAY:-0}" = 1 ]; then  # the same two replicas as Ray Serve deployments (
   FLAGS+=("--data-parallel 2 --distributed-executor ray" "--data-parallel 2 --distributed-executor ray --router round-robin")
   PORTS+=(8033 8034)
 fi
-wait_up() {
-  for _ in $(seq 600); do
-    curl -s "http://127.0.0.1:$1/health" | grep -q '"status":"ok"' && return 0
-    sleep 1
-  done
-  echo "server on port $1 did not start" >&2; return 1
-}
+# shellcheck source=benchmarks/wait_up.sh
+source "$ROOT/benchmarks/wait_up.sh"
 PIDS=()
 trap 'kill "${PIDS[@]}" 2>/dev/null; wait' EXIT
 {

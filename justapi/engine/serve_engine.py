@@ -13,9 +13,10 @@ import time
 
 from ray import serve
 
-from ..config import EngineConfig
+from ..config import EngineConfig, SchedulerConfig
 from ..core.outputs import EngineCoreOutput
 from ..core.pd_scheduler import PdStats
+from ..core.scheduler import Scheduler
 from ..core.stats import PdSnapshot, WorkerSnapshot
 from ..sampling_params import SamplingParams
 from .async_llm import EngineDeadError
@@ -29,7 +30,6 @@ class _Pending:
     prompt: list[int]
     params: SamplingParams
     seed: int
-    streamed: bool = False
     replica: str | None = None
     task: object = None  # the consuming coroutine's future (concurrent.futures)
     gen: object = None  # the current response stream (DeploymentResponseGenerator), to cancel on the replica
@@ -43,6 +43,9 @@ class ServeEngine(ModelFront):
         super().__init__(config)
         self.handle, self.deployment = handle.options(stream=True), deployment
         self.outputs = OutputProcessor(self.tokenizer)
+        blocks = -(-self.max_model_len // config.block_size)  # a pool as long as the model: only lengths are checked
+        self._admission = Scheduler(SchedulerConfig(num_blocks=blocks, block_size=config.block_size,
+                                                    max_model_len=self.max_model_len))
         self.last_step = None
         self.requests: dict[str, _Pending] = {}
         self.stats_counters = PdStats()
@@ -58,11 +61,9 @@ class ServeEngine(ModelFront):
 
     # requests
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """The length checks of a scheduler; a replica checks its own KV pool when the request gets there."""
         self.check_token_ids(prompt_token_ids)
-        if len(prompt_token_ids) + (params.max_tokens or 1) > self.max_model_len:
-            raise ValueError(f"prompt of {len(prompt_token_ids)} tokens and max_tokens {params.max_tokens} exceed "
-                             f"the model's length {self.max_model_len}")
-        return params.max_tokens or self.max_model_len - len(prompt_token_ids)
+        return self._admission.check_admissible(len(prompt_token_ids), params.max_tokens)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self.requests:
@@ -147,7 +148,6 @@ class ServeEngine(ModelFront):
                 self.routed[replica] = self.routed.get(replica, 0) + 1
             req.replica = replica
             for out in outs:
-                req.streamed = req.streamed or bool(out.new_token_ids)
                 report, stopped = self.outputs.process(out)
                 reports.append(report)
                 if report.finished:
