@@ -29,6 +29,12 @@ class KvBlocks:
     def num_cached_blocks(self) -> int:
         return self.cache.num_blocks if self.cache is not None else 0
 
+    def occupancy(self) -> tuple[int, int, int]:
+        """Blocks (held by requests, cached and evictable, free): they add up to the pool."""
+        pool, cache = self.pool, self.cache
+        evictable = cache.num_blocks - cache.num_locked_blocks if cache is not None else 0
+        return pool.num_used - evictable, evictable, pool.num_free
+
     def grow(self, req: Request, num_tokens: int) -> list[int] | None:
         """Give ``req`` enough blocks for ``num_tokens`` tokens; the new block ids, or None if the pool is full
         even after evicting unlocked cached blocks."""
@@ -60,6 +66,8 @@ class KvBlocks:
         if self.cache is not None:
             lookup_blocks = (req.num_tokens - 1) // self.block_size
             self.cache.record_lookup(lookup_blocks, req.num_computed_tokens // self.block_size)
+            if req.cache_node is not None:
+                self.cache.count_hit(req.cache_node)
 
     def unmatch(self, req: Request) -> None:
         """Undo ``match_prefix`` (or an imported prompt's blocks) for a request that stays in the queue: waiting

@@ -19,7 +19,7 @@ from .block_pool import BlockPool
 
 
 class _Node:
-    __slots__ = ("parent", "children", "token_ids", "block_ids", "lock_ref", "last_access", "uid")
+    __slots__ = ("parent", "children", "token_ids", "block_ids", "lock_ref", "last_access", "uid", "hits")
     _uids = itertools.count()
 
     def __init__(self, parent: "_Node | None", token_ids: tuple[int, ...], block_ids: list[int]) -> None:
@@ -30,6 +30,7 @@ class _Node:
         self.lock_ref = 0
         self.last_access = 0
         self.uid = next(self._uids)
+        self.hits = 0  # lookups that matched this node's blocks (the dashboard's shared prefixes)
 
     def __lt__(self, other: "_Node") -> bool:  # heap tie-break
         return self.uid < other.uid
@@ -46,6 +47,7 @@ class RadixPrefixCache:
         self._evictable: set[_Node] = set()
         self._clock = itertools.count(1)
         self.num_blocks = 0  # blocks currently held by the tree
+        self.num_locked_blocks = 0  # of those, on paths a request holds (the rest can be evicted)
         self.hits = 0  # prompt blocks found in the cache
         self.misses = 0  # prompt blocks looked up and not found
 
@@ -76,6 +78,12 @@ class RadixPrefixCache:
         """Count one prompt lookup: hits and misses are per block."""
         self.hits += num_blocks_hit
         self.misses += num_blocks_looked_up - num_blocks_hit
+
+    def count_hit(self, node: _Node) -> None:
+        """A request starts from the prefix ending at ``node``: count it on every node of the path."""
+        while node is not self.root:
+            node.hits += 1
+            node = node.parent
 
     @property
     def hit_ratio(self) -> float:
@@ -118,6 +126,8 @@ class RadixPrefixCache:
         """Protect the path from ``node`` to the root from eviction (one more running request uses it)."""
         while node is not None:
             node.lock_ref += 1
+            if node.lock_ref == 1:
+                self.num_locked_blocks += len(node.block_ids)
             self._evictable.discard(node)
             node = node.parent
 
@@ -126,6 +136,8 @@ class RadixPrefixCache:
         while node is not None:
             assert node.lock_ref > 0
             node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.num_locked_blocks -= len(node.block_ids)
             self._update_evictable(node)
             node = node.parent
 
@@ -166,6 +178,7 @@ class RadixPrefixCache:
         upper = _Node(node.parent, node.token_ids[:cut], node.block_ids[:num_blocks])
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
+        upper.hits = node.hits
         node.parent.children[upper.token_ids[: self.block_size]] = upper
         node.token_ids = node.token_ids[cut:]
         node.block_ids = node.block_ids[num_blocks:]
@@ -178,6 +191,20 @@ class RadixPrefixCache:
             self._evictable.add(node)
         else:
             self._evictable.discard(node)
+
+    def shared_prefixes(self, limit: int) -> list[tuple[tuple[int, ...], int]]:
+        """The ``limit`` prefixes that saved the most prompt tokens: (token ids, lookups that matched all of
+        them), deepest matched node of each branch only. Walks the tree: for the dashboard, about once a second."""
+        found = []
+        stack = [(self.root, ())]
+        while stack:
+            node, path = stack.pop()
+            hit_children = [(c, path + c.token_ids) for c in node.children.values() if c.hits]
+            if not hit_children and node.hits:
+                found.append((path, node.hits))
+            stack.extend(hit_children)
+        found.sort(key=lambda f: len(f[0]) * f[1], reverse=True)
+        return found[:limit]
 
     def block_owners(self) -> Counter:
         """One reference per block held by the tree (for the pool's integrity check)."""
@@ -192,11 +219,12 @@ class RadixPrefixCache:
     def check_integrity(self, locks: Counter | None = None) -> None:
         """Assert the tree's shape: block-aligned edges, keys, block counts, lock counts, the evictable set."""
         bs = self.block_size
-        count = 0
+        count = locked = 0
         stack = [self.root]
         while stack:
             node = stack.pop()
             count += len(node.block_ids)
+            locked += len(node.block_ids) if node.lock_ref else 0
             if node is not self.root:
                 assert len(node.token_ids) == len(node.block_ids) * bs > 0
                 assert node.parent.children[node.token_ids[:bs]] is node
@@ -209,3 +237,4 @@ class RadixPrefixCache:
                 assert (node in self._evictable) == (node.lock_ref == 0 and not node.children)
             stack.extend(node.children.values())
         assert count == self.num_blocks, f"tree holds {count} blocks, counter says {self.num_blocks}"
+        assert locked == self.num_locked_blocks, f"{locked} blocks locked, counter says {self.num_locked_blocks}"

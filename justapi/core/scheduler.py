@@ -50,6 +50,10 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # runner state to drop at the next step
         self._new_ids: set[str] = set()  # admitted (or resumed) since the last step
         self._out_data: dict = {}  # this step's NewRequestData / CachedRequestData by request id
+        # the latest step as the dashboard draws it (engine.step_log): one cell per scheduled request, and the
+        # requests preempted while scheduling it
+        self.last_cells: list[tuple] = []
+        self.last_preempted: list[str] = []
         # prefill/decode disaggregation (core.pd_scheduler): a prefill worker hands a request off after its first
         # token, keeping its blocks until they are shipped; a decode worker admits requests with imported KV
         self.hand_off_after_prefill = False
@@ -162,6 +166,7 @@ class Scheduler:
         """Decide this step's work: running decodes first, then prefill chunks, then admissions."""
         out = SchedulerOutput()
         self._out_data = {}
+        self.last_cells, self.last_preempted = [], []
         budget = [self.config.chunk_size]  # prefill tokens left this step
         counts = Counter()
         now = self.clock()
@@ -329,13 +334,17 @@ class Scheduler:
 
     # --- after the runner ---------------------------------------------------------------------------------
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
-        """Advance ``num_computed_tokens``, append sampled tokens, retire finished requests."""
+        """Advance ``num_computed_tokens``, append sampled tokens, retire finished requests. Keeps the step's cells
+        (``last_cells``: request id, kind, first position computed, tokens computed, drafts accepted)."""
         outputs = []
+        self.last_cells = cells = []
         for rid, n in sched.num_scheduled_tokens.items():
             req = self.requests.get(rid)
             if req is None or req.status is not RequestStatus.RUNNING:
+                cells.append((rid, "aborted", -1, n, 0))
                 continue  # aborted while the step ran
-            was_prefilling = req.num_computed_tokens < req.num_prompt_tokens
+            start = req.num_computed_tokens
+            was_prefilling = start < req.num_prompt_tokens
             new_ids = result.sampled_token_ids.get(rid, [])
             if rid in sched.spec_token_ids or rid in sched.spec_depth:
                 # the last token and the accepted drafts now have KV at their positions (the runner moved a
@@ -343,8 +352,10 @@ class Scheduler:
                 req.num_computed_tokens += len(new_ids)
                 depth = len(sched.spec_token_ids.get(rid, ())) or sched.spec_depth[rid]
                 self.stats.count_spec(n - 1, depth, len(new_ids) - 1)
+                cells.append((rid, "spec", start, n, len(new_ids) - 1))
             else:
                 req.num_computed_tokens += n
+                cells.append((rid, "prefill" if was_prefilling else "decode", start, n, 0))
             status = None
             for k, tok in enumerate(new_ids):
                 req.append_output(tok)
@@ -382,6 +393,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        self.last_preempted.append(req.request_id)
         req.spec_token_ids = []
         req.spec_depth = 0
         self.stats.num_preempted_tokens += req.num_computed_tokens

@@ -162,10 +162,16 @@ class EngineCore(ModelFront):
             if stopped:
                 self.scheduler.finish_request(core_out.request_id, RequestStatus.FINISHED_STOPPED)
             reports.append(report)
-        stats = self.scheduler.stats
-        self.last_step = StepWork(*self._core_times, time.perf_counter() - t0, stats.last_step_tokens,
-                                  stats.last_step_prefill_tokens, stats.last_step_decodes)
+        self.last_step = self._step_work(time.perf_counter() - t0, reports)
         return reports
+
+    def _step_work(self, detokenize_s: float, reports: list[RequestOutput]) -> StepWork:
+        sched = self.scheduler
+        stats, cache = sched.stats, sched.cache
+        return StepWork(*self._core_times, detokenize_s, stats.last_step_tokens, stats.last_step_prefill_tokens,
+                        stats.last_step_decodes, tuple(sched.last_cells), tuple(sched.last_preempted),
+                        tuple(r.request_id for r in reports if r.finished), sched.kv.occupancy(),
+                        cache.hits if cache is not None else 0, cache.misses if cache is not None else 0)
 
     def step_core(self) -> list[EngineCoreOutput]:
         """One iteration without detokenizing: the new token ids of each request (what a worker process sends).

@@ -1,5 +1,6 @@
-"""StepLog: one small record per engine step in a bounded ring buffer, for what reads the schedule after the fact
-(benchmarks/wall_breakdown.py: where a loaded run's wall time went). The engine thread appends; readers copy."""
+"""StepLog: one small record per engine step in a bounded ring buffer, for what reads the schedule after the fact or
+live: the dashboard (server/dashboard.py) draws each step's cells, pool and prefix cache; benchmarks/wall_breakdown.py
+splits a loaded run's wall time. The engine thread appends; readers copy."""
 
 from __future__ import annotations
 
@@ -22,6 +23,15 @@ class StepWork:
     num_tokens: int  # scheduled tokens
     num_prefill_tokens: int  # of those, prompt tokens (chunks, and recomputation after preemption)
     num_decodes: int  # requests decoding (one token each, plus any draft slots)
+    # what the dashboard draws: per scheduled request (id, "prefill" | "decode" | "spec" | "aborted", first position
+    # computed, tokens computed, drafts accepted); the requests preempted and finished in the step; the pool's
+    # blocks (held by requests, cached and evictable, free); the prefix cache's block hits and misses so far
+    cells: tuple[tuple[str, str, int, int, int], ...] = ()
+    preempted: tuple[str, ...] = ()
+    finished: tuple[str, ...] = ()
+    kv_blocks: tuple[int, int, int] = (0, 0, 0)
+    prefix_hits: int = 0
+    prefix_misses: int = 0
 
 
 @dataclass(frozen=True, slots=True)
