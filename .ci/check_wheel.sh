@@ -18,6 +18,9 @@ listing=$(.venv/bin/python -m zipfile -l "$wheel")
 for f in avx2_reduce.h q_units.h paged_attention.cpp layer_ops.cpp int4_matmul.cpp units_avx512.cpp q_matmul.cpp build_spec.py _C.cpu_flags; do
   grep -q "justapi/kernels/$f" <<<"$listing" || { echo "wheel check: $f missing from $wheel"; exit 1; }
 done
+for f in index.html dashboard.js dashboard.css; do
+  grep -q "justapi/server/static/$f" <<<"$listing" || { echo "wheel check: the dashboard's $f missing from $wheel"; exit 1; }
+done
 grep -q "justapi/kernels/_C\..*\.so" <<<"$listing" || { echo "wheel check: no compiled kernels in $wheel"; exit 1; }
 .venv/bin/pip install -q --no-deps --target "$work/site" "$wheel" 2>&1 | grep -v "^WARNING: Location" || true
 cd "$work"
@@ -36,5 +39,7 @@ if grep -q "compiling the C++ kernels" "$work/serve.log"; then echo "wheel check
 curl -s "http://127.0.0.1:$PORT/v1/completions" -H 'Content-Type: application/json' \
   -d '{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}' | grep -q '"text"' \
   || { echo "wheel check: no completion"; exit 1; }
+curl -s "http://127.0.0.1:$PORT/dashboard/dashboard.js" | grep -q "EventSource" \
+  || { echo "wheel check: the dashboard's script is not served"; exit 1; }
 echo "wheel check: every source and header packaged; server from the wheel ready after ${ready} s (limit ${READY_LIMIT_S} s)"
 awk -v r="$ready" -v l="$READY_LIMIT_S" 'BEGIN { exit !(r < l) }' || { echo "wheel check: too slow to start"; cat "$work/serve.log"; exit 1; }

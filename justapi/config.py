@@ -384,6 +384,8 @@ class ServerConfig:
                                          "field may ask for less", metavar="SECONDS")
     ttft_slo: float | None = flag(None, "refuse at once (429 with Retry-After) a request whose predicted time to "
                                   "first token exceeds this many seconds", metavar="SECONDS")
+    dashboard: bool = flag(True, "the live dashboard at /dashboard (the schedule, KV pool and prefix cache; behind "
+                           "--api-key)")
 
     @property
     def api_keys(self) -> tuple[str, ...]:

@@ -4,6 +4,7 @@ engine and app, served by uvicorn from a thread) or as a real child process (Ser
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
@@ -196,3 +197,16 @@ def undocumented_metrics(text: str) -> set[str]:
             if name not in documented:
                 out.add(name)
     return out
+
+
+def dashboard_events(url: str, n: int, headers=None) -> list[dict]:
+    """The first ``n`` messages of a server's dashboard event stream (/dashboard/events)."""
+    messages = []
+    with httpx.stream("GET", url + "/dashboard/events", headers=headers, timeout=30) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                messages.append(json.loads(line[6:]))
+                if len(messages) == n:
+                    break
+    return messages

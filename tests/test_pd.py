@@ -254,7 +254,7 @@ def test_ttft_slo_with_disaggregation_predicts_from_the_prefill_workers(tiny_mod
 
     import httpx
 
-    from server_helpers import InProcessServer, metric
+    from server_helpers import InProcessServer, dashboard_events, metric
 
     srv = InProcessServer(["--model", tiny_model, "--pool-blocks", "400", "--disaggregate", "--threads", "1",
                            "--chunk-size", "8", "--ttft-slo", "0.1"], str(tmp_path / "pd-slo.log"), timeout_s=300)
@@ -278,5 +278,9 @@ def test_ttft_slo_with_disaggregation_predicts_from_the_prefill_workers(tiny_mod
         assert int(next(r for r in burst if r.status_code == 429).headers["retry-after"]) >= 1
         assert metric(m, "justapi_slo_refusals_total") == codes.count(429)
         assert metric(m, "justapi_ttft_prediction_error_seconds_count") >= codes.count(200)
+        # the dashboard's feed shows both pools and the KV transfers between them
+        feed = dashboard_events(srv.url, 1)[0]
+        assert sorted(w["role"] for w in feed["pools"]) == ["decode", "prefill"]
+        assert feed["transfers"]["kv_transfers"] >= codes.count(200) and feed["window"]["requests"] >= 1
     finally:
         assert srv.stop() == 0

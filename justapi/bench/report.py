@@ -49,7 +49,8 @@ class Slo:
         return any(v is not None for v in (self.ttft_ms, self.tpot_ms, self.e2e_ms))
 
 
-def _pcts(values: list[float]) -> dict[str, float | None]:
+def percentiles_ms(values: list[float]) -> dict[str, float | None]:
+    """p50, p90, p99 and the mean of durations in seconds, in milliseconds (None for each without values)."""
     if not values:
         return {f"p{p}": None for p in PERCENTILES} | {"mean": None}
     arr = np.asarray(values) * 1000
@@ -80,10 +81,10 @@ def summarize(results: list[RequestResult], elapsed: float, slo: Slo | None = No
         "request_throughput": len(ok) / span,
         "output_throughput": out_tokens / span,
         "total_throughput": (in_tokens + out_tokens) / span,
-        "ttft_ms": _pcts([r.ttft for r in ok if r.ttft is not None]),
-        "tpot_ms": _pcts([r.tpot for r in ok if r.tpot is not None]),
-        "itl_ms": _pcts([gap for r in ok for gap in r.itls]),
-        "e2e_ms": _pcts([r.e2e for r in ok]),
+        "ttft_ms": percentiles_ms([r.ttft for r in ok if r.ttft is not None]),
+        "tpot_ms": percentiles_ms([r.tpot for r in ok if r.tpot is not None]),
+        "itl_ms": percentiles_ms([gap for r in ok for gap in r.itls]),
+        "e2e_ms": percentiles_ms([r.e2e for r in ok]),
     }
     if slo is not None and slo.given:
         good = sum(slo.met(r) for r in results)
@@ -102,9 +103,9 @@ def _class_figures(results: list[RequestResult], span: float, slo: Slo | None) -
         "completed": len(ok),
         "failed": len(results) - len(ok),
         "output_throughput": sum(r.output_tokens for r in ok) / span,
-        "ttft_ms": _pcts([r.ttft for r in ok if r.ttft is not None]),
-        "tpot_ms": _pcts([r.tpot for r in ok if r.tpot is not None]),
-        "e2e_ms": _pcts([r.e2e for r in ok]),
+        "ttft_ms": percentiles_ms([r.ttft for r in ok if r.ttft is not None]),
+        "tpot_ms": percentiles_ms([r.tpot for r in ok if r.tpot is not None]),
+        "e2e_ms": percentiles_ms([r.e2e for r in ok]),
     }
     if slo is not None and slo.given:
         figures["good_requests"] = sum(slo.met(r) for r in results)

@@ -193,16 +193,17 @@ class RadixPrefixCache:
             self._evictable.discard(node)
 
     def shared_prefixes(self, limit: int) -> list[tuple[tuple[int, ...], int]]:
-        """The ``limit`` prefixes that saved the most prompt tokens: (token ids, lookups that matched all of
-        them), deepest matched node of each branch only. Walks the tree: for the dashboard, about once a second."""
+        """The ``limit`` prefixes that saved the most prompt tokens (length times requests): (token ids, requests
+        that started from all of them). A prefix ends where fewer requests went on (its node's hits exceed each
+        child's). Walks the tree: for the dashboard, about once a second."""
         found = []
         stack = [(self.root, ())]
         while stack:
             node, path = stack.pop()
-            hit_children = [(c, path + c.token_ids) for c in node.children.values() if c.hits]
-            if not hit_children and node.hits:
+            hit_children = [c for c in node.children.values() if c.hits]
+            if node.hits > max((c.hits for c in hit_children), default=0):
                 found.append((path, node.hits))
-            stack.extend(hit_children)
+            stack.extend((c, path + c.token_ids) for c in hit_children)
         found.sort(key=lambda f: len(f[0]) * f[1], reverse=True)
         return found[:limit]
 

@@ -140,6 +140,8 @@ class WorkerSnapshot:
     prefill_backlog: int = 0
     num_decoding: int = 0
     routed: int = 0
+    free_blocks: int = 0  # free or evictable (prefix-cached), as last reported
+    num_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -155,7 +157,8 @@ class PdSnapshot:
     def of(cls, pd: PdScheduler) -> PdSnapshot:
         workers = tuple(WorkerSnapshot(w.rank, w.role, w.alive, w.running, w.waiting, w.busy_fraction, w.cache_hits,
                                        w.cache_misses, w.cached_blocks, w.load, w.costs, w.prefill_backlog,
-                                       w.num_decoding, w.routed) for w in pd.workers.values())
+                                       w.num_decoding, w.routed, w.free_blocks, w.num_blocks)
+                        for w in pd.workers.values())
         return cls(workers, dataclasses.replace(pd.stats), pd.entry_role)
 
     def pool(self, role: str) -> list[WorkerSnapshot]:

@@ -26,6 +26,8 @@ from .step_log import StepLog
 log = logging.getLogger("justapi.engine")
 
 STATS_EVERY_S = 0.1  # how stale the stats snapshot may get while requests run (a copy costs ~0.1 ms)
+SHARED_PREFIXES_EVERY_S = 1.0  # how often a watched engine walks its prefix tree for the dashboard
+SHARED_PREFIXES = 5  # the prefixes the dashboard lists
 
 
 class QueueFullError(Exception):
@@ -52,6 +54,7 @@ class RequestTiming:
     """When a request arrived, produced its first token, and finished (``time.monotonic`` seconds)."""
 
     arrival: float
+    num_prompt_tokens: int = 0
     first_token: float | None = None
     finished: float | None = None
     num_output_tokens: int = 0
@@ -84,6 +87,10 @@ class AsyncLLM:
         self._stats = engine.stats()  # replaced whole by the engine thread, never changed in place
         self._stats_taken = time.monotonic()
         self.step_log = StepLog()
+        self.num_output_tokens = 0  # delivered so far (the dashboard's throughput), engine thread only writes
+        self.watchers = 0  # dashboards open (server.dashboard): the engine thread then lists shared prefixes
+        self.shared_prefixes: list[tuple[tuple[int, ...], int]] = []  # (token ids, requests that started from them)
+        self._prefixes_taken = 0.0
 
     def start(self) -> None:
         self._thread.start()
@@ -118,7 +125,7 @@ class AsyncLLM:
         self.check_queue()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        timing = RequestTiming(time.monotonic(), priority=params.priority, user=params.user,
+        timing = RequestTiming(time.monotonic(), len(prompt_token_ids), priority=params.priority, user=params.user,
                                predicted_ttft=self.predict_ttft(len(prompt_token_ids), params))
         self._streams[request_id] = (loop, queue, timing)
         with self._count_lock:
@@ -188,6 +195,11 @@ class AsyncLLM:
         """Raise AdmissionError/ValueError now for a request that could never run (reads engine state only)."""
         self.engine.check_request(prompt_token_ids, params)
 
+    def timing(self, request_id: str) -> RequestTiming | None:
+        """A streaming request's timing (read by the dashboard; the engine thread updates it in place)."""
+        stream = self._streams.get(request_id)
+        return stream[2] if stream is not None else None
+
     def abort(self, request_id: str) -> None:
         """Stop a request; its KV blocks are freed before the next step."""
         if request_id in self._streams:
@@ -205,6 +217,7 @@ class AsyncLLM:
                 if not self.engine.has_unfinished:
                     self.engine.idle()
                     self._take_stats(time.monotonic(), force=True)
+                    self._take_shared_prefixes(time.monotonic())
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
@@ -216,6 +229,7 @@ class AsyncLLM:
                     self.step_costs.observe(now - t0, work.num_prefill_tokens, work.num_decodes,
                                             sum(out.finished for out in outputs))
                 self._take_stats(now, force=any(out.finished for out in outputs))  # before any client sees it end
+                self._take_shared_prefixes(now)
                 for out in outputs:
                     self._deliver(out, now)
                 for rid, error in self.engine.take_failures():
@@ -241,6 +255,11 @@ class AsyncLLM:
     def _take_stats(self, now: float, force: bool = False) -> None:
         if force or now - self._stats_taken >= STATS_EVERY_S:
             self._stats, self._stats_taken = self.engine.stats(), now
+
+    def _take_shared_prefixes(self, now: float) -> None:
+        """While a dashboard watches: the prefixes most reused, walked on the engine thread that changes the tree."""
+        if self.watchers and now - self._prefixes_taken >= SHARED_PREFIXES_EVERY_S:
+            self.shared_prefixes, self._prefixes_taken = self.engine.shared_prefixes(SHARED_PREFIXES), now
 
     def _apply_commands(self) -> None:
         added, added_tokens = 0, 0
@@ -278,6 +297,7 @@ class AsyncLLM:
             if timing.first_token is None:
                 timing.first_token = now
             timing.num_output_tokens += len(out.new_token_ids)
+            self.num_output_tokens += len(out.new_token_ids)
         if out.finished:
             timing.finished = now
             del self._streams[out.request_id]

@@ -136,6 +136,10 @@ class EngineCore(ModelFront):
                 f"{sched.pool.num_blocks} used ({sched.num_cached_blocks} cached), {sched.stats.num_preemptions} "
                 f"preemptions, {sched.stats.last_step_tokens} tokens last step")
 
+    def shared_prefixes(self, limit: int) -> list[tuple[tuple[int, ...], int]]:
+        cache = self.scheduler.cache
+        return cache.shared_prefixes(limit) if cache is not None else []
+
     def health(self) -> tuple[bool, dict]:
         """One process: serving whenever the engine loop runs."""
         return True, {}

@@ -244,6 +244,9 @@ class PdEngine(ModelFront):
     def num_waiting(self) -> int:
         return sum(w.waiting for w in self.pd.workers.values() if w.alive)
 
+    def shared_prefixes(self, limit: int) -> list[tuple[tuple[int, ...], int]]:
+        return []  # each worker's prefix cache is its own (the dashboard lists none)
+
     def stats_line(self) -> str:
         parts = []
         for role in dict.fromkeys(w.role for w in self.pd.workers.values()):

@@ -77,4 +77,8 @@ class Engine(Protocol):
 
     def stats_line(self) -> str: ...
 
+    def shared_prefixes(self, limit: int) -> list[tuple[tuple[int, ...], int]]:
+        """The prefix cache's most reused prefixes (token ids, requests that started from them); none where the
+        cache lives in worker processes."""
+
     def close(self) -> None: ...

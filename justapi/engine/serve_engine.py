@@ -218,6 +218,9 @@ class ServeEngine(ModelFront):
                               load.cache_hits, load.cache_misses, load.cached_blocks, 0, load.costs,
                               load.prefill_backlog, load.num_decoding, self.routed.get(replica, 0))
 
+    def shared_prefixes(self, limit: int) -> list[tuple[tuple[int, ...], int]]:
+        return []  # each worker's prefix cache is its own (the dashboard lists none)
+
     def stats_line(self) -> str:
         return "replicas: " + ", ".join(
             f"[{r[:8]}] " + ("dead" if not ok else "?" if load is None else f"{load.running} running {load.waiting} "

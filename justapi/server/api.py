@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import dataclasses
 import logging
 import threading
@@ -20,6 +22,8 @@ from ..model.chat_template import ChatTemplateError
 from ..sampling_params import Pooling, SamplingParams
 from .chat_tools import ChatTools
 from .chunks import ChatChunks, CompletionChunks
+from .dashboard import DashboardFeed
+from .dashboard import install as install_dashboard
 from .errors import ApiError, BodyLimit, engine_error, error_response, install_error_handlers
 from .metrics import Metrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeRequest,
@@ -37,6 +41,7 @@ class ServerState:
         self.config = config
         self.model_name = model_name
         self.metrics = Metrics()
+        self.dashboard = DashboardFeed()
         self.engine: Engine | None = None
         self.llm: AsyncLLM | None = None
         self.load_error: str | None = None
@@ -53,6 +58,7 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
 
     def on_finish(rid, out, timing) -> None:
         state.metrics.observe(out, timing)
+        state.dashboard.observe(rid, out, timing)
         ttft = (timing.first_token - timing.arrival) if timing.first_token else float("nan")
         total = (timing.finished or timing.arrival) - timing.arrival
         predicted = timing.predicted_ttft if timing.predicted_ttft is not None else float("nan")
@@ -88,14 +94,19 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
 
-    key_users = {f"Bearer {key}": f"key-{i}" for i, key in enumerate(config.api_keys, 1)}
+    key_users = {key: f"key-{i}" for i, key in enumerate(config.api_keys, 1)}
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
-        if key_users and request.url.path.startswith(("/v1", "/tokenize", "/detokenize", "/engine")):
-            user = key_users.get(request.headers.get("authorization"))
+        path = request.url.path
+        if key_users and path.startswith(("/v1", "/tokenize", "/detokenize", "/engine", "/dashboard")):
+            user = key_users.get(_presented_key(request.headers.get("authorization", ""), path))
             if user is None:
-                return error_response(401, "invalid or missing API key", "authentication_error")
+                # a browser asks for the key (as a password) where the page says Basic, and resends it with the
+                # page's own requests: the dashboard works without a client of its own
+                headers = {"WWW-Authenticate": 'Basic realm="justapi dashboard"'} if path.startswith(
+                    "/dashboard") else None
+                return error_response(401, "invalid or missing API key", "authentication_error", headers=headers)
             request.state.api_user = user  # the fair-share user: a key is a tenant, whatever its user field says
         return await call_next(request)
 
@@ -143,6 +154,9 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
         where the engine thread's time went."""
         records, next_seq = state.ready_llm().step_log.since(since)
         return {"steps": [r.as_dict() for r in records], "next": next_seq}
+
+    if config.dashboard:
+        install_dashboard(app, state.ready_llm, lambda: state.engine.tokenizer, state.dashboard)
 
     @app.get("/v1/models")
     async def models():
@@ -280,6 +294,20 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
                 "choices": [_chat_choice(c, tok, tools) for c in choices], "usage": usage(choices)}
 
     return app
+
+
+def _presented_key(authorization: str, path: str) -> str | None:
+    """The API key in an Authorization header: ``Bearer KEY``, or on the dashboard's paths HTTP Basic with the key as
+    the password (any user name)."""
+    scheme, _, value = authorization.partition(" ")
+    if scheme == "Bearer":
+        return value
+    if scheme == "Basic" and path.startswith("/dashboard"):
+        try:
+            return base64.b64decode(value, validate=True).decode().partition(":")[2]
+        except (binascii.Error, UnicodeDecodeError):
+            return None
+    return None
 
 
 def _chat_choice(c: Choice, tok, tools: ChatTools | None) -> dict:
