@@ -92,6 +92,16 @@ def test_multi_turn_conversations_extend_each_other(bench, server, tiny_model, t
     assert counters(server.url)["prefix_cache_hits"] > before["prefix_cache_hits"]
 
 
+def test_serve_saves_a_justapi_server_s_step_timeline(bench, server, tiny_model, tmp_path):
+    p = bench("serve", "--base-url", server.url, "--num-requests", "6", "--input-len", "8:40", "--output-len", "4:20",
+              "--tokenizer", tiny_model, "--timeline", str(tmp_path / "tl"))
+    assert p.returncode == 0, p.stderr
+    steps = json.loads((tmp_path / "tl.json").read_text())["runs"][server.url]
+    assert len({rid for s in steps for rid in s["finished"]}) == 6
+    assert steps[0]["t"] >= 0 and all(a["t"] <= b["t"] for a, b in zip(steps, steps[1:]))
+    assert (tmp_path / "tl.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_sweep_writes_json_and_png(bench, server, tiny_model, tmp_path):
     out = tmp_path / "sweep"
     p = bench("sweep", "--base-url", server.url, "--name", "justapi", "--rates", "4,inf", "--workload",
@@ -196,13 +206,29 @@ def test_workloads_are_seeded_and_shaped(tokenizer, tmp_path):
 def test_offline_reports_static_utilisation_next_to_continuous(bench, tiny_model, tmp_path):
     out = tmp_path / "offline.json"
     p = bench("offline", "--model", tiny_model, "--pool-blocks", "300", "--num-requests", "8", "--input-len", "8:30",
-              "--output-len", "2:40", "--json", str(out), "--scheduling-policy", "priority")  # static: fcfs
+              "--output-len", "2:40", "--json", str(out), "--scheduling-policy", "priority",  # static: fcfs
+              "--max-seqs", "4", "--timeline", str(tmp_path / "timeline"))
     assert p.returncode == 0, p.stderr
     runs = json.loads(out.read_text())["runs"]
     assert runs["static"]["completed"] == runs["continuous"]["completed"] == 8
     assert runs["static"]["output_tokens"] == runs["continuous"]["output_tokens"]
     assert 0 < runs["static"]["static_batch_utilization_U"] < 1  # output lengths 2..40 in one batch
     assert "static batching utilisation U" in p.stdout
+    # the step timelines, one entry per engine step: each request's first token came with its prompt's last chunk,
+    # every later one from a decode cell; static batches never overlap
+    timeline = json.loads((tmp_path / "timeline.json").read_text())["runs"]
+    for name, key in (("static batching", "static"), ("continuous batching", "continuous")):
+        steps = timeline[name]
+        assert len(steps) == runs[key]["engine_steps"]
+        decodes = sum(1 for s in steps for c in s["cells"] if c[1] == "decode")
+        assert decodes == runs[key]["output_tokens"] - 8
+        assert len({rid for s in steps for rid in s["finished"]}) == 8
+    static_rows = [{c[0] for c in s["cells"]} for s in timeline["static batching"]]
+    assert max(len(r) for r in static_rows) == 4 and static_rows[-1].isdisjoint(static_rows[0])
+    assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    again = bench("timeline", str(tmp_path / "timeline.json"), "--out", str(tmp_path / "again.png"))
+    assert again.returncode == 0 and (tmp_path / "again.png").stat().st_size > 10_000
+    assert bench("timeline", str(tmp_path / "missing.json")).returncode == 2
 
 
 def test_extra_body_reaches_every_request(bench, server, tmp_path):

@@ -1,4 +1,4 @@
-"""``justapi bench serve | sweep | offline``: flags and the three commands."""
+"""``justapi bench serve | sweep | offline | timeline``: flags and the four commands."""
 
 from __future__ import annotations
 
@@ -101,6 +101,9 @@ def add_parser(sub, engine_flags) -> None:
     _client_flags(serve, sweep=False)
     _workload_flags(serve)
     serve.add_argument("--json", default=None, help="write every figure to this JSON file")
+    serve.add_argument("--timeline", default=None, metavar="OUT",
+                       help="JustAPI servers: write each run's step timeline (from /engine/steps) to OUT.json and "
+                            "draw it in OUT.png")
     sweep = bsub.add_parser("sweep", help="run a workload at several request rates and draw the curves",
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _client_flags(sweep, sweep=True)
@@ -111,6 +114,11 @@ def add_parser(sub, engine_flags) -> None:
     engine_flags(offline)
     _workload_flags(offline, seed=False)
     offline.add_argument("--json", default=None, help="write every figure to this JSON file")
+    offline.add_argument("--timeline", default=None, metavar="OUT",
+                         help="write both runs' step timelines to OUT.json and draw them in OUT.png")
+    timeline = bsub.add_parser("timeline", help="draw a saved step timeline (OUT.json of --timeline) again")
+    timeline.add_argument("path", help="the timeline's JSON file")
+    timeline.add_argument("--out", default=None, help="the PNG to write (default: the JSON file's name, .png)")
 
 
 def _tokenizer(path: str | None):
@@ -167,15 +175,64 @@ def cmd_serve(args) -> int:
     _check(args)
     slo = report.Slo.parse(args.goodput)
     jobs = build(_spec(args), _tokenizer(args.tokenizer))
-    all_figures = []
+    all_figures, runs = [], {}
     for name, url in zip(names, args.base_url):
         print(f"[{name}] {args.workload}: {sum(len(j.turns) for j in jobs)} requests to {url}", file=sys.stderr)
+        first = _step_log_position(url) if args.timeline else None
         all_figures.append(_run_one(url, jobs, args.request_rate, args, slo))
+        if args.timeline:
+            runs[name] = _server_steps(url, first)
     print(report.table(names, all_figures))
+    if args.timeline:
+        _write_timeline(args.timeline, runs, f"{args.workload}, {sum(len(j.turns) for j in jobs)} requests")
     if args.json:
         _write_json(args.json, {"workload": dataclasses.asdict(_spec(args)), "servers": [
             {"name": n, "base_url": u, "figures": f, "ratio_to_first": r}
             for n, u, f, r in zip(names, args.base_url, all_figures, report.ratios(all_figures))]})
+    return 0
+
+
+def _step_log_position(url: str) -> int:
+    """The seq a JustAPI server's next step record gets (its /engine/steps)."""
+    import httpx
+
+    try:
+        r = httpx.get(url.rstrip("/") + "/engine/steps", params={"since": 1 << 62}, timeout=30)
+    except httpx.HTTPError as e:
+        raise BenchError(f"--timeline: cannot reach {url}: {e}") from None
+    if r.status_code != 200:
+        raise BenchError(f"--timeline needs a JustAPI server's /engine/steps; {url} answered {r.status_code}")
+    return r.json()["next"]
+
+
+def _server_steps(url: str, since: int) -> list[dict]:
+    import httpx
+
+    from .timeline import from_step_records
+
+    r = httpx.get(url.rstrip("/") + "/engine/steps", params={"since": since}, timeout=60)
+    r.raise_for_status()
+    return from_step_records(r.json()["steps"])
+
+
+def _write_timeline(out: str, runs: dict, title: str) -> None:
+    from .timeline import draw_timeline, save
+
+    save(runs, out + ".json")
+    draw_timeline(runs, out + ".png", title)
+    print(f"wrote {out}.json and {out}.png")
+
+
+def cmd_timeline(args) -> int:
+    from .timeline import draw_timeline, load
+
+    try:
+        runs = load(args.path)
+    except (OSError, ValueError, KeyError) as e:
+        raise BenchError(f"cannot read the timeline {args.path}: {e}") from None
+    out = args.out or os.path.splitext(args.path)[0] + ".png"
+    draw_timeline(runs, out)
+    print(f"wrote {out}")
     return 0
 
 
@@ -234,7 +291,7 @@ def cmd_offline(args, engine_config) -> int:
     if args.classes:
         raise ValueError("--class is for bench serve and sweep: offline queues every request at once")
     engine = None
-    rows, names = [], []
+    rows, names, runs = [], [], {}
     jobs = None
     for static in (True, False):
         engine = None  # free the previous engine's KV pool before the next one allocates its own
@@ -242,7 +299,8 @@ def cmd_offline(args, engine_config) -> int:
         engine = EngineCore(replace(base, static_batching=static, scheduling_policy=policy, show_progress=False))
         if jobs is None:
             jobs = build(_spec(args), engine.tokenizer)
-        results, elapsed = run_offline(engine, jobs, args.time_limit, args.temperature)
+        steps = [] if args.timeline else None
+        results, elapsed = run_offline(engine, jobs, args.time_limit, args.temperature, steps)
         figures = report.summarize(results, elapsed)
         utils = engine.scheduler.stats.batch_utilizations
         if static:
@@ -251,6 +309,8 @@ def cmd_offline(args, engine_config) -> int:
         figures["engine_steps"] = engine.scheduler.stats.num_steps
         rows.append(figures)
         names.append("static" if static else "continuous")
+        if steps is not None:
+            runs[f"{names[-1]} batching"] = steps
     print(report.table(names, rows))
     u = rows[0]["static_batch_utilization_U"]
     if u is not None:
@@ -258,6 +318,9 @@ def cmd_offline(args, engine_config) -> int:
               f"continuous batching output throughput = {rows[1]['output_throughput'] / max(rows[0]['output_throughput'], 1e-9):.2f}x static")
     if args.json:
         _write_json(args.json, {"workload": dataclasses.asdict(_spec(args)), "runs": dict(zip(names, rows))})
+    if args.timeline:
+        _write_timeline(args.timeline, runs, f"{args.workload}, {sum(len(j.turns) for j in jobs)} requests, "
+                                             f"max {base.max_seqs} a batch, in process")
     return 0
 
 
@@ -286,6 +349,8 @@ def main(args, engine_config) -> int:
             return cmd_serve(args)
         if args.bench_command == "sweep":
             return cmd_sweep(args)
+        if args.bench_command == "timeline":
+            return cmd_timeline(args)
         return cmd_offline(args, engine_config)
     except (BenchError, WorkloadError, ValueError) as e:
         print(f"justapi bench: error: {e}", file=sys.stderr)

@@ -16,8 +16,12 @@ from .client import RequestResult
 from .workloads import Job
 
 
-def run_offline(engine, jobs: list[Job], time_limit: float, temperature: float = 0.0) -> tuple[list[RequestResult], float]:
-    """Run ``jobs`` through ``engine`` (an EngineCore); returns per-request results and the wall time."""
+def run_offline(engine, jobs: list[Job], time_limit: float, temperature: float = 0.0,
+                timeline: list[dict] | None = None) -> tuple[list[RequestResult], float]:
+    """Run ``jobs`` through ``engine`` (an EngineCore); returns per-request results and the wall time. Appends each
+    step that computed something to ``timeline`` where one is given (bench.timeline's entries)."""
+    from .timeline import step_entry
+
     from ..sampling_params import SamplingParams
 
     tok = engine.tokenizer
@@ -49,7 +53,11 @@ def run_offline(engine, jobs: list[Job], time_limit: float, temperature: float =
                 continue
             live[rid] = (res, i)
         while engine.has_unfinished and time.monotonic() - t0 < time_limit:
-            for out in engine.step():
+            t_step = time.monotonic()
+            outs = engine.step()
+            if timeline is not None and engine.last_step.cells:
+                timeline.append(step_entry(t_step - t0, time.monotonic() - t_step, engine.last_step))
+            for out in outs:
                 res, i = live[out.request_id]
                 now = time.monotonic()
                 if out.new_token_ids:
