@@ -1,6 +1,7 @@
 """Where one W1-shaped engine step goes, in process: a decode step of 28 sequences (contexts 250-450 tokens) and a
 mixed step (the same 28 decodes plus a fresh 345-token prompt, W1's mean prefill per chunk step), timed and then
-profiled (cProfile; the C++ kernels and oneDNN show as the built-in calls that run them).
+profiled (cProfile; the C++ kernels and oneDNN show as the built-in calls that run them), with what recording each step
+for the step log and the dashboard costs.
 
 usage: python benchmarks/step_profile.py [--steps 10] [--base REV | --disable KERNEL]
 
@@ -44,13 +45,31 @@ def main() -> None:
         return
     for name, step in (("decode step (28 rows)", decode), ("mixed step (345-token prompt + 28 decodes)", mixed)):
         times = sorted(step() for _ in range(args.steps))
-        print(f"{name}: median {times[len(times) // 2] * 1e3:.1f} ms over {args.steps} steps")
+        median = times[len(times) // 2]
+        print(f"{name}: median {median * 1e3:.1f} ms over {args.steps} steps")
+        record = record_cost(engine)
+        print(f"  its record for the step log and the dashboard: {record * 1e6:.1f} us ({100 * record / median:.3f}% "
+              f"of the step)")
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(args.steps):
             step()
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+
+
+def record_cost(engine, reps: int = 2000) -> float:
+    """Seconds to record the last step as the step log keeps it: its cells, appended one per request as
+    Scheduler.update appends them, then EngineCore's StepWork (the cells' tuple, the pool split, the counters)."""
+    cells = list(engine.scheduler.last_cells)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        rebuilt = []
+        for rid, kind, start, n, accepted in cells:
+            rebuilt.append((rid, kind, start, n, accepted))
+        engine.scheduler.last_cells = rebuilt
+        engine._step_work(0.0, [])
+    return (time.perf_counter() - t0) / reps
 
 
 def steps_of(engine):

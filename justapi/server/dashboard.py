@@ -64,19 +64,21 @@ class DashboardFeed:
     """What the pages share: requests that finished lately (appended by the engine thread's on_finish)."""
 
     def __init__(self) -> None:
-        self.finished: collections.deque[FinishedRequest] = collections.deque(maxlen=8192)
-        self.num_finished = 0  # appended so far: a page asks for those after the count it saw
+        self.finished: collections.deque[tuple[int, FinishedRequest]] = collections.deque(maxlen=8192)
+        self.num_finished = 0  # appended so far; each entry carries its number
 
     def observe(self, rid: str, out: RequestOutput, timing: RequestTiming) -> None:
-        self.finished.append(FinishedRequest.of(rid, out, timing))
+        self.finished.append((self.num_finished, FinishedRequest.of(rid, out, timing)))
         self.num_finished += 1
 
-    def since(self, count: int) -> list[FinishedRequest]:
-        new = min(self.num_finished - count, len(self.finished))
-        return list(self.finished)[len(self.finished) - new:] if new > 0 else []
+    def since(self, count: int) -> tuple[list[FinishedRequest], int]:
+        """Requests finished after the first ``count``, and the count to ask from next time."""
+        entries = list(self.finished)  # one copy: the engine thread may append meanwhile
+        new = [f for n, f in entries if n >= count]
+        return new, entries[-1][0] + 1 if entries else count
 
     def window(self, now: float) -> dict:
-        recent = [f for f in list(self.finished) if now - f.finished <= WINDOW_S]
+        recent = [f for _, f in list(self.finished) if now - f.finished <= WINDOW_S]
         return {"seconds": WINDOW_S, "requests": len(recent),
                 "ttft_ms": percentiles_ms([f.ttft for f in recent if f.ttft is not None]),
                 "tpot_ms": percentiles_ms([f.tpot for f in recent if f.tpot is not None])}
@@ -96,8 +98,7 @@ class Watch:
         llm, now = self.llm, time.monotonic()
         records, self.seq = llm.step_log.since(self.seq)
         records = records[-MAX_STEPS_A_TICK:]
-        finished = self.feed.since(self.finished_count)
-        self.finished_count = self.feed.num_finished
+        finished, self.finished_count = self.feed.since(self.finished_count)
         self.throughput.append((now, llm.num_output_tokens))
         while now - self.throughput[0][0] > WINDOW_S:
             self.throughput.popleft()
