@@ -134,6 +134,8 @@ class Watch:
         for tokens, hits in self.llm.shared_prefixes:
             head = tokens[:PREVIEW_TOKENS]
             if head not in self.previews:
+                if len(self.previews) > 64:  # the prefixes of an hour ago
+                    self.previews.clear()
                 self.previews[head] = self.tokenizer.decode(list(head), skip_special_tokens=False)
             shared.append({"tokens": len(tokens), "requests": hits, "text": self.previews[head]})
         return shared
