@@ -120,6 +120,7 @@ def test_the_page_draws_the_schedule_live_in_chromium(server, browser):
     browser.get(server.url + "/dashboard")
     _wait_for(browser, "return window.justapiDashboard && window.justapiDashboard.messages > 0")
     start_seq = browser.execute_script("const c = window.justapiDashboard.columns; return c.length ? c[c.length - 1].seq : -1")
+    pool_drawn = browser.execute_script("return document.getElementById('pool').toDataURL()")
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
         rids = list(pool.map(lambda i: _complete(server.url, 100 + i), range(12)))
     # the timeline has a row for every request, and the requests table lists them
@@ -132,6 +133,7 @@ def test_the_page_draws_the_schedule_live_in_chromium(server, browser):
     held = browser.execute_script(f"return window.justapiDashboard.columns.filter(c => c.seq > {start_seq} && c.kv)"
                                   f".map(c => c.kv[0])")
     assert len(set(held)) > 3 and max(held) > min(held)
+    assert browser.execute_script("return document.getElementById('pool').toDataURL()") != pool_drawn
     assert browser.execute_script("return window.justapiDashboard.columns.some(c => c.marks.some("
                                   "m => m.kind === 'preempted'))"), "12 requests over 60 blocks preempt"
     # hovering a cell names its request, its positions and its timings
