@@ -55,7 +55,7 @@ def main() -> None:
 async def run(llm: AsyncLLM, feed: DashboardFeed, engine, args) -> tuple[list[float], list[int], float]:
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
-    watch = Watch(llm, feed, engine.tokenizer)
+    watch = Watch(llm, feed, engine.tokenizer, prompt_text=True)
     llm.watchers += 1
     ticks, sizes = [], []
     done = asyncio.Event()

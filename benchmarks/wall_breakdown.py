@@ -30,6 +30,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from justapi.bench.client import read_step_log
+
 BIN = Path(sys.executable).parent
 NAME = "smollm2-135m"
 
@@ -226,7 +228,7 @@ def measure(args, workload: str, tmp: Path, profile: bool) -> dict:
         cpu0 = thread_cpu(proc.pid)
         start, end = run_workload(args, workload, tmp / f"bench_{workload}.json")
         cpu1 = thread_cpu(proc.pid)
-        steps = get_json(args, f"/engine/steps?since={first}")["steps"]
+        steps = read_step_log(f"http://127.0.0.1:{args.port}", first)
         totals = step_totals(steps, start, end)
         result = {"wall": totals["wall"], "bench": bench_figures(tmp / f"bench_{workload}.json"), "steps": totals}
         used = {tid: cpu1.get(tid, 0) - cpu0.get(tid, 0) for tid in cpu1}

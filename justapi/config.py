@@ -386,6 +386,8 @@ class ServerConfig:
                                   "first token exceeds this many seconds", metavar="SECONDS")
     dashboard: bool = flag(True, "the live dashboard at /dashboard (the schedule, KV pool and prefix cache; behind "
                            "--api-key)")
+    dashboard_prompt_text: bool = flag(False, "show the first words of the most shared prompt prefixes on the "
+                                       "dashboard (clients' prompt text, to anyone with a key)")
 
     @property
     def api_keys(self) -> tuple[str, ...]:

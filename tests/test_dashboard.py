@@ -28,7 +28,7 @@ def server(tiny_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("dashboard") / "serve.log"
     # a pool small enough that 12 requests of ~150 tokens preempt one another: the page has preemptions to mark
     srv = InProcessServer(["--model", tiny_model, "--pool-blocks", "60", "--block-size", "16", "--chunk-size", "64",
-                           "--spec-method", "ngram"], str(log))
+                           "--spec-method", "ngram", "--dashboard-prompt-text"], str(log))
     yield srv
     srv.stop()
 
@@ -44,7 +44,8 @@ def _complete(url: str, i: int, headers=None) -> str:
 def test_event_stream_carries_each_request_s_steps_and_figures(server):
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         rids = list(pool.map(lambda i: _complete(server.url, i), range(6)))
-    first = dashboard_events(server.url, 2)[0]  # a page that connects now gets the latest steps at once
+    messages = dashboard_events(server.url, 8)
+    first = messages[0]  # a page that connects now gets the latest steps at once
     cells = [c for s in first["steps"] for c in s.get("cells", [])]
     assert {rid for rid, *_ in cells} >= set(rids)
     assert {kind for _, kind, *_ in cells} >= {"prefill", "decode"}
@@ -53,6 +54,12 @@ def test_event_stream_carries_each_request_s_steps_and_figures(server):
     assert first["window"]["requests"] >= 6 and first["window"]["ttft_ms"]["p50"] > 0
     assert first["output_tokens"] >= sum(40 + 8 * i for i in range(6))
     assert first["cache"]["hits"] > 0  # the prompts share their first words
+    # the engine lists shared prefixes once a second while a page watches (--dashboard-prompt-text: with their text)
+    assert "quick brown fox" in messages[-1]["cache"]["shared"][0]["text"]
+    assert first["num_running"] == 0
+    page = httpx.get(server.url + "/engine/steps", params={"since": 0, "limit": 5}).json()
+    assert [r["seq"] for r in page["steps"]] == [0, 1, 2, 3, 4] and page["next"] == 5
+    assert httpx.get(server.url + "/engine/steps", params={"limit": 0}).status_code == 400
 
 
 def test_the_page_and_its_files_are_served_and_unknown_ones_are_404(server):
@@ -73,7 +80,10 @@ def test_dashboard_sits_behind_the_api_key_and_is_off_with_a_flag(tiny_model, tm
         assert httpx.get(srv.url + "/dashboard", headers={"Authorization": wrong}).status_code == 401
         right = "Basic " + base64.b64encode(b"admin:k2").decode()
         assert httpx.get(srv.url + "/dashboard", headers={"Authorization": right}).status_code == 200
-        assert dashboard_events(srv.url, 1, headers={"Authorization": "Bearer k1"})[0]["waiting"] == 0
+        for i in range(2):  # a shared prefix: its text stays off the page without --dashboard-prompt-text
+            _complete(srv.url, i, headers={"Authorization": "Bearer k1"})
+        feed = dashboard_events(srv.url, 8, headers={"Authorization": "Bearer k1"})[-1]
+        assert feed["cache"]["shared"] and all(p["text"] is None for p in feed["cache"]["shared"])
         # HTTP Basic is taken on the dashboard only: the API's routes keep their bearer tokens
         assert httpx.get(srv.url + "/v1/models", headers={"Authorization": right}).status_code == 401
     finally:

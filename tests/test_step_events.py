@@ -97,3 +97,20 @@ def test_static_batching_records_whole_batches(tiny_model):
     batches = [frozenset(c[0] for c in w.cells) for _, w in steps]
     assert batches[0] == {"r0", "r1", "r2", "r3"}
     assert all(b <= batches[0] or not b & batches[0] for b in batches), "a second batch joined the first"
+
+
+def test_a_request_aborted_between_steps_is_in_the_next_step_s_finished(tiny_model):
+    llm = LLM(tiny_model, pool_blocks=64, show_progress=False)
+    engine = llm.engine
+    for i in range(3):
+        engine.add_request(f"a{i}", [5 + i, 9, 11, 13], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.abort_request("a1").finished
+    engine.step()
+    work = engine.last_step
+    assert "a1" in work.finished and "a1" not in {c[0] for c in work.cells}
+    engine.step()
+    assert "a1" not in engine.last_step.finished  # once
+    while engine.has_unfinished:
+        engine.step()

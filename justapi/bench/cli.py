@@ -176,6 +176,9 @@ def cmd_serve(args) -> int:
     slo = report.Slo.parse(args.goodput)
     jobs = build(_spec(args), _tokenizer(args.tokenizer))
     all_figures, runs = [], {}
+    if args.timeline:
+        for url in args.base_url:  # every server before the first run: a peer without a step log fails at once
+            _step_log_position(url)
     for name, url in zip(names, args.base_url):
         print(f"[{name}] {args.workload}: {sum(len(j.turns) for j in jobs)} requests to {url}", file=sys.stderr)
         first = _step_log_position(url) if args.timeline else None
@@ -206,13 +209,10 @@ def _step_log_position(url: str) -> int:
 
 
 def _server_steps(url: str, since: int) -> list[dict]:
-    import httpx
-
+    from .client import read_step_log
     from .timeline import from_step_records
 
-    r = httpx.get(url.rstrip("/") + "/engine/steps", params={"since": since}, timeout=60)
-    r.raise_for_status()
-    return from_step_records(r.json()["steps"])
+    return from_step_records(read_step_log(url, since))
 
 
 def _write_timeline(out: str, runs: dict, title: str) -> None:

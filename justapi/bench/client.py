@@ -168,3 +168,17 @@ async def run_workload(base_url: str, jobs: list[Job], starts: list[float], *, m
         now = time.monotonic()
         results += [RequestResult(ok=False, error="time limit", start=now, end=now) for _ in range(missing)]
     return results, elapsed, model
+
+
+def read_step_log(url: str, since: int) -> list[dict]:
+    """A JustAPI server's step records from ``since`` on (GET /engine/steps, page by page)."""
+    steps = []
+    with httpx.Client(base_url=url.rstrip("/"), timeout=60) as client:
+        while True:
+            r = client.get("/engine/steps", params={"since": since})
+            r.raise_for_status()
+            page = r.json()
+            steps += page["steps"]
+            if not page["steps"]:
+                return steps
+            since = page["next"]

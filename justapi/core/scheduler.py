@@ -50,10 +50,12 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # runner state to drop at the next step
         self._new_ids: set[str] = set()  # admitted (or resumed) since the last step
         self._out_data: dict = {}  # this step's NewRequestData / CachedRequestData by request id
-        # the latest step as the dashboard draws it (engine.step_log): one cell per scheduled request, and the
-        # requests preempted while scheduling it
+        # the latest step as the dashboard draws it (engine.step_log): one cell per scheduled request, the requests
+        # preempted while scheduling it, and those aborted since the step before (between steps)
         self.last_cells: list[tuple] = []
         self.last_preempted: list[str] = []
+        self.last_aborted: list[str] = []
+        self._aborted: list[str] = []
         # prefill/decode disaggregation (core.pd_scheduler): a prefill worker hands a request off after its first
         # token, keeping its blocks until they are shipped; a decode worker admits requests with imported KV
         self.hand_off_after_prefill = False
@@ -137,6 +139,7 @@ class Scheduler:
         if req is None:
             return None
         self._finish(req, RequestStatus.FINISHED_ABORTED)
+        self._aborted.append(request_id)
         return self._output(req, [], None, "abort")
 
     def expire(self) -> list[EngineCoreOutput]:
@@ -167,6 +170,7 @@ class Scheduler:
         out = SchedulerOutput()
         self._out_data = {}
         self.last_cells, self.last_preempted = [], []
+        self.last_aborted, self._aborted = self._aborted, []
         budget = [self.config.chunk_size]  # prefill tokens left this step
         counts = Counter()
         now = self.clock()

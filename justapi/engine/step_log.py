@@ -23,9 +23,10 @@ class StepWork:
     num_tokens: int  # scheduled tokens
     num_prefill_tokens: int  # of those, prompt tokens (chunks, and recomputation after preemption)
     num_decodes: int  # requests decoding (one token each, plus any draft slots)
-    # what the dashboard draws: per scheduled request (id, "prefill" | "decode" | "spec" | "aborted", first position
-    # computed, tokens computed, drafts accepted); the requests preempted and finished in the step; the pool's
-    # blocks (held by requests, cached and evictable, free); the prefix cache's block hits and misses so far
+    # what the dashboard draws: per scheduled request (id, "prefill" | "decode" | "spec", first position computed,
+    # tokens computed, drafts accepted; "aborted" should one be aborted while the step runs); the requests
+    # preempted in the step, those that finished in it or were aborted since the step before; the pool's blocks
+    # (held by requests, cached and evictable, free); the prefix cache's block hits and misses so far
     cells: tuple[tuple[str, str, int, int, int], ...] = ()
     preempted: tuple[str, ...] = ()
     finished: tuple[str, ...] = ()
@@ -67,9 +68,13 @@ class StepLog:
             self._records.append(StepRecord(self.next_seq, *fields))
             self.next_seq += 1
 
-    def since(self, seq: int) -> tuple[list[StepRecord], int]:
-        """Records with ``seq`` >= the given one, oldest first (older ones may have left the buffer), and the seq
-        to ask from next time."""
+    def since(self, seq: int, limit: int | None = None) -> tuple[list[StepRecord], int]:
+        """Records with ``seq`` >= the given one, oldest first (older ones may have left the buffer), at most
+        ``limit`` of them, and the seq to ask from next time."""
         with self._lock:
             records, next_seq = list(self._records), self.next_seq
-        return [r for r in records if r.seq >= seq], next_seq
+        records = [r for r in records if r.seq >= seq]
+        if limit is not None and len(records) > limit:
+            records = records[:limit]
+            next_seq = records[-1].seq + 1
+        return records, next_seq

@@ -32,6 +32,7 @@ from .serving import (Choice, chat_logprobs, completion_logprobs, embedding_data
                       run_choices, sse, usage)
 
 log = logging.getLogger("justapi.server")
+STEPS_A_PAGE = 1024  # step records one GET /engine/steps returns at most (each with a cell per running request)
 
 
 class ServerState:
@@ -149,14 +150,18 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/engine/steps")
-    async def engine_steps(since: int = 0):
-        """The engine's latest step records from ``since`` on (engine.step_log): what each step computed, and
-        where the engine thread's time went."""
-        records, next_seq = state.ready_llm().step_log.since(since)
-        return {"steps": [r.as_dict() for r in records], "next": next_seq}
+    async def engine_steps(since: int = 0, limit: int = STEPS_A_PAGE):
+        """The engine's step records from ``since`` on (engine.step_log), ``limit`` at most: what each step computed,
+        and where the engine thread's time went. Ask again from ``next`` for the rest."""
+        if not 1 <= limit <= STEPS_A_PAGE:
+            raise ApiError(400, f"limit must be in 1..{STEPS_A_PAGE}, got {limit}", param="limit")
+        records, next_seq = state.ready_llm().step_log.since(since, limit)
+        steps = await asyncio.to_thread(lambda: [r.as_dict() for r in records])  # off the event loop: ~10 ms a page
+        return {"steps": steps, "next": next_seq}
 
     if config.dashboard:
-        install_dashboard(app, state.ready_llm, lambda: state.engine.tokenizer, state.dashboard)
+        install_dashboard(app, state.ready_llm, lambda: state.engine.tokenizer, state.dashboard,
+                          config.dashboard_prompt_text)
 
     @app.get("/v1/models")
     async def models():

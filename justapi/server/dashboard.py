@@ -87,8 +87,8 @@ class DashboardFeed:
 class Watch:
     """One open page: where it is in the step log and the finished list, and what it was already told."""
 
-    def __init__(self, llm: AsyncLLM, feed: DashboardFeed, tokenizer) -> None:
-        self.llm, self.feed, self.tokenizer = llm, feed, tokenizer
+    def __init__(self, llm: AsyncLLM, feed: DashboardFeed, tokenizer, prompt_text: bool) -> None:
+        self.llm, self.feed, self.tokenizer, self.prompt_text = llm, feed, tokenizer, prompt_text
         self.seq = max(0, llm.step_log.next_seq - HISTORY_STEPS)
         self.finished_count = max(0, feed.num_finished - 64)
         self.throughput = collections.deque()  # (time, output tokens delivered so far)
@@ -109,10 +109,12 @@ class Watch:
                "window": self.feed.window(now) | {"output_throughput": (n1 - n0) / (t1 - t0) if t1 > t0 else None},
                "waiting": llm.num_waiting, "output_tokens": llm.num_output_tokens}
         if isinstance(snap, PdSnapshot):
+            msg["num_running"] = sum(w.running for w in snap.workers if w.alive)
             msg["pools"] = [dataclasses.asdict(dataclasses.replace(w, costs=None)) for w in snap.workers]
             msg["transfers"] = dataclasses.asdict(snap.counters)
         else:
             c = snap.counters
+            msg["num_running"] = snap.num_running
             msg["kv_blocks_total"] = snap.kv_blocks_total
             msg["cache"] = {"blocks": snap.prefix_cache_blocks, "hits": snap.prefix_cache_hits,
                             "misses": snap.prefix_cache_misses, "shared": self._shared()}
@@ -132,6 +134,9 @@ class Watch:
     def _shared(self) -> list[dict]:
         shared = []
         for tokens, hits in self.llm.shared_prefixes:
+            if not self.prompt_text:  # prompts are the clients' own: shown only where the operator asked
+                shared.append({"tokens": len(tokens), "requests": hits, "text": None})
+                continue
             head = tokens[:PREVIEW_TOKENS]
             if head not in self.previews:
                 if len(self.previews) > 64:  # the prefixes of an hour ago
@@ -150,8 +155,9 @@ def _step(r) -> dict:
     return step
 
 
-def install(app: FastAPI, ready_llm, tokenizer, feed: DashboardFeed) -> None:
-    """Add the dashboard's routes: the page, its two files and the event stream."""
+def install(app: FastAPI, ready_llm, tokenizer, feed: DashboardFeed, prompt_text: bool) -> None:
+    """Add the dashboard's routes: the page, its two files and the event stream (with the shared prefixes' text
+    where ``prompt_text``)."""
 
     @app.get("/dashboard")
     async def dashboard_page():
@@ -162,7 +168,7 @@ def install(app: FastAPI, ready_llm, tokenizer, feed: DashboardFeed) -> None:
         llm = ready_llm()
         if llm.watchers >= MAX_WATCHERS:
             raise ApiError(429, f"{MAX_WATCHERS} dashboards are open already", "rate_limit_error")
-        watch = Watch(llm, feed, tokenizer())
+        watch = Watch(llm, feed, tokenizer(), prompt_text)
         llm.watchers += 1  # the event loop alone changes it; the engine thread only reads it
 
         async def events():

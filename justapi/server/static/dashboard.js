@@ -8,6 +8,7 @@ const LANE_IDLE_STEPS = 64; // a request unseen this many steps leaves its row (
 const HIT_WINDOW = 64;      // steps with lookups in the hit ratio's window
 const THROUGHPUT_POINTS = 480;  // two minutes of ticks
 const REQUEST_ROWS = 40;    // recent requests listed
+const SEEN = 4096;          // request ids remembered as seen (the browser test reads them)
 const COLORS = { prefill: "#4c78a8", decode: "#54a24b", spec: "#2d6a27", specDrafted: "#b5dcb0",
                  preempted: "#e45756", aborted: "#999999", held: "#4c78a8", cached: "#f58518", free: "#e4e4e4" };
 
@@ -45,6 +46,7 @@ function addStep(step) {
     if (!lane) { lane = { lane: freeLane(), lastSeq: step.seq }; state.lanes.set(rid, lane); }
     lane.lastSeq = step.seq;
     state.seen.add(rid);
+    if (state.seen.size > SEEN) state.seen.delete(state.seen.values().next().value);
     col.cells.push({ lane: lane.lane, rid, kind, start, tokens, accepted });
     if (kind === "aborted") release(rid);
   }
@@ -65,6 +67,10 @@ function onMessage(msg) {
   state.messages++;
   state.now = msg.now;
   for (const step of msg.steps) addStep(step);
+  // requests that ended without a step saying so (aborted while the engine idles): their rows are given back one
+  // message later, once the steps that ran before they ended have come in
+  for (const rid of state.ended || []) release(rid);
+  state.ended = (msg.finished || []).map(f => f.rid);
   for (const [rid, info] of Object.entries(msg.running || {})) {
     state.requests.set(rid, Object.assign(state.requests.get(rid) || {}, info));
   }
@@ -74,7 +80,7 @@ function onMessage(msg) {
   }
   trimRequests();
   const w = msg.window;
-  $("f-running").textContent = state.lanes.size;
+  $("f-running").textContent = msg.num_running;
   $("f-waiting").textContent = msg.waiting;
   $("f-throughput").textContent = fmt(w.output_throughput, 1);
   $("f-ttft").textContent = pcts(w.ttft_ms);
@@ -127,7 +133,7 @@ function showCache(cache, total) {
     const tr = document.createElement("tr");
     const text = document.createElement("td");
     text.className = "text";
-    text.textContent = s.text;
+    text.textContent = s.text === null ? "(text not shown: --dashboard-prompt-text)" : s.text;
     const tokens = document.createElement("td");
     tokens.textContent = s.tokens;
     const reqs = document.createElement("td");
@@ -196,7 +202,7 @@ function drawTimeline() {
         g.fillRect(x, y, Math.max(1, w - 1), rowH - 1);
         const share = cell.accepted / Math.max(1, cell.tokens - 1);
         g.fillStyle = COLORS.spec;
-        g.fillRect(x, y + (rowH - 1) * (1 - share), Math.max(1, w - 1), (rowH - 1) * share || 2);
+        if (share > 0) g.fillRect(x, y + (rowH - 1) * (1 - share), Math.max(1, w - 1), (rowH - 1) * share);
       } else {
         g.fillStyle = COLORS[cell.kind] || "#000";
         g.fillRect(x, y, Math.max(1, w - 1), rowH - 1);
@@ -321,7 +327,8 @@ function describe(col, cell) {
   }
   if (r.prompt !== undefined) lines.push(`prompt ${r.prompt} tokens${r.cached ? ` (${r.cached} cached)` : ""}, output ${r.output}`);
   if (r.done) {
-    lines.push(`TTFT ${fmt(r.ttft * 1000)} ms, latency ${fmt(r.latency * 1000)} ms, ${r.reason}`);
+    const ttft = r.ttft === null ? "no token" : `TTFT ${fmt(r.ttft * 1000)} ms`;
+    lines.push(`${ttft}, latency ${fmt(r.latency * 1000)} ms, ${r.reason}`);
   } else if (r.arrival !== undefined) {
     const ttft = r.first_token ? `TTFT ${fmt((r.first_token - r.arrival) * 1000)} ms` : "no token yet";
     lines.push(`${ttft}, running for ${fmt((state.now - r.arrival) * 1000)} ms`);
@@ -344,7 +351,12 @@ $("timeline").addEventListener("mouseleave", () => { $("tip").hidden = true; });
 function connect() {
   const source = new EventSource("/dashboard/events");
   source.onopen = () => { $("status").textContent = "live"; $("status").className = "status on"; };
-  source.onerror = () => { $("status").textContent = "reconnecting"; $("status").className = "status off"; };
+  source.onerror = () => {
+    $("status").textContent = "reconnecting";
+    $("status").className = "status off";
+    // EventSource retries a dropped connection itself, but not an HTTP error (503 while loading, 429, 401)
+    if (source.readyState === EventSource.CLOSED) setTimeout(connect, 2000);
+  };
   source.onmessage = event => {
     try {
       onMessage(JSON.parse(event.data));
