@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import json
 
-COLORS = {"prefill": "#4c78a8", "decode": "#54a24b", "spec": "#2d6a27", "aborted": "#999999",
-          "preempted": "#e45756", "finished": "#222222"}
+COLORS = {"prefill": "#4c78a8", "decode": "#54a24b", "spec": "#2d6a27", "preempted": "#e45756", "finished": "#222222"}
 POOL_COLORS = ("#4c78a8", "#f58518", "#e4e4e4")  # held by requests, prefix cache (evictable), free
-LANE_IDLE_STEPS = 64  # as the dashboard's page: a request unseen this long left between steps (aborted)
 
 
 def step_entry(t: float, seconds: float, work) -> dict:
@@ -31,25 +29,20 @@ def from_step_records(records: list[dict]) -> list[dict]:
 
 
 def assign_lanes(steps: list[dict]) -> tuple[list[list[int]], int]:
-    """A row for each request while it runs (the lowest free one; given back when it finishes, is preempted, is
-    aborted, or goes unseen for LANE_IDLE_STEPS steps: aborted between steps): each step's cells' rows, and the
-    number of rows."""
+    """A row for each request while it runs (the lowest free one; given back when it finishes, is aborted or is
+    preempted): each step's cells' rows, and the number of rows."""
     lanes: dict[str, int] = {}
-    last_seen: dict[str, int] = {}
     per_step, most = [], 0
-    for i, step in enumerate(steps):
+    for step in steps:
         rows = []
-        for rid, kind, *_ in step["cells"]:
+        for rid, *_ in step["cells"]:
             if rid not in lanes:
                 taken = set(lanes.values())
                 lanes[rid] = next(k for k in range(len(taken) + 1) if k not in taken)
-            last_seen[rid] = i
             rows.append(lanes[rid])
         most = max(most, len(lanes))
         per_step.append(rows)
-        leaving = set(step["preempted"]) | set(step["finished"]) | {c[0] for c in step["cells"] if c[1] == "aborted"}
-        leaving |= {rid for rid in lanes if i - last_seen[rid] > LANE_IDLE_STEPS}
-        for rid in leaving:
+        for rid in (*step["preempted"], *step["finished"]):
             lanes.pop(rid, None)
     return per_step, most
 

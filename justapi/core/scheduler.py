@@ -345,7 +345,6 @@ class Scheduler:
         for rid, n in sched.num_scheduled_tokens.items():
             req = self.requests.get(rid)
             if req is None or req.status is not RequestStatus.RUNNING:
-                cells.append((rid, "aborted", -1, n, 0))
                 continue  # aborted while the step ran
             start = req.num_computed_tokens
             was_prefilling = start < req.num_prompt_tokens

@@ -24,9 +24,9 @@ class StepWork:
     num_prefill_tokens: int  # of those, prompt tokens (chunks, and recomputation after preemption)
     num_decodes: int  # requests decoding (one token each, plus any draft slots)
     # what the dashboard draws: per scheduled request (id, "prefill" | "decode" | "spec", first position computed,
-    # tokens computed, drafts accepted; "aborted" should one be aborted while the step runs); the requests
-    # preempted in the step, those that finished in it or were aborted since the step before; the pool's blocks
-    # (held by requests, cached and evictable, free); the prefix cache's block hits and misses so far
+    # tokens computed, drafts accepted); the requests preempted in the step, those that finished in it or were
+    # aborted since the step before; the pool's blocks (held by requests, cached and evictable, free); the prefix
+    # cache's block hits and misses so far
     cells: tuple[tuple[str, str, int, int, int], ...] = ()
     preempted: tuple[str, ...] = ()
     finished: tuple[str, ...] = ()

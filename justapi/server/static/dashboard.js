@@ -4,18 +4,17 @@
 
 const COLUMNS = 200;        // engine steps drawn (the pool chart shares the timeline's columns)
 const MAX_LANES = 64;       // timeline rows at most
-const LANE_IDLE_STEPS = 64; // a request unseen this many steps leaves its row (aborted between steps)
 const HIT_WINDOW = 64;      // steps with lookups in the hit ratio's window
 const THROUGHPUT_POINTS = 480;  // two minutes of ticks
 const REQUEST_ROWS = 40;    // recent requests listed
 const SEEN = 4096;          // request ids remembered as seen (the browser test reads them)
 const COLORS = { prefill: "#4c78a8", decode: "#54a24b", spec: "#2d6a27", specDrafted: "#b5dcb0",
-                 preempted: "#e45756", aborted: "#999999", held: "#4c78a8", cached: "#f58518", free: "#e4e4e4" };
+                 preempted: "#e45756", held: "#4c78a8", cached: "#f58518", free: "#e4e4e4" };
 
 // state kept for drawing, and read by the browser test (window.justapiDashboard)
 const state = {
   columns: [],          // {seq, seconds, cells: [{lane, rid, kind, start, tokens, accepted}], marks: [{lane, kind}], kv, hits, misses}
-  lanes: new Map(),     // rid -> {lane, lastSeq}
+  lanes: new Map(),     // rid -> its row while it runs
   requests: new Map(),  // rid -> what the server said of it (prompt, output, arrival, first_token / finished figures)
   seen: new Set(),      // every request id a step showed
   throughput: [],       // [time, tokens a second]
@@ -31,7 +30,7 @@ function fmt(x, digits = 0) { return x === null || x === undefined ? "–" : Num
 function pcts(p) { return p ? `${fmt(p.p50)} / ${fmt(p.p90)} / ${fmt(p.p99)}` : "–"; }
 
 function freeLane() {
-  const used = new Set([...state.lanes.values()].map(l => l.lane));
+  const used = new Set(state.lanes.values());
   for (let i = 0; i < MAX_LANES; i++) if (!used.has(i)) return i;
   return MAX_LANES - 1;  // more requests than rows: the last row is shared
 }
@@ -43,22 +42,17 @@ function addStep(step) {
                 hits: step.hits, misses: step.misses, waiting: step.waiting };
   for (const [rid, kind, start, tokens, accepted] of step.cells || []) {
     let lane = state.lanes.get(rid);
-    if (!lane) { lane = { lane: freeLane(), lastSeq: step.seq }; state.lanes.set(rid, lane); }
-    lane.lastSeq = step.seq;
+    if (lane === undefined) { lane = freeLane(); state.lanes.set(rid, lane); }
     state.seen.add(rid);
     if (state.seen.size > SEEN) state.seen.delete(state.seen.values().next().value);
-    col.cells.push({ lane: lane.lane, rid, kind, start, tokens, accepted });
-    if (kind === "aborted") release(rid);
+    col.cells.push({ lane, rid, kind, start, tokens, accepted });
   }
-  for (const rid of step.preempted || []) {
-    const lane = state.lanes.get(rid);
-    if (lane) { col.marks.push({ lane: lane.lane, rid, kind: "preempted" }); release(rid); }
+  for (const [ids, kind] of [[step.preempted, "preempted"], [step.finished, "finished"]]) {
+    for (const rid of ids || []) {
+      const lane = state.lanes.get(rid);
+      if (lane !== undefined) { col.marks.push({ lane, rid, kind }); release(rid); }
+    }
   }
-  for (const rid of step.finished || []) {
-    const lane = state.lanes.get(rid);
-    if (lane) { col.marks.push({ lane: lane.lane, rid, kind: "finished" }); release(rid); }
-  }
-  for (const [rid, lane] of state.lanes) if (step.seq - lane.lastSeq > LANE_IDLE_STEPS) release(rid);
   state.columns.push(col);
   if (state.columns.length > COLUMNS) state.columns.shift();
 }
