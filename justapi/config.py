@@ -73,7 +73,7 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 # dpbf16 (the same weights on AVX-512 BF16 vectors, where AMX is absent or disabled), q8_small (1-2 rows times 8-bit
 # units with AVX-512 FMAs), prepack (dense weights in oneDNN's blocked layout), fused_silu (silu(gate) * up in one
 # C++ call).
-OPTIONAL_KERNELS = ("q_matmul", "amx", "dpbf16", "q8_small", "prepack", "fused_silu")
+OPTIONAL_KERNELS = ("q_matmul", "amx", "dpbf16", "q8_small", "prepack", "fused_silu", "prefill_attention")
 
 
 def flag(default, help: str, name: str | None = None, choices=None, metavar: str | None = None):

@@ -347,3 +347,53 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
     _clear_stale_lock(str(tmp_path))
     assert not lock.exists()
     _clear_stale_lock(str(tmp_path))  # no lock: nothing to do
+
+
+def _exact_attention(q, k_cache, v_cache, table, ctx, scale, window):
+    """A prompt chunk's causal attention in fp64 over the cache's values (the queries as given)."""
+    from justapi.model.attention import SeqSpan, _visibility
+
+    span = SeqSpan(0, q.shape[0], ctx, table)
+    heads, kv_heads = q.shape[1], k_cache.shape[0]
+    k = k_cache[:, table].flatten(1, 2)[:, :ctx].double().repeat_interleave(heads // kv_heads, 0)  # [heads, ctx, d]
+    v = v_cache[:, table].flatten(1, 2)[:, :ctx].double().repeat_interleave(heads // kv_heads, 0)
+    scores = torch.einsum("nhd,hcd->hnc", q.double(), k) * scale
+    scores = scores.masked_fill(~_visibility(span, q.device, window or None), float("-inf"))
+    return torch.einsum("hnc,hcd->nhd", torch.softmax(scores, -1), v)
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (8, 8, 128), (4, 1, 256)])
+def test_prefill_attention_is_as_close_to_exact_as_torchs_bf16_flash_kernel(cpp_kernels, heads, kv_heads, dim):
+    """The C++ prefill attention (AVX-512 BF16) against fp64 over the same bf16 cache: within the error of the path
+    it replaces (torch's fused kernel in bf16), on fresh chunks, chunks after a cached prefix, sliding windows,
+    ragged lengths and shuffled blocks; slots past the context (NaN here) are never read."""
+    if not cpp_kernels.prefill_attention_available():
+        pytest.skip("the C++ kernels were built without AVX-512 BF16")
+    from justapi.model.attention import SeqSpan, _sequence_attention_fused
+
+    g = torch.Generator().manual_seed(11)
+    blocks, bs = 64, 16
+    k_cache = torch.randn(kv_heads, blocks, bs, dim, generator=g).to(torch.bfloat16)
+    v_cache = torch.randn(kv_heads, blocks, bs, dim, generator=g).to(torch.bfloat16)
+    scale = dim ** -0.5
+    for n, ctx, window in ((1, 1, 0), (5, 5, 0), (37, 37, 0), (70, 300, 0), (200, 600, 0), (130, 700, 512),
+                           (17, 700, 512), (64, 100, 512)):
+        table = torch.randperm(blocks, generator=g)[: -(-ctx // bs)]
+        if ctx % bs:
+            k_cache[:, table[-1], ctx % bs :] = float("nan")
+            v_cache[:, table[-1], ctx % bs :] = float("nan")
+        q = torch.randn(n, heads, dim, generator=g) * 2
+        exact = _exact_attention(q, k_cache, v_cache, table, ctx, scale, window)
+        got = cpp_kernels.prefill_attention(q, k_cache, v_cache, table, ctx, scale, window)
+        torch_path = _sequence_attention_fused(q, k_cache, v_cache, SeqSpan(0, n, ctx, table), scale, torch.bfloat16,
+                                               window or None)
+        err, torch_err = (got - exact).abs(), (torch_path - exact).abs()
+        assert got.dtype == torch.float32 and got.shape == q.shape and not got.isnan().any()
+        assert err.max() <= max(1.25 * torch_err.max(), 1e-3), (n, ctx, window, err.max(), torch_err.max())
+        assert err.mean() <= 1.25 * torch_err.mean(), (n, ctx, window, err.mean(), torch_err.mean())
+        k_cache[:, table[-1]] = k_cache[:, table[-1]].nan_to_num(0.0)
+        v_cache[:, table[-1]] = v_cache[:, table[-1]].nan_to_num(0.0)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        cpp_kernels.prefill_attention(q, k_cache, v_cache, table + blocks, ctx, scale, 0)
+    with pytest.raises(RuntimeError, match="bf16 K and V caches"):
+        cpp_kernels.prefill_attention(q, k_cache.float(), v_cache.float(), table, ctx, scale, 0)

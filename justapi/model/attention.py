@@ -78,6 +78,7 @@ def paged_attention(
     compute_dtype: torch.dtype | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    prefill_kernel: bool = False,
 ) -> torch.Tensor:
     """Attention of query rows ``q`` [num_tokens, num_heads, head_dim] over their sequences' cached K/V.
 
@@ -89,7 +90,9 @@ def paged_attention(
     ``compute_dtype``: the model's (None: the cache's); the fused path computes in the cache's dtype only where it
     is the model's (see _sequence_attention_fused). ``window``: the layer's sliding window (module docstring).
     ``softcap`` (Gemma 2): scores s become c·tanh(s / c) before the softmax, which neither torch's fused kernel nor
-    the C++ kernel computes: such a model takes the plain-matmul paths.
+    the C++ kernel computes: such a model takes the plain-matmul paths. ``prefill_kernel``: prompt chunks (causal,
+    no mask of their own) over a bf16 cache go to the C++ prefill attention instead of torch's fused kernel
+    (kernels/prefill_attention.cpp; the policy's ``prefill_attention`` route, a bf16 model on AVX-512 BF16).
     """
     use_kernel = (kernels is not None and q.device.type == "cpu" and q.dtype == torch.float32
                   and k_cache.dtype in (torch.float32, torch.bfloat16) and softcap is None)
@@ -110,11 +113,19 @@ def paged_attention(
         if span.num_query_tokens == 1 and span.mask is None and meta.decode_rows is not None:
             continue  # done in the decode batch
         rows = slice(span.query_start, span.query_start + span.num_query_tokens)
-        if batch_invariant or softcap is not None:
+        if (use_kernel and prefill_kernel and not batch_invariant and span.mask is None
+                and k_cache.dtype == torch.bfloat16 and q.shape[2] in PREFILL_KERNEL_HEAD_SIZES):
+            out[rows] = kernels.prefill_attention(q[rows], k_cache, v_cache, span.block_table, span.context_len, scale,
+                                                  window or 0)
+        elif batch_invariant or softcap is not None:
             out[rows] = _sequence_attention(q[rows], k_cache, v_cache, span, scale, window, softcap)
         else:
             out[rows] = _sequence_attention_fused(q[rows], k_cache, v_cache, span, scale, compute_dtype, window)
     return out
+
+
+# the head sizes kernels/prefill_attention.cpp is compiled for (others take torch's fused kernel)
+PREFILL_KERNEL_HEAD_SIZES = (64, 128, 256)
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

@@ -81,6 +81,7 @@ class CpuFeatures:
     q_matmul: bool  # the C++ kernels' AVX2 integer matmul
     silu_bf16: bool  # the C++ silu_mul on bf16 rows (AVX-512)
     silu_fp32: bool  # ... on fp32 rows (AVX2 or AVX-512)
+    prefill_attention: bool  # the C++ prefill attention over a bf16 cache (AVX-512 BF16)
     onednn: bool  # torch's oneDNN (prepacked weights)
 
     def names(self) -> str:
@@ -95,6 +96,7 @@ def _probe(kernels) -> CpuFeatures:
     return CpuFeatures(cpu_has_bf16_matmul(), has("int4_amx_available"), has("units_avx512_available"),
                        has("q_matmul_available"),
                        has("silu_mul_available", True), has("silu_mul_available", False),
+                       has("prefill_attention_available"),
                        torch.backends.mkldnn.is_available())
 
 
@@ -149,7 +151,12 @@ class KernelPolicy:
                 "dpbf16": cpu.avx512_units and bf16 and not (cpu.amx and "amx" not in disabled),
                 "q8_small": cpu.avx512_units and bf16,
                 "prepack": cpu.onednn and (dtype == torch.float32 or (dtype == torch.bfloat16 and cpu.bf16_matmul)),
-                "fused_silu": cpu.silu_bf16 if dtype == torch.bfloat16 else cpu.silu_fp32 and dtype == torch.float32}
+                "fused_silu": cpu.silu_bf16 if dtype == torch.bfloat16 else cpu.silu_fp32 and dtype == torch.float32,
+                # prompt chunks' attention over a bf16 cache where the model computes in bf16 (where it computes in
+                # fp32, the torch path widens the cache to fp32 instead: model.attention); not where there are AMX
+                # tiles, which torch's flash kernel uses for bf16 (brgemm) and which this kernel was not measured
+                # against (docs/benchmarks.md)
+                "prefill_attention": cpu.prefill_attention and bf16 and not cpu.amx}
         assert set(runs) == set(OPTIONAL_KERNELS)
         return cls(dtype, kernels, cpu, frozenset(k for k, ok in runs.items() if ok and k not in disabled))
 
@@ -208,7 +215,8 @@ class KernelPolicy:
                                                                      else "")
         return [
             f"kernels: CPU {self.cpu.names()}; compute {str(self.dtype).removeprefix('torch.')}; C++ kernels "
-            + ("off" if self.kernels is None else "on" + (", fused silu" if self.uses("fused_silu") else "")),
+            + ("off" if self.kernels is None else "on" + (", fused silu" if self.uses("fused_silu") else "")
+               + (", prefill attention" if self.uses("prefill_attention") else "")),
             "  4-bit linears: " + describe_routes(self.q4_routes(shape)).replace("dense", dense),
             "  8-bit linears: " + describe_routes(self.q8_routes(shape)).replace("dense", dense),
             "  8-bit LM head: " + describe_routes(self.head_routes(shape, True)).replace("dense", dense),

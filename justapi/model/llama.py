@@ -253,6 +253,7 @@ class LlamaModel:
         # silu bit-identical, the norm's sum of squares in another order)
         fused = self.policy.layer_ops and x.device.type == "cpu"
         fused_silu = fused and self.policy.uses("fused_silu") and not self.gelu
+        prefill_kernel = self.policy.uses("prefill_attention") and x.device.type == "cpu"
         norm = self._fused_norm if fused else lambda t, w: rms_norm(t, w, eps)  # the norms with no residual add
         residual = None  # the last sublayer's output, not yet added to x
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
@@ -281,7 +282,7 @@ class LlamaModel:
                     k = self.rope.rotate(norm(k, layer.k_norm).float(), cos, sin)
                 write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             attn = paged_attention(q, k_cache, v_cache, meta, self.scale, self.kernels, bi, x.dtype,
-                                   layer.window, cfg.attn_softcap).to(x.dtype)
+                                   layer.window, cfg.attn_softcap, prefill_kernel).to(x.dtype)
             o = linear(attn.reshape(n, self.q_size), layer.o, None, bi)
             o = o if self.tp is None else self.comm.all_reduce(o)
             if layer.post_attn_norm is not None:
