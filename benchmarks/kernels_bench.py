@@ -3,6 +3,7 @@
 usage: python benchmarks/kernels_bench.py [weights] [--model GGUF] [--rows 1 5 8 28 64 128 512] [--reps 7] [--fp32]
                                          [--disable K ...]
        python benchmarks/kernels_bench.py attention [--base REV | --huge-pages] [--reps 7]
+       python benchmarks/kernels_bench.py prefill [--reps 7]
 
 ``weights`` (the default): the weight kernels on SmolLM2's own weights (or ``--model``'s), route by route: what each
 kernel of the policy costs at each batch size, and what the weights of each route table hold. Loads the model with
@@ -18,6 +19,12 @@ SmolLM2's heads (9 query / 3 KV, head size 64), blocks of 16 scattered through t
 the K/V bytes read per second, for fp32 and bf16 caches. ``--base REV`` builds the kernel source at that git
 revision too (with the flags that revision used) and times it interleaved with the working tree's, on the same
 inputs; ``--huge-pages`` times caches on transparent huge pages against ordinary pages, interleaved.
+
+``prefill``: a prompt chunk's attention over its bf16 cache, the C++ kernel (kernels/prefill_attention.cpp, AVX-512
+BF16) against the path it replaces (torch's fused kernel over the gathered, padded K/V, its mask built once as in a
+step), interleaved, best of ``--reps``, on SmolLM2's heads (9 / 3, size 64) and Gemma 3 270M's (4 / 1, size 256):
+fresh chunks of 64-512 tokens, chunks after a cached prefix, and a sliding window of 512. Prints ms a layer, the
+ratio, and each one's rate over the arithmetic of the keys a query sees (4 x heads x head size per query-key pair).
 
 Replaces int4_amx_bench.py, q_matmul_bench.py and decode_attention_bench.py (docs/benchmarks-archive.md).
 """
@@ -178,9 +185,44 @@ def attention(args) -> None:
 
 
 
+def prefill(args) -> None:
+    from justapi.kernels import decode_kernels
+    from justapi.model.attention import SeqSpan, _sequence_attention_fused
+
+    kernels = decode_kernels()
+    if kernels is None or not kernels.prefill_attention_available():
+        raise SystemExit("the C++ kernels here have no prefill attention (it needs AVX-512 BF16)")
+    g = torch.Generator().manual_seed(0)
+    bs, blocks = 16, 128
+    print(f"{torch.get_num_threads()} threads; ms a layer, best of {args.reps}, interleaved")
+    for name, heads, kv_heads, dim in (("SmolLM2", 9, 3, 64), ("Gemma 3 270M", 4, 1, 256)):
+        k = torch.randn(kv_heads, blocks, bs, dim, generator=g).to(torch.bfloat16)
+        v = torch.randn(kv_heads, blocks, bs, dim, generator=g).to(torch.bfloat16)
+        for n, ctx, window in ((64, 64, 0), (200, 200, 0), (336, 336, 0), (512, 512, 0), (32, 432, 0), (200, 600, 0),
+                               (300, 900, 512)):
+            table = torch.randperm(blocks, generator=g)[: -(-ctx // bs)]
+            q = torch.randn(n, heads, dim, generator=g)
+            span = SeqSpan(0, n, ctx, table)  # keeps its mask across calls, as a step's layers share it
+            runs = {"torch": lambda: _sequence_attention_fused(q, k, v, span, dim ** -0.5, torch.bfloat16, window or None),
+                    "C++": lambda: kernels.prefill_attention(q, k, v, table, ctx, dim ** -0.5, window)}
+            best = {key: float("inf") for key in runs}
+            for rep in range(args.reps):
+                for key, fn in list(runs.items())[:: 1 if rep % 2 else -1]:
+                    t = time.perf_counter()
+                    for _ in range(5):
+                        fn()
+                    best[key] = min(best[key], (time.perf_counter() - t) / 5)
+            pairs = sum(min(p + 1, window or p + 1) for p in range(ctx - n, ctx))  # query-key pairs seen
+            rate = lambda sec: 4 * heads * dim * pairs / sec / 1e9  # noqa: E731
+            print(f"  {name}, {n:3d} new of {ctx:3d}{f', window {window}' if window else ''}: torch "
+                  f"{best['torch'] * 1e3:6.3f} ms ({rate(best['torch']):4.0f} GFLOP/s), C++ {best['C++'] * 1e3:6.3f} ms "
+                  f"({rate(best['C++']):4.0f}), {best['C++'] / best['torch']:.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", nargs="?", choices=["weights", "attention"], default="weights")
+    ap.add_argument("mode", nargs="?", choices=["weights", "attention", "prefill"],
+                    default="weights")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 5, 8, 28, 64, 128, 512], help="weights: row counts")
     ap.add_argument("--model", default=None, help="weights: a GGUF file (default: SmolLM2)")
@@ -189,7 +231,7 @@ def main() -> None:
     ap.add_argument("--base", default=None, help="attention: a git revision whose kernel is timed alongside")
     ap.add_argument("--huge-pages", action="store_true", help="attention: caches on huge pages against ordinary ones")
     args = ap.parse_args()
-    weights(args) if args.mode == "weights" else attention(args)
+    {"weights": weights, "attention": attention, "prefill": prefill}[args.mode](args)
 
 
 if __name__ == "__main__":

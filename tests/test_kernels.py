@@ -397,3 +397,23 @@ def test_prefill_attention_is_as_close_to_exact_as_torchs_bf16_flash_kernel(cpp_
         cpp_kernels.prefill_attention(q, k_cache, v_cache, table + blocks, ctx, scale, 0)
     with pytest.raises(RuntimeError, match="bf16 K and V caches"):
         cpp_kernels.prefill_attention(q, k_cache.float(), v_cache.float(), table, ctx, scale, 0)
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (8, 8, 128), (4, 1, 256)])
+def test_prefill_attention_gives_a_query_the_same_bits_whatever_chunk_it_comes_in(cpp_kernels, heads, kv_heads, dim):
+    """Each query row's keys are taken in the same tiles in the same order whether its prompt comes whole or in
+    chunks, so a prompt's attention does not depend on how the scheduler cut it (the torch path's tiling follows
+    the chunk's length)."""
+    if not cpp_kernels.prefill_attention_available():
+        pytest.skip("the C++ kernels were built without AVX-512 BF16")
+    g = torch.Generator().manual_seed(12)
+    k_cache = torch.randn(kv_heads, 40, 16, dim, generator=g).to(torch.bfloat16)
+    v_cache = torch.randn(kv_heads, 40, 16, dim, generator=g).to(torch.bfloat16)
+    table = torch.randperm(40, generator=g)[:19]
+    q = torch.randn(300, heads, dim, generator=g)
+    for window in (0, 128):
+        whole = cpp_kernels.prefill_attention(q, k_cache, v_cache, table, 300, dim ** -0.5, window)
+        cuts = (0, 37, 100, 229, 300)
+        parts = [cpp_kernels.prefill_attention(q[a:b], k_cache, v_cache, table, b, dim ** -0.5, window)
+                 for a, b in zip(cuts, cuts[1:])]
+        assert torch.equal(torch.cat(parts), whole)

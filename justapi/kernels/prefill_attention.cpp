@@ -9,9 +9,9 @@
 //   attend: work item = (KV head, 16 query tokens): its rows are each token's `group` query heads; items are dealt
 //           to the threads heaviest first (a causal chunk's later tokens see more keys)
 //           for each span of 4 key tiles (64 keys) the item's last token can see (and, with a window, its first):
-//             s = scale * q . k (fp32 sums of bf16 products, 8 rows at a time), hidden keys -inf
+//             s = scale * q . k (fp32 sums of bf16 products, 8 rows by 2 tiles at a time), hidden keys -inf
 //             online softmax (fp32): m' = max(m, max s), acc *= exp(m - m'), p = exp(s - m'), l = l * .. + sum p
-//             acc += p (rounded to bf16) . v
+//             acc += p (rounded to bf16) . v (2 rows at a time up to head size 128)
 //           out = acc / l
 //
 // The rounding points are the flash kernel's: queries rounded to bf16, scores and the softmax in fp32, the weights
@@ -62,45 +62,67 @@ void pack_tiles(const uint16_t* k_head, const uint16_t* v_head, const int64_t* t
 
 inline __m512bh bcast_pair(const uint32_t* p) { return (__m512bh)_mm512_set1_epi32(static_cast<int>(*p)); }
 
-// scores[r][0..16) = q[r] . k for kRowBlock rows, over the packed tile
-template <int64_t Dim>
+// scores[r][t * 16 ..] = q[r] . k for kRowBlock rows and Tiles (1 or 2) packed tiles: each key vector loaded is
+// used by 8 rows, each broadcast query pair by both tiles
+template <int64_t Dim, int64_t Tiles>
 inline void tile_scores(const uint32_t* q, const uint32_t* kp, float* scores, int64_t row_stride) {
   constexpr int64_t pairs = Dim / 2;
-  __m512 s[kRowBlock];
-  for (int64_t r = 0; r < kRowBlock; ++r) s[r] = _mm512_setzero_ps();
+  __m512 s[Tiles][kRowBlock];
+  for (int64_t t = 0; t < Tiles; ++t)
+    for (int64_t r = 0; r < kRowBlock; ++r) s[t][r] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
-    const __m512bh k = (__m512bh)_mm512_loadu_si512(kp + p * kKeys);
-    for (int64_t r = 0; r < kRowBlock; ++r) s[r] = _mm512_dpbf16_ps(s[r], bcast_pair(q + r * pairs + p), k);
+    __m512bh k[Tiles];
+    for (int64_t t = 0; t < Tiles; ++t) k[t] = (__m512bh)_mm512_loadu_si512(kp + (t * pairs + p) * kKeys);
+    for (int64_t r = 0; r < kRowBlock; ++r) {
+      const __m512bh qp = bcast_pair(q + r * pairs + p);
+      for (int64_t t = 0; t < Tiles; ++t) s[t][r] = _mm512_dpbf16_ps(s[t][r], qp, k[t]);
+    }
   }
-  for (int64_t r = 0; r < kRowBlock; ++r) _mm512_storeu_ps(scores + r * row_stride, s[r]);
+  for (int64_t t = 0; t < Tiles; ++t)
+    for (int64_t r = 0; r < kRowBlock; ++r) _mm512_storeu_ps(scores + r * row_stride + t * kKeys, s[t][r]);
 }
 
-// acc[0..Dim) = acc * alpha + p . v over key_pairs key pairs (p: bf16 weights in pairs). A dpbf16 waits for the
-// one before it on the same accumulator (6 cycles on a Zen 4): at head size 64 the four accumulators of a row would
-// leave the units idle, so alternate key pairs go to a second set, added at the end
+// acc[0..Dim) = acc * alpha + p . v over key_pairs key pairs (p: bf16 weights in pairs), in order of the keys
 template <int64_t Dim>
 inline void tile_values(const uint32_t* p, const uint32_t* vp, int64_t key_pairs, float alpha, float* acc) {
-  constexpr int64_t chunks = Dim / 16, sets = chunks >= 8 ? 1 : 8 / chunks;
-  __m512 a[sets][chunks];
+  constexpr int64_t chunks = Dim / 16;
+  __m512 a[chunks];
   const __m512 scale = _mm512_set1_ps(alpha);
-  for (int64_t c = 0; c < chunks; ++c) a[0][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + c * 16), scale);
-  for (int64_t k = 1; k < sets; ++k)
-    for (int64_t c = 0; c < chunks; ++c) a[k][c] = _mm512_setzero_ps();
-  int64_t j = 0;
-  for (; j + sets <= key_pairs; j += sets)
-    for (int64_t k = 0; k < sets; ++k) {
-      const __m512bh w = bcast_pair(p + j + k);
-      for (int64_t c = 0; c < chunks; ++c)
-        a[k][c] = _mm512_dpbf16_ps(a[k][c], (__m512bh)_mm512_loadu_si512(vp + (j + k) * Dim + c * 16), w);
-    }
-  for (; j < key_pairs; ++j) {
+  for (int64_t c = 0; c < chunks; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + c * 16), scale);
+  for (int64_t j = 0; j < key_pairs; ++j) {
     const __m512bh w = bcast_pair(p + j);
     for (int64_t c = 0; c < chunks; ++c)
-      a[0][c] = _mm512_dpbf16_ps(a[0][c], (__m512bh)_mm512_loadu_si512(vp + j * Dim + c * 16), w);
+      a[c] = _mm512_dpbf16_ps(a[c], (__m512bh)_mm512_loadu_si512(vp + j * Dim + c * 16), w);
   }
-  for (int64_t k = 1; k < sets; ++k)
-    for (int64_t c = 0; c < chunks; ++c) a[0][c] = _mm512_add_ps(a[0][c], a[k][c]);
-  for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(acc + c * 16, a[0][c]);
+  for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(acc + c * 16, a[c]);
+}
+
+// tile_values for two rows, each V vector loaded once for both (head size 64 or 128: 8 or 16 accumulators; a
+// dpbf16 waits 6 cycles for the one before it on the same accumulator on a Zen 4, so one row's 4 accumulators at
+// head size 64 would leave the units idle). Each row's sums are tile_values' sums, in the same order, so a row's
+// result does not depend on whether it was paired.
+template <int64_t Dim>
+inline void tile_values2(const uint32_t* p0, const uint32_t* p1, const uint32_t* vp, int64_t key_pairs, float alpha0,
+                         float alpha1, float* acc0, float* acc1) {
+  constexpr int64_t chunks = Dim / 16;
+  __m512 a0[chunks], a1[chunks];
+  const __m512 s0 = _mm512_set1_ps(alpha0), s1 = _mm512_set1_ps(alpha1);
+  for (int64_t c = 0; c < chunks; ++c) {
+    a0[c] = _mm512_mul_ps(_mm512_loadu_ps(acc0 + c * 16), s0);
+    a1[c] = _mm512_mul_ps(_mm512_loadu_ps(acc1 + c * 16), s1);
+  }
+  for (int64_t j = 0; j < key_pairs; ++j) {
+    const __m512bh w0 = bcast_pair(p0 + j), w1 = bcast_pair(p1 + j);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m512bh v = (__m512bh)_mm512_loadu_si512(vp + j * Dim + c * 16);
+      a0[c] = _mm512_dpbf16_ps(a0[c], v, w0);
+      a1[c] = _mm512_dpbf16_ps(a1[c], v, w1);
+    }
+  }
+  for (int64_t c = 0; c < chunks; ++c) {
+    _mm512_storeu_ps(acc0 + c * 16, a0[c]);
+    _mm512_storeu_ps(acc1 + c * 16, a1[c]);
+  }
 }
 
 struct Shape {
@@ -119,6 +141,8 @@ void attend_item(const float* q, const uint32_t* kp_head, const uint32_t* vp_hea
   std::vector<float> acc(rows * Dim, 0.0f), scores(padded_rows * kSpan * kKeys);
   std::vector<float> m(rows, -std::numeric_limits<float>::infinity()), l(rows, 0.0f);
   std::vector<uint32_t> p(rows * kSpan * kKeys / 2);
+  std::vector<float> alphas(rows);
+  std::vector<char> active(rows);  // whether a row sees any key of the current span
   for (int64_t r = 0; r < rows; ++r) {
     const float* src = q + ((t0 + r / s.group) * s.num_heads + h * s.group + r % s.group) * Dim;
     for (int64_t c = 0; c < Dim / 16; ++c)
@@ -126,18 +150,26 @@ void attend_item(const float* q, const uint32_t* kp_head, const uint32_t* vp_hea
                           (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + c * 16)));
   }
   const int64_t first_pos = s.ctx - s.num_new + t0, last_pos = first_pos + tokens - 1;
-  const int64_t first_tile = s.window > 0 ? std::max<int64_t>(0, first_pos - s.window + 1) / kKeys : 0;
+  // spans start at multiples of kSpan tiles whatever the item's first query, so that each query's keys are taken in
+  // the same groups whichever chunk and item it comes in (a span's keys past a query add exact zeros to it)
+  const int64_t first_tile = s.window > 0 ? std::max<int64_t>(0, first_pos - s.window + 1) / kKeys / kSpan * kSpan : 0;
   const int64_t last_tile = last_pos / kKeys;
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 scale = _mm512_set1_ps(s.scale);
   for (int64_t span0 = first_tile; span0 <= last_tile; span0 += kSpan) {
     const int64_t span = std::min(kSpan, last_tile + 1 - span0);
-    for (int64_t t = 0; t < span; ++t) {
+    for (int64_t t = 0; t < span; t += 2) {
       const uint32_t* kp = kp_head + (span0 + t) * pairs * kKeys;
-      for (int64_t r = 0; r < padded_rows; r += kRowBlock)
-        tile_scores<Dim>(qb.data() + r * pairs, kp, scores.data() + r * kSpan * kKeys + t * kKeys, kSpan * kKeys);
+      for (int64_t r = 0; r < padded_rows; r += kRowBlock) {
+        float* dst = scores.data() + r * kSpan * kKeys + t * kKeys;
+        if (t + 1 < span)
+          tile_scores<Dim, 2>(qb.data() + r * pairs, kp, dst, kSpan * kKeys);
+        else
+          tile_scores<Dim, 1>(qb.data() + r * pairs, kp, dst, kSpan * kKeys);
+      }
     }
+    std::fill(active.begin(), active.end(), 0);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t pos = first_pos + r / s.group;
       __mmask16 visible[kSpan];
@@ -167,7 +199,23 @@ void attend_item(const float* q, const uint32_t* kp_head, const uint32_t* vp_hea
       }
       l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
       m[r] = m_new;
-      tile_values<Dim>(pr, vp_head + span0 * (kKeys / 2) * Dim, span * kKeys / 2, alpha, acc.data() + r * Dim);
+      alphas[r] = alpha;
+      active[r] = 1;
+    }
+    const uint32_t* vp = vp_head + span0 * (kKeys / 2) * Dim;
+    const int64_t key_pairs = span * kKeys / 2;
+    for (int64_t r = 0; r < rows; ++r) {
+      if (!active[r]) continue;
+      uint32_t* pr = p.data() + r * kSpan * kKeys / 2;
+      if constexpr (Dim <= 128) {
+        if (r + 1 < rows && active[r + 1]) {
+          tile_values2<Dim>(pr, pr + kSpan * kKeys / 2, vp, key_pairs, alphas[r], alphas[r + 1], acc.data() + r * Dim,
+                            acc.data() + (r + 1) * Dim);
+          ++r;
+          continue;
+        }
+      }
+      tile_values<Dim>(pr, vp, key_pairs, alphas[r], acc.data() + r * Dim);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
