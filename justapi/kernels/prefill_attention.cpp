@@ -1,8 +1,9 @@
 // Prefill attention on AVX-512 BF16 (AMD Zen 4, Intel Cooper Lake and later): one sequence's new tokens (a prompt
 // chunk) over its bf16 cache, read through the block table, causal, with an optional sliding window. torch's CPU
-// flash kernel, which served these chunks, ran at ~80-110 GFLOP/s on a Zen 4 (a third of the rate the packed
-// products reach there), computed every key tile of the padded context for every query (an additive mask hides
-// the causal half, it does not skip it), and needed the sequence's keys and values gathered and padded first.
+// flash kernel, which served these chunks, ran at 16-90 GFLOP/s on a Zen 4 counted over the keys each query sees
+// (`benchmarks/kernels_bench.py prefill`; the packed products reach ~310), computed every key tile of the padded
+// context for every query (an additive mask hides the causal half, it does not skip it; `is_causal` took the same
+// time), and needed the sequence's keys and values gathered and padded first.
 //
 //   pack:   each tile of 16 keys of each KV head, once:   K as [head_dim/2][16 keys] bf16 pairs (a vdpbf16ps
 //           operand: 16 keys' scores from one pair of dimensions), V as [8 key pairs][head_dim] bf16 pairs
