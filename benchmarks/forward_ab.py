@@ -4,7 +4,7 @@ chunk).
 
 usage: python benchmarks/forward_ab.py [--base HEAD~1] [--reps 30] [--disable KERNEL]
 
---disable KERNEL (one of config.OPTIONAL_KERNELS: q_matmul, amx, prepack, fused_silu): instead of a revision, the
+--disable KERNEL (one of config.OPTIONAL_KERNELS, e.g. fused_silu or prefill_attention): instead of a revision, the
 working tree's forward over a second copy of the model loaded with that kernel off (``--disable-kernels``; its
 weights hold the forms their routes then read) as the base, against the default.
 
