@@ -84,8 +84,9 @@ def paged_attention(
 
     ``kernels``: the compiled module of justapi.kernels; the decode batch then reads the cache in place.
     Prefill chunks and draft trees run through torch's fused attention (``scaled_dot_product_attention``, a flash
-    kernel on CPU), or prompt chunks through the C++ prefill attention (``prefill_kernel`` below); with ``batch_invariant``, through plain matmuls over the whole context instead, the path the
-    bit-identity tests across chunkings hold (the flash kernel's tiling follows the sequence lengths).
+    kernel on CPU), or prompt chunks through the C++ prefill attention (``prefill_kernel`` below); with
+    ``batch_invariant``, through plain matmuls over the whole context instead, the path the bit-identity tests
+    across chunkings hold (the flash kernel's tiling follows the sequence lengths).
     The cache may be fp32 or bf16; ``q`` and the result are fp32 (on the torch path, gathered K/V are widened).
     ``compute_dtype``: the model's (None: the cache's); the fused path computes in the cache's dtype only where it
     is the model's (see _sequence_attention_fused). ``window``: the layer's sliding window (module docstring).
