@@ -121,11 +121,40 @@ constexpr int64_t kAhead = 2;  // blocks prefetched ahead of the one being read 
 // --- AVX-512 -----------------------------------------------------------------------------------------------------
 
 #if defined(__AVX512F__)
-// 16 cache values as fp32 lanes
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+// 32 cache values as two vectors of fp32 lanes. fp32: in order. bf16: one load; the even-numbered values are the
+// low halves of its 32-bit lanes (shifted up), the odd-numbered ones the high halves (masked), so no value crosses
+// a lane. Widening 16 values in order (vpmovzxwd, a cross-lane shuffle, then a shift) took 1.15-1.25x the time of
+// a W1-sized batch on a Zen 4 (kernels_bench.py attention; docs/benchmarks.md). The queries are put in that order once per work item and the
+// weighted sums of values back in order at the end (to_load_order, to_row_order).
+inline void load32(const float* p, __m512& a, __m512& b) {
+  a = _mm512_loadu_ps(p);
+  b = _mm512_loadu_ps(p + 16);
+}
+inline void load32(const uint16_t* p, __m512& a, __m512& b) {
+  const __m512i x = _mm512_loadu_si512(p);
+  a = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+  b = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+// 32 values in order (a: 0-15, b: 16-31) -> load32's order of a bf16 cache (a: even, b: odd), and back
+template <typename T>
+inline void to_load_order(__m512& a, __m512& b) {
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    const __m512 e = _mm512_permutex2var_ps(a, even, b), o = _mm512_permutex2var_ps(a, odd, b);
+    a = e;
+    b = o;
+  }
+}
+template <typename T>
+inline void to_row_order(__m512& a, __m512& b) {
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    const __m512 l = _mm512_permutex2var_ps(a, lo, b), h = _mm512_permutex2var_ps(a, hi, b);
+    a = l;
+    b = h;
+  }
 }
 
 // exp(x) of 16 lanes for x <= 0: x = n ln2 + r with |r| <= ln2/2, exp(r) by Cephes' degree-6 polynomial (within
@@ -194,8 +223,16 @@ void attend_avx512(const float* qh, const T* kp, const T* vp, const int64_t* tab
                    int64_t num_blocks, int64_t block_size, int64_t group, float scale, float* oh,
                    std::vector<float>& scores) {
   constexpr int64_t D = 16 * V;
-  scores.resize(group * ctx + group * D);
-  float* acc_all = scores.data() + group * ctx;
+  scores.resize(group * ctx + 2 * group * D);
+  float* qs = scores.data() + group * ctx;  // the scaled queries, in load32's order
+  float* acc_all = qs + group * D;
+  for (int64_t i = 0; i < group * D; i += 32) {
+    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qh + i), _mm512_set1_ps(scale));
+    __m512 b = _mm512_mul_ps(_mm512_loadu_ps(qh + i + 16), _mm512_set1_ps(scale));
+    to_load_order<T>(a, b);
+    _mm512_storeu_ps(qs + i, a);
+    _mm512_storeu_ps(qs + i + 16, b);
+  }
   const int64_t nblk = (ctx + block_size - 1) / block_size;
   const int64_t block_elems = block_size * D, block_bytes = block_elems * sizeof(T);
   auto kblock = [&](int64_t ib) { return kp + (kvh * num_blocks + table[ib]) * block_elems; };
@@ -208,7 +245,7 @@ void attend_avx512(const float* qh, const T* kp, const T* vp, const int64_t* tab
     const int64_t n = std::min(block_size, ctx - ib * block_size);
     for (int64_t g = 0; g < group; ++g) {
       __m512 q[V];
-      for (int i = 0; i < V; ++i) q[i] = _mm512_mul_ps(_mm512_loadu_ps(qh + g * D + 16 * i), _mm512_set1_ps(scale));
+      for (int i = 0; i < V; ++i) q[i] = _mm512_loadu_ps(qs + g * D + 16 * i);
       float* sg = scores.data() + g * ctx + ib * block_size;
       for (int64_t j0 = 0; j0 < n; j0 += 16) {  // 16 rows' dot products, reduced together
         const int64_t m = std::min<int64_t>(16, n - j0);
@@ -216,8 +253,14 @@ void attend_avx512(const float* qh, const T* kp, const T* vp, const int64_t* tab
         for (int64_t j = 0; j < 16; ++j) {
           if (j < m) {
             const T* kr = kb + (j0 + j) * D;
-            s[j] = _mm512_mul_ps(q[0], load16(kr));
-            for (int i = 1; i < V; ++i) s[j] = _mm512_fmadd_ps(q[i], load16(kr + 16 * i), s[j]);
+            __m512 ka, kb2;
+            load32(kr, ka, kb2);
+            s[j] = _mm512_fmadd_ps(q[1], kb2, _mm512_mul_ps(q[0], ka));
+            for (int i = 2; i < V; i += 2) {
+              load32(kr + 16 * i, ka, kb2);
+              s[j] = _mm512_fmadd_ps(q[i], ka, s[j]);
+              s[j] = _mm512_fmadd_ps(q[i + 1], kb2, s[j]);
+            }
           } else {
             s[j] = _mm512_setzero_ps();
           }
@@ -240,15 +283,24 @@ void attend_avx512(const float* qh, const T* kp, const T* vp, const int64_t* tab
       const float* sg = scores.data() + g * ctx + ib * block_size;
       for (int64_t j = 0; j < n; ++j) {
         const __m512 p = _mm512_set1_ps(sg[j]);
-        for (int i = 0; i < V; ++i) acc[i] = _mm512_fmadd_ps(p, load16(vb + j * D + 16 * i), acc[i]);
+        for (int i = 0; i < V; i += 2) {
+          __m512 va, vb2;
+          load32(vb + j * D + 16 * i, va, vb2);
+          acc[i] = _mm512_fmadd_ps(p, va, acc[i]);
+          acc[i + 1] = _mm512_fmadd_ps(p, vb2, acc[i + 1]);
+        }
       }
       for (int i = 0; i < V; ++i) _mm512_storeu_ps(acc_all + g * D + 16 * i, acc[i]);
     }
   }
   for (int64_t g = 0; g < group; ++g) {
     const __m512 inv = _mm512_set1_ps(inv_sum[g]);
-    for (int i = 0; i < V; ++i)
-      _mm512_storeu_ps(oh + g * D + 16 * i, _mm512_mul_ps(_mm512_loadu_ps(acc_all + g * D + 16 * i), inv));
+    for (int i = 0; i < V; i += 2) {  // back in order
+      __m512 a = _mm512_loadu_ps(acc_all + g * D + 16 * i), b = _mm512_loadu_ps(acc_all + g * D + 16 * i + 16);
+      to_row_order<T>(a, b);
+      _mm512_storeu_ps(oh + g * D + 16 * i, _mm512_mul_ps(a, inv));
+      _mm512_storeu_ps(oh + g * D + 16 * i + 16, _mm512_mul_ps(b, inv));
+    }
   }
 }
 #elif defined(JUSTAPI_SIMD_ATTENTION)
