@@ -4,6 +4,7 @@ usage: python benchmarks/kernels_bench.py [weights] [--model GGUF] [--rows 1 5 8
                                          [--disable K ...]
        python benchmarks/kernels_bench.py attention [--base REV | --huge-pages] [--reps 7]
        python benchmarks/kernels_bench.py prefill [--reps 7]
+       python benchmarks/kernels_bench.py peak
 
 ``weights`` (the default): the weight kernels on SmolLM2's own weights (or ``--model``'s), route by route: what each
 kernel of the policy costs at each batch size, and what the weights of each route table hold. Loads the model with
@@ -11,7 +12,8 @@ kernel of the policy costs at each batch size, and what the weights of each rout
 CPU probe where this CPU has one) once with the default policy and once more for each kernel named with
 ``--disable`` (default: every optional kernel this CPU uses), then times, per row count, one pass of random rows
 through all the layers' projections (4- or 8-bit) and through the LM head, each model's passes interleaved, best of
-``--reps``. Prints the start-up log's route tables, the weights' MiB, ms per pass and the ratio to the default.
+``--reps``. Prints the start-up log's route tables, the weights' MiB, ms per pass and the ratio to the default, and
+the default's layers' rate (2 x weights x rows per pass, GFLOP/s: compare with ``peak``).
 
 ``attention``: the decode-attention kernel alone, on a W1-sized batch: 32 sequences of 64-767 tokens (seeded),
 SmolLM2's heads (9 query / 3 KV, head size 64), blocks of 16 scattered through the pool, and one cache per layer for
@@ -25,6 +27,11 @@ BF16) against the path it replaces (torch's fused kernel over the gathered, padd
 step), interleaved, best of ``--reps``, on SmolLM2's heads (9 / 3, size 64) and Gemma 3 270M's (4 / 1, size 256):
 fresh chunks of 64-512 tokens, chunks after a cached prefix, and a sliding window of 512. Prints ms a layer, the
 ratio, and each one's rate over the arithmetic of the keys a query sees (4 x heads x head size per query-key pair).
+
+``peak``: the rate this CPU's cores reach on products with nothing to load: 16 independent accumulators per thread
+updated in registers with fp32 FMAs and, where there is AVX-512 BF16, with ``vdpbf16ps`` (what the ``dpbf16`` route
+multiplies with), on 1 thread and on all of torch's, best of 5 runs of ~0.1 s. The ceiling the products of
+``weights`` are measured against.
 
 Replaces int4_amx_bench.py, q_matmul_bench.py and decode_attention_bench.py (docs/benchmarks-archive.md).
 """
@@ -77,6 +84,8 @@ def weights(args) -> None:
         print(f"{name}: weights {model.weight_bytes() / 2**20:.1f} MiB; {lines[0]}")
         print("\n".join(lines[1:]))
     width = max(len(n) for n in models) + 2
+    layer_weights = sum(w.shape[0] * w.shape[1] for layer in models["default"].layers
+                        for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
     print(f"\n{'rows':>5}" + "".join(f"{n + ' layers':>{width + 7}}{'head':>8}" for n in models))
     for rows in args.rows:
         g = torch.Generator().manual_seed(rows)
@@ -90,7 +99,7 @@ def weights(args) -> None:
                     best[name][i] = min(best[name][i], t)
         base = best["default"]
         cells = [f"{b[0] * 1e3:>{width}.2f}ms{b[0] / base[0]:>5.2f}x{b[1] * 1e3:>6.2f}ms" for b in best.values()]
-        print(f"{rows:>5}" + "".join(cells), flush=True)
+        print(f"{rows:>5}" + "".join(cells) + f"{2 * layer_weights * rows / base[0] / 1e9:>8.0f} GFLOP/s", flush=True)
 
 
 
@@ -219,9 +228,69 @@ def prefill(args) -> None:
                   f"({rate(best['C++']):4.0f}), {best['C++'] / best['torch']:.2f}x")
 
 
+PEAK_SOURCE = r"""
+#include <torch/extension.h>
+#include <immintrin.h>
+#include <omp.h>
+#include <chrono>
+
+// seconds for `iters` updates of each of 16 accumulators per thread (kind 0: fp32 FMA, 1: vdpbf16ps), on `threads`
+double peak(int64_t kind, int64_t iters, int64_t threads) {
+  const auto t0 = std::chrono::steady_clock::now();
+  float sink = 0.f;
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+  {
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    __m512 a = _mm512_set1_ps(1e-3f), b = _mm512_set1_ps(1e-3f);
+    for (int64_t it = 0; it < iters; ++it) {
+#if defined(__AVX512BF16__)
+      if (kind == 1) {
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)a, (__m512bh)b);
+      } else
+#endif
+      {
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(a, b, acc[i]);
+      }
+      __asm__ volatile("" : "+v"(a));  // no hoisting of the loop body
+    }
+    for (int i = 0; i < 16; ++i) sink += _mm512_reduce_add_ps(acc[i]);
+  }
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return sink == 1.2345f ? -s : s;  // keeps the sums live
+}
+bool has_dpbf16() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+"""
+
+
+def peak(args) -> None:
+    from torch.utils import cpp_extension
+
+    from justapi.kernels import build_spec
+
+    if "avx512f" not in build_spec.cpu_flags():
+        raise SystemExit("peak measures AVX-512 products; this CPU has no AVX-512")
+    mod = cpp_extension.load_inline("justapi_peak", PEAK_SOURCE, functions=["peak", "has_dpbf16"],
+                                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    kinds = [("fp32 FMA", 0, 32)] + ([("vdpbf16ps", 1, 64)] if mod.has_dpbf16() else [])
+    for name, kind, flops in kinds:  # flops: per 16-lane update (an FMA is 2 a lane; vdpbf16ps 2 pairs a lane)
+        for threads in sorted({1, torch.get_num_threads()}):
+            iters = 10_000_000
+            best = min(mod.peak(kind, iters, threads) for _ in range(5))
+            print(f"{name:>10}, {threads} thread(s): {16 * iters * flops * threads / best / 1e9:6.1f} GFLOP/s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", nargs="?", choices=["weights", "attention", "prefill"],
+    ap.add_argument("mode", nargs="?", choices=["weights", "attention", "prefill", "peak"],
                     default="weights")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 5, 8, 28, 64, 128, 512], help="weights: row counts")
@@ -231,7 +300,7 @@ def main() -> None:
     ap.add_argument("--base", default=None, help="attention: a git revision whose kernel is timed alongside")
     ap.add_argument("--huge-pages", action="store_true", help="attention: caches on huge pages against ordinary ones")
     args = ap.parse_args()
-    {"weights": weights, "attention": attention, "prefill": prefill}[args.mode](args)
+    {"weights": weights, "attention": attention, "prefill": prefill, "peak": peak}[args.mode](args)
 
 
 if __name__ == "__main__":
