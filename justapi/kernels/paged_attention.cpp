@@ -123,9 +123,9 @@ constexpr int64_t kAhead = 2;  // blocks prefetched ahead of the one being read 
 #if defined(__AVX512F__)
 // 32 cache values as two vectors of fp32 lanes. fp32: in order. bf16: one load; the even-numbered values are the
 // low halves of its 32-bit lanes (shifted up), the odd-numbered ones the high halves (masked), so no value crosses
-// a lane. Widening 16 values in order (vpmovzxwd, a cross-lane shuffle, then a shift) took 1.15-1.25x the time of
-// a W1-sized batch on a Zen 4 (kernels_bench.py attention; docs/benchmarks.md). The queries are put in that order once per work item and the
-// weighted sums of values back in order at the end (to_load_order, to_row_order).
+// a lane. Widening 16 values in order (vpmovzxwd, a cross-lane shuffle, then a shift) took 1.08x the time of a
+// W1-sized batch out of cache and 1.27x in cache on a Zen 4 (docs/benchmarks.md). The queries are put in that
+// order once per work item and the weighted sums of values back in order at the end (to_load_order, to_row_order).
 inline void load32(const float* p, __m512& a, __m512& b) {
   a = _mm512_loadu_ps(p);
   b = _mm512_loadu_ps(p + 16);
@@ -135,26 +135,24 @@ inline void load32(const uint16_t* p, __m512& a, __m512& b) {
   a = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
   b = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
+// (a, b) <- the lanes `first` and `second` pick out of the 32 lanes of a (0-15) and b (16-31)
+inline void permute_pair(__m512& a, __m512& b, __m512i first, __m512i second) {
+  const __m512 x = _mm512_permutex2var_ps(a, first, b), y = _mm512_permutex2var_ps(a, second, b);
+  a = x;
+  b = y;
+}
 // 32 values in order (a: 0-15, b: 16-31) -> load32's order of a bf16 cache (a: even, b: odd), and back
 template <typename T>
 inline void to_load_order(__m512& a, __m512& b) {
-  if constexpr (std::is_same_v<T, uint16_t>) {
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-    const __m512 e = _mm512_permutex2var_ps(a, even, b), o = _mm512_permutex2var_ps(a, odd, b);
-    a = e;
-    b = o;
-  }
+  if constexpr (std::is_same_v<T, uint16_t>)
+    permute_pair(a, b, _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30),
+                 _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31));
 }
 template <typename T>
 inline void to_row_order(__m512& a, __m512& b) {
-  if constexpr (std::is_same_v<T, uint16_t>) {
-    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-    const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-    const __m512 l = _mm512_permutex2var_ps(a, lo, b), h = _mm512_permutex2var_ps(a, hi, b);
-    a = l;
-    b = h;
-  }
+  if constexpr (std::is_same_v<T, uint16_t>)
+    permute_pair(a, b, _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23),
+                 _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31));
 }
 
 // exp(x) of 16 lanes for x <= 0: x = n ln2 + r with |r| <= ln2/2, exp(r) by Cephes' degree-6 polynomial (within
