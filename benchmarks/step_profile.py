@@ -9,8 +9,9 @@ The server's defaults (continuous batching, --dtype auto). Each mixed step adds 
 is prefilled, samples its one token and finishes within that step: every measured step has the same shape.
 
 With ``--base REV``: no profile; the C++ kernels as built at that git revision (justapi/kernels/*.cpp) against the
-working tree's, swapped into the same engine (the model's layer ops and attention, every 4-bit weight's matmul)
-step by step, alternating; the median and the best of each kind of step are printed for both, with ratios.
+working tree's, swapped into the same engine (the model's layer ops and attention, every packed weight's matmul,
+the 8-bit head's included) step by step, alternating; the median and the best of each kind of step are printed for
+both, with ratios.
 With ``--disable amx`` (any of config.OPTIONAL_KERNELS): the same, the two sides being a second engine loaded with
 that kernel off (``--disable-kernels``) and the default one, each with its own 28 decoding requests.
 """
@@ -121,12 +122,14 @@ def compare(sides: dict, steps: int) -> None:
 def compare_kernels(engine, rev: str, steps: int, decode, mixed) -> None:
     from kernels_bench import build_at  # benchmarks/ is on the path when this runs as a script
 
-    from justapi.model.quant import Int4Weight
+    from justapi.model.quant import Int4Weight, Int8RowWeight, Int8Weight
 
     model = engine.model
     builds = {rev: build_at(rev), "working tree": model.kernels}
     weights = [w for layer in model.layers for w in vars(layer).values()
-               if isinstance(w, Int4Weight) and w.kernels is not None]
+               if isinstance(w, (Int4Weight, Int8Weight)) and w.kernels is not None]
+    if isinstance(model.lm_head, Int8RowWeight) and model.lm_head.kernels is not None:
+        weights.append(model.lm_head)  # a packed model's 8-bit head
 
     def use(mod, step):
         def run() -> float:
