@@ -6,7 +6,7 @@
 //   read; each expanded row (16 outputs x an input pair) is one vdpbf16ps operand, multiplied with each row's input
 //   pair broadcast. Products accumulate in fp32 over the input dimension in order, the result rounded to bf16 once. The
 //   weight is read as stored (4 or 8 bits and its terms), where a dense bf16 copy reads 2 bytes a weight and holds
-//   them in memory.
+//   them in memory. The units are prefetched into L2 ahead of their expansion (kPrefetchAhead).
 // - q8_small (q8_small_matmul): 1-4 fp32 rows times 8-bit units with fp32 FMAs, the weights exact.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -143,7 +143,7 @@ void matmul_dpbf16(const uint16_t* x, int64_t m, int64_t k, const uint8_t* packe
       const uint8_t* units = packed + blk * groups * Unit::kBytes;
       for (int64_t g = 0; g < groups * (pair ? 2 : 1); ++g) {
         const uint8_t* unit = units + g * Unit::kBytes;
-        if (unit + kPrefetchAhead < end) prefetch_unit<Unit>(unit + kPrefetchAhead);
+        if (end - unit > kPrefetchAhead) prefetch_unit<Unit>(unit + kPrefetchAhead);  // within the range
         Unit::expand(unit, expanded + g * 16 * 32);
       }
       for (int64_t m0 = 0; m0 < m; m0 += kDpRows) {
