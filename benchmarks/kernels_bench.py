@@ -1,7 +1,7 @@
 """The engine's C++ kernels in process, one kernel family per mode.
 
 usage: python benchmarks/kernels_bench.py [weights] [--model GGUF] [--rows 1 5 8 28 64 128 512] [--reps 7] [--fp32]
-                                         [--disable K ...]
+                                         [--disable K ... | --base REV]
        python benchmarks/kernels_bench.py attention [--base REV | --huge-pages] [--reps 7]
        python benchmarks/kernels_bench.py prefill [--reps 7]
        python benchmarks/kernels_bench.py peak
@@ -13,7 +13,9 @@ CPU probe where this CPU has one) once with the default policy and once more for
 ``--disable`` (default: every optional kernel this CPU uses), then times, per row count, one pass of random rows
 through all the layers' projections (4- or 8-bit) and through the LM head, each model's passes interleaved, best of
 ``--reps``. Prints the start-up log's route tables, the weights' MiB, ms per pass and the ratio to the default, and
-the default's layers' rate (2 x weights x rows per pass, GFLOP/s: compare with ``peak``).
+the default's layers' rate (2 x weights x rows per pass, GFLOP/s: compare with ``peak``). ``--base REV``: instead of
+kernels off, the kernels as built at that git revision, swapped into the same weights and timed interleaved with
+the working tree's (a change inside a weight kernel, before and after).
 
 ``attention``: the decode-attention kernel alone, on a W1-sized batch: 32 sequences of 64-767 tokens (seeded),
 SmolLM2's heads (9 query / 3 KV, head size 64), blocks of 16 scattered through the pool, and one cache per layer for
@@ -58,12 +60,16 @@ def load(disabled: tuple[str, ...], path: str | None):
                show_progress=False).engine.model
 
 
-def one_pass(model, xs: dict[int, torch.Tensor]) -> tuple[float, float]:
-    """Seconds for all the layers' projections, and for the head, at the rows of ``xs`` (by input width)."""
+def one_pass(model, xs: dict[int, torch.Tensor], kernels) -> tuple[float, float]:
+    """Seconds for all the layers' projections, and for the head, at the rows of ``xs`` (by input width), each weight
+    running the C++ ``kernels`` module given."""
+    linears = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    for w in linears + [model.lm_head]:
+        if getattr(w, "kernels", None) is not None:
+            w.kernels = kernels
     t = time.perf_counter()
-    for layer in model.layers:
-        for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
-            w.matmul(xs[w.shape[1]])
+    for w in linears:
+        w.matmul(xs[w.shape[1]])
     t1 = time.perf_counter()
     model.lm_head.matmul(xs[model.lm_head.shape[1]])
     return t1 - t, time.perf_counter() - t1
@@ -77,9 +83,16 @@ def weights(args) -> None:
         kernel_policy.probe_cpu = lambda kernels: dataclasses.replace(probe(kernels), bf16_matmul=False)
     models = {"default": load((), args.model)}
     policy = models["default"].policy
-    for kernel in args.disable if args.disable is not None else sorted(policy.enabled - {"fused_silu"}):
+    kernels = {"default": policy.kernels}  # the C++ module each side's weights run
+    if args.base:
+        models[args.base], kernels[args.base] = models["default"], build_at(args.base)
+    off = args.disable if args.disable is not None else sorted(policy.enabled - {"fused_silu"})
+    for kernel in [] if args.base else off:
         models[f"{kernel} off"] = load((kernel,), args.model)
+        kernels[f"{kernel} off"] = models[f"{kernel} off"].policy.kernels
     for name, model in models.items():
+        if name == args.base:
+            continue  # the default's weights and routes
         lines = model.policy.describe()
         print(f"{name}: weights {model.weight_bytes() / 2**20:.1f} MiB; {lines[0]}")
         print("\n".join(lines[1:]))
@@ -95,7 +108,7 @@ def weights(args) -> None:
         best = {n: [1e9, 1e9] for n in models}
         for rep in range(args.reps):
             for name in list(models)[:: 1 if rep % 2 else -1]:
-                for i, t in enumerate(one_pass(models[name], xs)):
+                for i, t in enumerate(one_pass(models[name], xs, kernels[name])):
                     best[name][i] = min(best[name][i], t)
         base = best["default"]
         cells = [f"{b[0] * 1e3:>{width}.2f}ms{b[0] / base[0]:>5.2f}x{b[1] * 1e3:>6.2f}ms" for b in best.values()]
@@ -105,7 +118,7 @@ def weights(args) -> None:
 
 
 def build_at(rev: str):
-    """The decode_attention module as built at ``rev`` (its sources and its compiler flags)."""
+    """The C++ kernels module as built at ``rev`` (its sources and its compiler flags)."""
     show = lambda path: subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True,  # noqa: E731
                                        capture_output=True, text=True).stdout
     init = show("justapi/kernels/__init__.py")
@@ -297,7 +310,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="weights: a GGUF file (default: SmolLM2)")
     ap.add_argument("--fp32", action="store_true", help="weights: the fp32 route of a CPU without a bf16 matmul")
     ap.add_argument("--disable", nargs="*", default=None, help="weights: kernels to time off (default: each one in use)")
-    ap.add_argument("--base", default=None, help="attention: a git revision whose kernel is timed alongside")
+    ap.add_argument("--base", default=None, help="attention, weights: a git revision whose kernels are timed alongside")
     ap.add_argument("--huge-pages", action="store_true", help="attention: caches on huge pages against ordinary ones")
     args = ap.parse_args()
     {"weights": weights, "attention": attention, "prefill": prefill, "peak": peak}[args.mode](args)
