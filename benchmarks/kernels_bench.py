@@ -60,13 +60,20 @@ def load(disabled: tuple[str, ...], path: str | None):
                show_progress=False).engine.model
 
 
-def one_pass(model, xs: dict[int, torch.Tensor], kernels) -> tuple[float, float]:
-    """Seconds for all the layers' projections, and for the head, at the rows of ``xs`` (by input width), each weight
-    running the C++ ``kernels`` module given."""
-    linears = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    for w in linears + [model.lm_head]:
+def use_kernels(model, kernels) -> None:
+    """Every C++ call of ``model`` (layer ops, attention, each packed weight's matmul, the head's) through the module
+    ``kernels``: another revision's build (``build_at``) swapped in, or the model's own put back."""
+    model.kernels = kernels
+    for w in [w for layer in model.layers for w in vars(layer).values()] + [model.lm_head]:
         if getattr(w, "kernels", None) is not None:
             w.kernels = kernels
+
+
+def one_pass(model, xs: dict[int, torch.Tensor], kernels) -> tuple[float, float]:
+    """Seconds for all the layers' projections, and for the head, at the rows of ``xs`` (by input width), through the
+    C++ ``kernels`` module given."""
+    use_kernels(model, kernels)
+    linears = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     t = time.perf_counter()
     for w in linears:
         w.matmul(xs[w.shape[1]])

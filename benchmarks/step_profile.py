@@ -124,27 +124,19 @@ def compare(sides: dict, steps: int) -> None:
 
 
 def compare_kernels(engine, rev: str, steps: int, decode, mixed) -> None:
-    from kernels_bench import build_at  # benchmarks/ is on the path when this runs as a script
-
-    from justapi.model.quant import Int4Weight, Int8RowWeight, Int8Weight
+    from kernels_bench import build_at, use_kernels  # benchmarks/ is on the path when this runs as a script
 
     model = engine.model
     builds = {rev: build_at(rev), "working tree": model.kernels}
-    weights = [w for layer in model.layers for w in vars(layer).values()
-               if isinstance(w, (Int4Weight, Int8Weight)) and w.kernels is not None]
-    if isinstance(model.lm_head, Int8RowWeight) and model.lm_head.kernels is not None:
-        weights.append(model.lm_head)  # a packed model's 8-bit head
 
     def use(mod, step):
         def run() -> float:
-            model.kernels = mod
-            for w in weights:
-                w.kernels = mod
+            use_kernels(model, mod)
             return step()
         return run
 
     compare({name: (use(mod, decode), use(mod, mixed)) for name, mod in builds.items()}, steps)
-    use(model.kernels, lambda: 0.0)()  # the working tree's build left in use
+    use_kernels(model, builds["working tree"])  # the working tree's build left in use
 
 
 if __name__ == "__main__":
