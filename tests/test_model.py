@@ -136,6 +136,9 @@ def test_paged_attention_equals_dense_for_mixed_batch(kernel, dim, bs, cache_dty
         if window is not None:  # query i at position ctx - n + i sees the slots after its position - window
             allowed &= torch.arange(ctx)[None, :] > torch.arange(ctx - n, ctx)[:, None] - window
         qs = q[span.query_start : span.query_start + n]
+        rounds = kernels is not None and kernels.decode_attention_rounds_queries(dim, cache_dtype == torch.bfloat16)
+        if n == 1 and rounds:  # the kernel's AVX-512 BF16 key scores: queries rounded to bf16, exact products
+            qs = qs.bfloat16().float()
         scores = torch.einsum("qhd,khd->hqk", qs, k.float()) * dim ** -0.5
         probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
         want = torch.einsum("hqk,khd->qhd", probs, v.float())
@@ -628,9 +631,11 @@ class _TorchDecodeAttention:
 
 @pytest.mark.real_model
 def test_smollm2_decode_kernel_over_a_bf16_cache_keeps_greedy_text(real_model_path):
-    """The C++ decode attention over SmolLM2's bf16 cache (--dtype auto; AVX-512: widened without crossing lanes,
-    the queries and sums reordered to match) against the torch path's fp32 matmuls over the same bf16 values: only
-    the order of the fp32 sums differs, so greedy text may fork at a near-tie, and only there."""
+    """The C++ decode attention over SmolLM2's bf16 cache (--dtype auto; AVX-512: values widened without crossing
+    lanes, the sums reordered to match; AVX-512 BF16: key scores by vdpbf16ps over queries rounded to bf16, as the
+    prefill kernel and torch's bf16 flash kernel round them) against the torch path's fp32 matmuls over the same
+    bf16 values: the order of the fp32 sums differs, and the queries' rounding where the kernel rounds them, so
+    greedy text may fork at a near-tie, and only there."""
     from justapi import LLM
 
     opts = dict(dtype="auto", pool_blocks=256, show_progress=False)

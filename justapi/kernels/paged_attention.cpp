@@ -2,13 +2,15 @@
 // through the block table, so no [sequences, context, head_dim] copy of the cache is ever made.
 //
 // Cache layout (see justapi/model/attention.py): [num_kv_heads, num_blocks, block_size, head_dim], fp32 or bf16
-// (a bf16 value is the top half of an fp32: widened as it is read; all arithmetic is fp32).
+// (a bf16 value is the top half of an fp32: widened as it is read; all arithmetic is fp32, except that an AVX-512
+// BF16 build scores a bf16 cache's keys with vdpbf16ps over queries rounded to bf16: bf16_key_scores).
 // Work item = (sequence, kv head): its `group` query heads share every key/value row it reads.
 //   pass 1: s[h][t] = scale * q[h] . k[t]        for t < context_len
 //   pass 2: p = softmax(s[h])                     (max-subtracted, fp32)
 //   pass 3: out[h] = sum_t p[h][t] * v[t]
 // Each work item is computed alone, so a sequence's result never depends on the rest of the batch. Work items run
-// on torch's intra-op threads (at::parallel_for: OpenMP, so the extension is built with -fopenmp).
+// on torch's intra-op threads (at::parallel_for: OpenMP, so the extension is built with -fopenmp), in one
+// contiguous run of items per thread holding about equal context (split_by_context).
 //
 // A sliding window (Gemma 3's local layers) reads only each sequence's last `window` tokens.
 // Three implementations of the same passes: AVX-512 for head_dim 64, 128 and 256 (query and accumulator rows held in
@@ -36,6 +38,11 @@
 namespace {
 
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+constexpr bool kBf16KeyScores = true;  // a bf16 cache's key scores by bf16_key_scores (queries rounded to bf16)
+#else
+constexpr bool kBf16KeyScores = false;
+#endif
 
 // A sliding window starts mid-block: the first `skip` rows of the first block read are before it. Their scores
 // become -inf before the softmax (exp gives 0, or under 2e-38 where the vector exp clamps at -87).
@@ -214,6 +221,60 @@ inline __m512 hsum16(const __m512* v) {
                        _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// acc[h] += sum_j p[h][j] * v[j] for H heads (p[h] = p + h * p_stride, acc[h] = acc + h * 16 * V) over a block's
+// n value rows: each row is loaded and widened once for all H heads (H * V accumulators in registers). Each
+// accumulator sums its rows in order, so a head's result does not depend on how many share the pass.
+template <typename T, int V, int H>
+inline void weigh_values(const T* vb, int64_t n, const float* p, int64_t p_stride, float* acc_rows) {
+  constexpr int64_t D = 16 * V;
+  __m512 acc[H][V];
+  for (int h = 0; h < H; ++h)
+    for (int i = 0; i < V; ++i) acc[h][i] = _mm512_loadu_ps(acc_rows + h * D + 16 * i);
+  for (int64_t j = 0; j < n; ++j) {
+    __m512 w[H];
+    for (int h = 0; h < H; ++h) w[h] = _mm512_set1_ps(p[h * p_stride + j]);
+    for (int i = 0; i < V; i += 2) {
+      __m512 va, vb2;
+      load32(vb + j * D + 16 * i, va, vb2);
+      for (int h = 0; h < H; ++h) {
+        acc[h][i] = _mm512_fmadd_ps(w[h], va, acc[h][i]);
+        acc[h][i + 1] = _mm512_fmadd_ps(w[h], vb2, acc[h][i + 1]);
+      }
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int i = 0; i < V; ++i) _mm512_storeu_ps(acc_rows + h * D + 16 * i, acc[h][i]);
+}
+
+#if defined(__AVX512BF16__)
+// A bf16 cache's key scores with vdpbf16ps (AVX-512 BF16: Zen 4, Cooper Lake and later): each instruction multiplies
+// 32 cache values by 32 bf16 query values in pairs and adds the pairs' sums to 16 fp32 lanes, so a key row costs
+// D/32 instructions per query head instead of widening (2 instructions per 32 values) and D/16 FMAs. The queries
+// are rounded to bf16 first (round to nearest even, as torch's .to(torch.bfloat16)), as the prefill kernel and
+// torch's bf16 flash kernel round them; the products of two bf16 values are exact in fp32 and summed in fp32, and
+// the scale multiplies the fp32 score. The order of the dimensions is the cache's, so no reordering is needed.
+
+// scores[j] = scale * q . k[j] for a block's n key rows (q: one head's D/2 bf16 pairs)
+template <int V>
+inline void bf16_key_scores(const uint32_t* q_pairs, const uint16_t* kb, int64_t n, float scale, float* scores) {
+  constexpr int64_t D = 16 * V;
+  __m512bh q[V / 2];
+  for (int i = 0; i < V / 2; ++i) q[i] = (__m512bh)_mm512_loadu_si512(q_pairs + 16 * i);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {  // 16 rows' dot products, reduced together
+    const int64_t m = std::min<int64_t>(16, n - j0);
+    __m512 s[16];
+    for (int64_t j = 0; j < 16; ++j) {
+      s[j] = _mm512_setzero_ps();
+      if (j < m)
+        for (int i = 0; i < V / 2; ++i)
+          s[j] = _mm512_dpbf16_ps(s[j], q[i], (__m512bh)_mm512_loadu_si512(kb + (j0 + j) * D + 32 * i));
+    }
+    _mm512_mask_storeu_ps(scores + j0, static_cast<__mmask16>((1u << m) - 1),
+                          _mm512_mul_ps(hsum16(s), _mm512_set1_ps(scale)));
+  }
+}
+#endif
+
 // head_dim = 16 * V; blocks outermost so each is read from memory once, query/accumulator rows in registers
 template <typename T, int V>
 void attend_avx512(const float* qh, const T* kp, const T* vp, const int64_t* table, int64_t ctx, int64_t skip,
@@ -222,9 +283,19 @@ void attend_avx512(const float* qh, const T* kp, const T* vp, const int64_t* tab
                    std::vector<float>& scores) {
   constexpr int64_t D = 16 * V;
   scores.resize(group * ctx + 2 * group * D);
-  float* qs = scores.data() + group * ctx;  // the scaled queries, in load32's order
+  // the queries: for fp32 scores scaled and in load32's order; for bf16_key_scores rounded to bf16, in order
+  float* qs = scores.data() + group * ctx;
   float* acc_all = qs + group * D;
+  constexpr bool bf16_keys = kBf16KeyScores && std::is_same_v<T, uint16_t>;
   for (int64_t i = 0; i < group * D; i += 32) {
+    if constexpr (bf16_keys) {
+#if defined(__AVX512BF16__)
+      __m256i* rounded = reinterpret_cast<__m256i*>(qs) + i / 16;
+      _mm256_storeu_si256(rounded, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(qh + i)));
+      _mm256_storeu_si256(rounded + 1, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(qh + i + 16)));
+#endif
+      continue;
+    }
     __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qh + i), _mm512_set1_ps(scale));
     __m512 b = _mm512_mul_ps(_mm512_loadu_ps(qh + i + 16), _mm512_set1_ps(scale));
     to_load_order<T>(a, b);
@@ -241,6 +312,14 @@ void attend_avx512(const float* qh, const T* kp, const T* vp, const int64_t* tab
     else if (ib + kAhead - nblk < nblk) prefetch_block(vblock(ib + kAhead - nblk), block_bytes);
     const T* kb = kblock(ib);
     const int64_t n = std::min(block_size, ctx - ib * block_size);
+    if constexpr (bf16_keys) {
+#if defined(__AVX512BF16__)
+      for (int64_t g = 0; g < group; ++g)
+        bf16_key_scores<V>(reinterpret_cast<const uint32_t*>(qs) + g * D / 2, kb, n, scale,
+                           scores.data() + g * ctx + ib * block_size);
+#endif
+      continue;
+    }
     for (int64_t g = 0; g < group; ++g) {
       __m512 q[V];
       for (int i = 0; i < V; ++i) q[i] = _mm512_loadu_ps(qs + g * D + 16 * i);
@@ -275,20 +354,24 @@ void attend_avx512(const float* qh, const T* kp, const T* vp, const int64_t* tab
     if (ib + kAhead < nblk) prefetch_block(vblock(ib + kAhead), block_bytes);
     const T* vb = vblock(ib);
     const int64_t n = std::min(block_size, ctx - ib * block_size);
-    for (int64_t g = 0; g < group; ++g) {
-      __m512 acc[V];
-      for (int i = 0; i < V; ++i) acc[i] = _mm512_loadu_ps(acc_all + g * D + 16 * i);
-      const float* sg = scores.data() + g * ctx + ib * block_size;
-      for (int64_t j = 0; j < n; ++j) {
-        const __m512 p = _mm512_set1_ps(sg[j]);
-        for (int i = 0; i < V; i += 2) {
-          __m512 va, vb2;
-          load32(vb + j * D + 16 * i, va, vb2);
-          acc[i] = _mm512_fmadd_ps(p, va, acc[i]);
-          acc[i + 1] = _mm512_fmadd_ps(p, vb2, acc[i + 1]);
+    for (int64_t g = 0; g < group;) {  // the heads in sets whose accumulators fit 16 registers
+      const int64_t heads = std::min<int64_t>(16 / V, group - g);
+      const float* pg = scores.data() + g * ctx + ib * block_size;
+      if constexpr (V == 4)
+        if (heads >= 3) {
+          if (heads == 4) weigh_values<T, V, 4>(vb, n, pg, ctx, acc_all + g * D);
+          else weigh_values<T, V, 3>(vb, n, pg, ctx, acc_all + g * D);
+          g += heads;
+          continue;
         }
-      }
-      for (int i = 0; i < V; ++i) _mm512_storeu_ps(acc_all + g * D + 16 * i, acc[i]);
+      if constexpr (V <= 8)
+        if (heads == 2) {
+          weigh_values<T, V, 2>(vb, n, pg, ctx, acc_all + g * D);
+          g += heads;
+          continue;
+        }
+      weigh_values<T, V, 1>(vb, n, pg, ctx, acc_all + g * D);
+      g += 1;
     }
   }
   for (int64_t g = 0; g < group; ++g) {
@@ -476,15 +559,38 @@ void attend_avx2(const float* qh, const T* kp, const T* vp, const int64_t* table
 }
 #endif  // __AVX512F__ / AVX2
 
+// The work items (sequence-major, then KV head) cut into one contiguous part per thread, holding about equal
+// context each: bounds[t] .. bounds[t + 1]. A split by item count (at::parallel_for's) left one of two threads with
+// 54% of a W1-sized batch's context. Each item is still computed alone, so the split moves no result.
+std::vector<int64_t> split_by_context(const int64_t* lens, int64_t num_seqs, int64_t num_kv_heads, int64_t window) {
+  constexpr int64_t kItemCost = 16;  // a work item's fixed cost (queries, softmax set-up, output), in context tokens
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_seqs * num_kv_heads));
+  auto cost = [&](int64_t b) { return (window > 0 ? std::min(lens[b], window) : lens[b]) + kItemCost; };
+  int64_t total = 0;
+  for (int64_t b = 0; b < num_seqs; ++b) total += cost(b) * num_kv_heads;
+  std::vector<int64_t> bounds{0};
+  int64_t done = 0;
+  for (int64_t item = 0; item < num_seqs * num_kv_heads; ++item) {
+    const int64_t c = cost(item / num_kv_heads);
+    // an item goes to the part its middle falls in
+    for (int64_t t = static_cast<int64_t>(bounds.size()); t < parts && 2 * done + c > 2 * total * t / parts; ++t)
+      bounds.push_back(item);
+    done += c;
+  }
+  while (static_cast<int64_t>(bounds.size()) <= parts) bounds.push_back(num_seqs * num_kv_heads);
+  return bounds;
+}
+
 // the work items of one call, split over torch's threads
 template <typename T>
 void run(const float* qp, const T* kp, const T* vp, const int64_t* tables, const int64_t* lens, float* op,
          int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
          int64_t head_dim, int64_t max_blocks, float scale, int64_t window) {
   const int64_t group = num_heads / num_kv_heads;
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  const std::vector<int64_t> bounds = split_by_context(lens, num_seqs, num_kv_heads, window);
+  at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t first_part, int64_t end_part) {
     std::vector<float> scores;
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t item = bounds[first_part]; item < bounds[end_part]; ++item) {
       const int64_t b = item / num_kv_heads, kvh = item % num_kv_heads;
       const int64_t off = (b * num_heads + kvh * group) * head_dim;  // this kv head's `group` query heads
       // a sliding window: only the last `window` tokens, read from the block that holds the first of them
@@ -532,6 +638,11 @@ void run(const float* qp, const T* kp, const T* vp, const int64_t* tables, const
 }
 
 }  // namespace
+
+// whether decode_attention rounds the queries to bf16 for this head size and cache (bf16_key_scores)
+bool decode_attention_rounds_queries(int64_t head_dim, bool bf16_cache) {
+  return kBf16KeyScores && bf16_cache && (head_dim == 64 || head_dim == 128 || head_dim == 256);
+}
 
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                torch::Tensor block_tables, torch::Tensor context_lens, double scale, int64_t window) {
@@ -617,6 +728,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over the paged KV cache (fp32 or bf16 cache, CPU); "
         "window > 0: only each sequence's last `window` tokens", py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("window") = 0);
+  m.def("decode_attention_rounds_queries", &decode_attention_rounds_queries,
+        "whether decode_attention rounds the queries to bf16 (its AVX-512 BF16 key scores) for this head size and cache",
+        py::arg("head_dim"), py::arg("bf16_cache"));
   m.def("add_rms_norm", &add_rms_norm, "x += residual; rms_norm(x) * weight (fp32 accumulation), in place on x");
   m.def("rope_write_kv", &rope_write_kv, "rotary embedding of fused QKV rows, K/V stored at their slots; returns Q");
   m.def("int4_amx_available", &int4_amx_available, "whether int4_amx_matmul can run here (built with AMX, allowed)");
