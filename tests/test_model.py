@@ -136,9 +136,6 @@ def test_paged_attention_equals_dense_for_mixed_batch(kernel, dim, bs, cache_dty
         if window is not None:  # query i at position ctx - n + i sees the slots after its position - window
             allowed &= torch.arange(ctx)[None, :] > torch.arange(ctx - n, ctx)[:, None] - window
         qs = q[span.query_start : span.query_start + n]
-        rounds = kernels is not None and kernels.decode_attention_rounds_queries(dim, cache_dtype == torch.bfloat16)
-        if n == 1 and rounds:  # the kernel's AVX-512 BF16 key scores: queries rounded to bf16, exact products
-            qs = qs.bfloat16().float()
         scores = torch.einsum("qhd,khd->hqk", qs, k.float()) * dim ** -0.5
         probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
         want = torch.einsum("hqk,khd->qhd", probs, v.float())
@@ -148,6 +145,41 @@ def test_paged_attention_equals_dense_for_mixed_batch(kernel, dim, bs, cache_dty
                      and compute_dtype == torch.bfloat16)
         tol = dict(atol=1e-2, rtol=1e-2) if bf16_math else dict(atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(got[span.query_start : span.query_start + n], want, **tol)
+
+
+@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 8), (6, 2), (9, 3), (8, 2), (16, 2)], ids=["g1", "g3x2", "g3", "g4",
+                                                                                        "g8"])
+def test_decode_kernel_gives_a_sequence_the_same_bits_alone_in_a_batch_and_on_any_thread(cpp_kernels, dim, heads,
+                                                                                          kv_heads):
+    """The decode kernel splits its (sequence, KV head) items over the threads by context, and the query heads of a
+    KV head share each value row in sets of 1 to 4 (as many as registers hold). A sequence's output is the same
+    bits alone or in a batch of skewed lengths, on one thread or two, and within fp32 rounding of float64
+    attention over the same bf16 cache, for every set size."""
+    if cpp_kernels is None:
+        pytest.skip("the C++ kernels did not build here")
+    g = torch.Generator().manual_seed(3)
+    bs, lens = 16, torch.tensor([700, 20, 33, 1, 400, 64, 17, 250])
+    k_cache = torch.randn(kv_heads, 360, bs, dim, generator=g).to(torch.bfloat16)
+    v_cache = torch.randn(kv_heads, 360, bs, dim, generator=g).to(torch.bfloat16)
+    tables = torch.randperm(360, generator=g).view(8, 45)
+    q = torch.randn(8, heads, dim, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        batch = cpp_kernels.decode_attention(q, k_cache, v_cache, tables, lens, dim ** -0.5)
+        torch.set_num_threads(1)
+        assert torch.equal(cpp_kernels.decode_attention(q, k_cache, v_cache, tables, lens, dim ** -0.5), batch)
+    finally:
+        torch.set_num_threads(threads)
+    for i in range(8):
+        alone = cpp_kernels.decode_attention(q[i : i + 1], k_cache, v_cache, tables[i : i + 1], lens[i : i + 1],
+                                             dim ** -0.5)
+        assert torch.equal(alone[0], batch[i])
+        blocks = tables[i, : -(-int(lens[i]) // bs)]
+        k = k_cache[:, blocks].flatten(1, 2)[:, : lens[i]].double().repeat_interleave(heads // kv_heads, 0)
+        v = v_cache[:, blocks].flatten(1, 2)[:, : lens[i]].double().repeat_interleave(heads // kv_heads, 0)
+        p = (torch.einsum("hd,hkd->hk", q[i].double(), k) * dim ** -0.5).softmax(-1)
+        torch.testing.assert_close(batch[i].double(), torch.einsum("hk,hkd->hd", p, v), atol=2e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
@@ -631,11 +663,9 @@ class _TorchDecodeAttention:
 
 @pytest.mark.real_model
 def test_smollm2_decode_kernel_over_a_bf16_cache_keeps_greedy_text(real_model_path):
-    """The C++ decode attention over SmolLM2's bf16 cache (--dtype auto; AVX-512: values widened without crossing
-    lanes, the sums reordered to match; AVX-512 BF16: key scores by vdpbf16ps over queries rounded to bf16, as the
-    prefill kernel and torch's bf16 flash kernel round them) against the torch path's fp32 matmuls over the same
-    bf16 values: the order of the fp32 sums differs, and the queries' rounding where the kernel rounds them, so
-    greedy text may fork at a near-tie, and only there."""
+    """The C++ decode attention over SmolLM2's bf16 cache (--dtype auto; AVX-512: widened without crossing lanes,
+    the queries and sums reordered to match) against the torch path's fp32 matmuls over the same bf16 values: only
+    the order of the fp32 sums differs, so greedy text may fork at a near-tie, and only there."""
     from justapi import LLM
 
     opts = dict(dtype="auto", pool_blocks=256, show_progress=False)

@@ -2,8 +2,7 @@
 // through the block table, so no [sequences, context, head_dim] copy of the cache is ever made.
 //
 // Cache layout (see justapi/model/attention.py): [num_kv_heads, num_blocks, block_size, head_dim], fp32 or bf16
-// (a bf16 value is the top half of an fp32: widened as it is read; all arithmetic is fp32, except that an AVX-512
-// BF16 build scores a bf16 cache's keys with vdpbf16ps over queries rounded to bf16: bf16_key_scores).
+// (a bf16 value is the top half of an fp32: widened as it is read; all arithmetic is fp32).
 // Work item = (sequence, kv head): its `group` query heads share every key/value row it reads.
 //   pass 1: s[h][t] = scale * q[h] . k[t]        for t < context_len
 //   pass 2: p = softmax(s[h])                     (max-subtracted, fp32)
@@ -38,11 +37,6 @@
 namespace {
 
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-constexpr bool kBf16KeyScores = true;  // a bf16 cache's key scores by bf16_key_scores (queries rounded to bf16)
-#else
-constexpr bool kBf16KeyScores = false;
-#endif
 
 // A sliding window starts mid-block: the first `skip` rows of the first block read are before it. Their scores
 // become -inf before the softmax (exp gives 0, or under 2e-38 where the vector exp clamps at -87).
@@ -246,35 +240,6 @@ inline void weigh_values(const T* vb, int64_t n, const float* p, int64_t p_strid
     for (int i = 0; i < V; ++i) _mm512_storeu_ps(acc_rows + h * D + 16 * i, acc[h][i]);
 }
 
-#if defined(__AVX512BF16__)
-// A bf16 cache's key scores with vdpbf16ps (AVX-512 BF16: Zen 4, Cooper Lake and later): each instruction multiplies
-// 32 cache values by 32 bf16 query values in pairs and adds the pairs' sums to 16 fp32 lanes, so a key row costs
-// D/32 instructions per query head instead of widening (2 instructions per 32 values) and D/16 FMAs. The queries
-// are rounded to bf16 first (round to nearest even, as torch's .to(torch.bfloat16)), as the prefill kernel and
-// torch's bf16 flash kernel round them; the products of two bf16 values are exact in fp32 and summed in fp32, and
-// the scale multiplies the fp32 score. The order of the dimensions is the cache's, so no reordering is needed.
-
-// scores[j] = scale * q . k[j] for a block's n key rows (q: one head's D/2 bf16 pairs)
-template <int V>
-inline void bf16_key_scores(const uint32_t* q_pairs, const uint16_t* kb, int64_t n, float scale, float* scores) {
-  constexpr int64_t D = 16 * V;
-  __m512bh q[V / 2];
-  for (int i = 0; i < V / 2; ++i) q[i] = (__m512bh)_mm512_loadu_si512(q_pairs + 16 * i);
-  for (int64_t j0 = 0; j0 < n; j0 += 16) {  // 16 rows' dot products, reduced together
-    const int64_t m = std::min<int64_t>(16, n - j0);
-    __m512 s[16];
-    for (int64_t j = 0; j < 16; ++j) {
-      s[j] = _mm512_setzero_ps();
-      if (j < m)
-        for (int i = 0; i < V / 2; ++i)
-          s[j] = _mm512_dpbf16_ps(s[j], q[i], (__m512bh)_mm512_loadu_si512(kb + (j0 + j) * D + 32 * i));
-    }
-    _mm512_mask_storeu_ps(scores + j0, static_cast<__mmask16>((1u << m) - 1),
-                          _mm512_mul_ps(hsum16(s), _mm512_set1_ps(scale)));
-  }
-}
-#endif
-
 // head_dim = 16 * V; blocks outermost so each is read from memory once, query/accumulator rows in registers
 template <typename T, int V>
 void attend_avx512(const float* qh, const T* kp, const T* vp, const int64_t* table, int64_t ctx, int64_t skip,
@@ -283,19 +248,9 @@ void attend_avx512(const float* qh, const T* kp, const T* vp, const int64_t* tab
                    std::vector<float>& scores) {
   constexpr int64_t D = 16 * V;
   scores.resize(group * ctx + 2 * group * D);
-  // the queries: for fp32 scores scaled and in load32's order; for bf16_key_scores rounded to bf16, in order
-  float* qs = scores.data() + group * ctx;
+  float* qs = scores.data() + group * ctx;  // the scaled queries, in load32's order
   float* acc_all = qs + group * D;
-  constexpr bool bf16_keys = kBf16KeyScores && std::is_same_v<T, uint16_t>;
   for (int64_t i = 0; i < group * D; i += 32) {
-    if constexpr (bf16_keys) {
-#if defined(__AVX512BF16__)
-      __m256i* rounded = reinterpret_cast<__m256i*>(qs) + i / 16;
-      _mm256_storeu_si256(rounded, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(qh + i)));
-      _mm256_storeu_si256(rounded + 1, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(qh + i + 16)));
-#endif
-      continue;
-    }
     __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qh + i), _mm512_set1_ps(scale));
     __m512 b = _mm512_mul_ps(_mm512_loadu_ps(qh + i + 16), _mm512_set1_ps(scale));
     to_load_order<T>(a, b);
@@ -312,14 +267,6 @@ void attend_avx512(const float* qh, const T* kp, const T* vp, const int64_t* tab
     else if (ib + kAhead - nblk < nblk) prefetch_block(vblock(ib + kAhead - nblk), block_bytes);
     const T* kb = kblock(ib);
     const int64_t n = std::min(block_size, ctx - ib * block_size);
-    if constexpr (bf16_keys) {
-#if defined(__AVX512BF16__)
-      for (int64_t g = 0; g < group; ++g)
-        bf16_key_scores<V>(reinterpret_cast<const uint32_t*>(qs) + g * D / 2, kb, n, scale,
-                           scores.data() + g * ctx + ib * block_size);
-#endif
-      continue;
-    }
     for (int64_t g = 0; g < group; ++g) {
       __m512 q[V];
       for (int i = 0; i < V; ++i) q[i] = _mm512_loadu_ps(qs + g * D + 16 * i);
@@ -639,11 +586,6 @@ void run(const float* qp, const T* kp, const T* vp, const int64_t* tables, const
 
 }  // namespace
 
-// whether decode_attention rounds the queries to bf16 for this head size and cache (bf16_key_scores)
-bool decode_attention_rounds_queries(int64_t head_dim, bool bf16_cache) {
-  return kBf16KeyScores && bf16_cache && (head_dim == 64 || head_dim == 128 || head_dim == 256);
-}
-
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                torch::Tensor block_tables, torch::Tensor context_lens, double scale, int64_t window) {
   const auto cache_dtype = k_cache.scalar_type();
@@ -728,9 +670,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over the paged KV cache (fp32 or bf16 cache, CPU); "
         "window > 0: only each sequence's last `window` tokens", py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("window") = 0);
-  m.def("decode_attention_rounds_queries", &decode_attention_rounds_queries,
-        "whether decode_attention rounds the queries to bf16 (its AVX-512 BF16 key scores) for this head size and cache",
-        py::arg("head_dim"), py::arg("bf16_cache"));
   m.def("add_rms_norm", &add_rms_norm, "x += residual; rms_norm(x) * weight (fp32 accumulation), in place on x");
   m.def("rope_write_kv", &rope_write_kv, "rotary embedding of fused QKV rows, K/V stored at their slots; returns Q");
   m.def("int4_amx_available", &int4_amx_available, "whether int4_amx_matmul can run here (built with AMX, allowed)");
