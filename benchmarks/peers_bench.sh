@@ -12,7 +12,8 @@
 # Before/after a change, in the same run: JUSTAPI_BEFORE=DIR serves the checkout in DIR (another revision, e.g.
 # `git worktree add ../before REV`) as "justapi-before" on the next port, with this venv's Python and
 # JUSTAPI_BEFORE_ARGS (e.g. --scheduled for revisions whose default was static batching); where that revision
-# compiles its kernels on first use, they go to DIR/.torch_extensions.
+# compiles its kernels on first use, they go to DIR/.torch_extensions. W1, W2 and W3 then run a second time with the
+# two JustAPI servers in the other order, and benchmarks/before_after.py prints after / before from both orders.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 STEER=${STEER:-$ROOT/../shared/peers}
@@ -92,6 +93,19 @@ LOG=$OUT/peers_bench.txt
   echo "## W3: 96 requests, Poisson arrivals at 1.2 req/s, <= 24 in flight, prompts 128-1024, outputs 16-256 tokens"
   # shellcheck disable=SC2046
   timeout 1800 "$J" bench serve "${URLS[@]}" $(workload W3) --json "$OUT/peers_W3.json"
+  if [ -n "${JUSTAPI_BEFORE:-}" ]; then
+    # the server measured second reads ~5% slower here whatever it holds (A/A, docs/benchmarks.md): the loaded
+    # workloads again with "before" listed first and a fresh seed (no prefix-cache hits from the first pass)
+    echo "## before/after, reversed order: W1, W2, W3 (seed 1), justapi-before listed first"
+    for w in W1 W2 W3; do
+      # shellcheck disable=SC2046
+      timeout 1800 "$J" bench serve --base-url "http://127.0.0.1:$PORT_BEFORE" --name justapi-before \
+        --base-url "http://127.0.0.1:$PORT_JUSTAPI" --name justapi $(workload $w) --seed 1 \
+        --json "$OUT/peers_${w}_reversed.json"
+    done
+    echo "## after / before, both orders"
+    "$ROOT/.venv/bin/python" "$ROOT/benchmarks/before_after.py" "$OUT"
+  fi
   if [ "${1:-}" = sweep ]; then
     echo "## sweep: 48 requests (prompts 64-512, outputs 16-128) at 1, 2, 4 req/s (Poisson) and all at once"
     timeout 2400 "$J" bench sweep "${URLS[@]}" --workload random --num-requests 48 --input-len 64:512 \
