@@ -167,7 +167,7 @@ def attention(args) -> None:
             raise SystemExit("transparent huge pages are off on this machine")
         kernels = [("4 KiB pages", kernels[0][1]), ("huge pages", kernels[0][1])]
     g = torch.Generator().manual_seed(0)
-    seqs, heads, kv_heads, dim, bs, layers = 32, 9, 3, 64, 16, 30
+    seqs, heads, kv_heads, dim, bs, layers = 32, 9, 3, 64, args.block_size, 30
     ctx = torch.randint(64, 768, (seqs,), generator=g)
     nblocks = (ctx + bs - 1) // bs
     pool = int(nblocks.sum()) + 8
@@ -180,7 +180,8 @@ def attention(args) -> None:
     q = torch.randn(seqs, heads, dim, generator=g)
     k = torch.randn(kv_heads, pool, bs, dim, generator=g)
     v = torch.randn(kv_heads, pool, bs, dim, generator=g)
-    print(f"{seqs} sequences, {int(ctx.sum())} context tokens, {layers} layers' caches, {torch.get_num_threads()} threads")
+    print(f"{seqs} sequences, {int(ctx.sum())} context tokens in blocks of {bs}, {layers} layers' caches, "
+          f"{torch.get_num_threads()} threads")
     for dtype in (torch.float32, torch.bfloat16):
         caches = [(k.to(dtype, copy=True), v.to(dtype, copy=True)) for _ in range(layers)]  # 30 distinct caches
         placed = {name: caches for name, _ in kernels}
@@ -318,6 +319,7 @@ def main() -> None:
     ap.add_argument("--fp32", action="store_true", help="weights: the fp32 route of a CPU without a bf16 matmul")
     ap.add_argument("--disable", nargs="*", default=None, help="weights: kernels to time off (default: each one in use)")
     ap.add_argument("--base", default=None, help="attention, weights: a git revision whose kernels are timed alongside")
+    ap.add_argument("--block-size", type=int, default=16, help="attention: tokens per KV block (the engine's --block-size)")
     ap.add_argument("--huge-pages", action="store_true", help="attention: caches on huge pages against ordinary ones")
     args = ap.parse_args()
     {"weights": weights, "attention": attention, "prefill": prefill, "peak": peak}[args.mode](args)
