@@ -66,9 +66,33 @@ void add_rms_norm_rows(T* x, const T* residual, const float* weight, T* h, int64
   });
 }
 
-// "norm" style rotates adjacent pairs (2i, 2i+1), "neox" the halves (i, i + dim/2); cos/sin: [rows, dim/2] fp32
-template <typename T, typename C>
-void rope_write_rows(const T* qkv, int64_t row_stride, const float* cos, const float* sin, bool neox, int64_t rows,
+// One head's rotary: y[a] = x[a] c - x[b] s, y[b] = x[b] c + x[a] s over its pairs (a, b): "norm" style the
+// adjacent pairs (2i, 2i+1), "neox" the halves (i, i + dim/2). The products and sums of RotaryEmbedding.rotate in
+// its order, each rounded as there (no contraction into FMAs in this file). The style is a template parameter so
+// that the loop has no branch and vectorises: with a run-time choice per pair it stayed scalar, 222 us against 45
+// for a 373-row chunk of SmolLM2 on a Zen 4 (in isolation; 6.3 against 2.7 ms a mixed step's 30 layers).
+template <bool Neox, typename T, typename O>
+inline void rotate_head(const T* x, const float* c, const float* s, O* y, int64_t half) {
+  if constexpr (Neox) {
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = widen(x[i]), x2 = widen(x[i + half]);
+      y[i] = narrow<O>(x1 * c[i] - x2 * s[i]);
+      y[i + half] = narrow<O>(x2 * c[i] + x1 * s[i]);
+    }
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = widen(x[2 * i]), x2 = widen(x[2 * i + 1]);
+      y[2 * i] = narrow<O>(x1 * c[i] - x2 * s[i]);
+      y[2 * i + 1] = narrow<O>(x2 * c[i] + x1 * s[i]);
+    }
+  }
+}
+
+// cos/sin: [rows, dim/2] fp32
+template <bool Neox, typename T, typename C>
+void rope_write_rows(const T* qkv, int64_t row_stride, const float* cos, const float* sin, int64_t rows,
                      int64_t num_heads, int64_t num_kv_heads, int64_t dim, C* k_cache, C* v_cache,
                      int64_t cache_head_stride, const int64_t* slots, float* q_out) {
   const int64_t half = dim / 2;
@@ -77,49 +101,44 @@ void rope_write_rows(const T* qkv, int64_t row_stride, const float* cos, const f
       const T* row = qkv + r * row_stride;
       const float* c = cos + r * half;
       const float* s = sin + r * half;
-      for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
-        const T* x = row + h * dim;
-        const bool is_q = h < num_heads;
-        float* qo = is_q ? q_out + (r * num_heads + h) * dim : nullptr;
-        C* ko = is_q ? nullptr : k_cache + (h - num_heads) * cache_head_stride + slots[r] * dim;
-        for (int64_t i = 0; i < half; ++i) {
-          const int64_t a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
-          const float x1 = widen(x[a]), x2 = widen(x[b]);
-          const float t1 = x1 * c[i], t2 = x2 * s[i], t3 = x2 * c[i], t4 = x1 * s[i];
-          const float y1 = t1 - t2, y2 = t3 + t4;
-          if (is_q) {
-            qo[a] = y1;
-            qo[b] = y2;
-          } else {
-            ko[a] = narrow<C>(y1);
-            ko[b] = narrow<C>(y2);
-          }
-        }
-      }
+      for (int64_t h = 0; h < num_heads; ++h)
+        rotate_head<Neox>(row + h * dim, c, s, q_out + (r * num_heads + h) * dim, half);
+      for (int64_t h = 0; h < num_kv_heads; ++h)
+        rotate_head<Neox>(row + (num_heads + h) * dim, c, s, k_cache + h * cache_head_stride + slots[r] * dim, half);
       const T* v = row + (num_heads + num_kv_heads) * dim;
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         C* vo = v_cache + h * cache_head_stride + slots[r] * dim;
+#pragma omp simd
         for (int64_t d = 0; d < dim; ++d) vo[d] = narrow<C>(widen(v[h * dim + d]));
       }
     }
   });
 }
 
+template <typename T, typename C>
+void rope_write_dispatch_style(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, bool neox,
+                               int64_t num_heads, int64_t num_kv_heads, int64_t dim, torch::Tensor& k_cache,
+                               torch::Tensor& v_cache, const torch::Tensor& slots, torch::Tensor& q) {
+  const int64_t head_stride = k_cache.size(1) * k_cache.size(2) * dim;  // one KV head's blocks
+  auto run = [&](auto neox_style) {
+    rope_write_rows<decltype(neox_style)::value>(qkv.data_ptr<T>(), qkv.stride(0), cos.data_ptr<float>(),
+                                                 sin.data_ptr<float>(), qkv.size(0), num_heads, num_kv_heads, dim,
+                                                 k_cache.data_ptr<C>(), v_cache.data_ptr<C>(), head_stride,
+                                                 slots.data_ptr<int64_t>(), q.data_ptr<float>());
+  };
+  if (neox) run(std::true_type{});
+  else run(std::false_type{});
+}
+
 template <typename T>
 void rope_write_dispatch_cache(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, bool neox,
                                int64_t num_heads, int64_t num_kv_heads, int64_t dim, torch::Tensor& k_cache,
                                torch::Tensor& v_cache, const torch::Tensor& slots, torch::Tensor& q) {
-  const int64_t head_stride = k_cache.size(1) * k_cache.size(2) * dim;  // one KV head's blocks
-  const T* src = qkv.data_ptr<T>();
   if (k_cache.scalar_type() == torch::kFloat32)
-    rope_write_rows<T, float>(src, qkv.stride(0), cos.data_ptr<float>(), sin.data_ptr<float>(), neox, qkv.size(0),
-                              num_heads, num_kv_heads, dim, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                              head_stride, slots.data_ptr<int64_t>(), q.data_ptr<float>());
+    rope_write_dispatch_style<T, float>(qkv, cos, sin, neox, num_heads, num_kv_heads, dim, k_cache, v_cache, slots, q);
   else
-    rope_write_rows<T, c10::BFloat16>(src, qkv.stride(0), cos.data_ptr<float>(), sin.data_ptr<float>(), neox,
-                                      qkv.size(0), num_heads, num_kv_heads, dim, k_cache.data_ptr<c10::BFloat16>(),
-                                      v_cache.data_ptr<c10::BFloat16>(), head_stride, slots.data_ptr<int64_t>(),
-                                      q.data_ptr<float>());
+    rope_write_dispatch_style<T, c10::BFloat16>(qkv, cos, sin, neox, num_heads, num_kv_heads, dim, k_cache, v_cache,
+                                                slots, q);
 }
 
 #ifdef JUSTAPI_SILU
