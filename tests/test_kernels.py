@@ -300,7 +300,7 @@ def test_silu_mul_is_bit_identical_to_torchs_silu_times_up(cpp_kernels, dtype):
         got, silu = cpp_kernels.silu_mul(torch.cat([every, up], dim=1)), F.silu(every)
         want = silu * up
         # NaN where torch gives NaN; AVX-512 BF16's rounding flushes an fp32 silu or product below the normal range
-        # to zero, where torch rounds it to the nearest bf16 (the kernel always did: the same bits as computing it)
+        # to zero, where torch rounds it to the nearest bf16 (so did the kernel before this test covered it)
         subnormal = lambda t: (t.abs() < torch.finfo(torch.float32).tiny) & (t != 0)  # noqa: E731
         flushed = subnormal(F.silu(every.float())) | subnormal(silu.float() * up.float())
         assert torch.equal(got.isnan(), want.isnan()) and (got[flushed] == 0).all()
