@@ -3,7 +3,7 @@
 usage: python benchmarks/kernels_bench.py [weights] [--model GGUF] [--rows 1 5 8 28 64 128 512] [--reps 7] [--fp32]
                                          [--disable K ... | --base REV]
        python benchmarks/kernels_bench.py attention [--base REV | --huge-pages] [--reps 7]
-       python benchmarks/kernels_bench.py prefill [--reps 7]
+       python benchmarks/kernels_bench.py prefill [--base REV] [--reps 7]
        python benchmarks/kernels_bench.py peak
 
 ``weights`` (the default): the weight kernels on SmolLM2's own weights (or ``--model``'s), route by route: what each
@@ -29,6 +29,7 @@ BF16) against the path it replaces (torch's fused kernel over the gathered, padd
 step), interleaved, best of ``--reps``, on SmolLM2's heads (9 / 3, size 64) and Gemma 3 270M's (4 / 1, size 256):
 fresh chunks of 64-512 tokens, chunks after a cached prefix, and a sliding window of 512. Prints ms a layer, the
 ratio, and each one's rate over the arithmetic of the keys a query sees (4 x heads x head size per query-key pair).
+``--base REV`` times that revision's kernel too, interleaved, and prints the working tree's time against it.
 
 ``peak``: the rate this CPU's cores reach on products with nothing to load: 16 independent accumulators per thread
 updated in registers with fp32 FMAs and, where there is AVX-512 BF16, with ``vdpbf16ps`` (what the ``dpbf16`` route
@@ -43,6 +44,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import os
 import subprocess
 import tempfile
@@ -222,6 +224,7 @@ def prefill(args) -> None:
     kernels = decode_kernels()
     if kernels is None or not kernels.prefill_attention_available():
         raise SystemExit("the C++ kernels here have no prefill attention (it needs AVX-512 BF16)")
+    builds = {"C++": kernels} if not args.base else {args.base: build_at(args.base), "C++": kernels}
     g = torch.Generator().manual_seed(0)
     bs, blocks = 16, 128
     print(f"{torch.get_num_threads()} threads; ms a layer, best of {args.reps}, interleaved")
@@ -233,8 +236,9 @@ def prefill(args) -> None:
             table = torch.randperm(blocks, generator=g)[: -(-ctx // bs)]
             q = torch.randn(n, heads, dim, generator=g)
             span = SeqSpan(0, n, ctx, table)  # keeps its mask across calls, as a step's layers share it
-            runs = {"torch": lambda: _sequence_attention_fused(q, k, v, span, dim ** -0.5, torch.bfloat16, window or None),
-                    "C++": lambda: kernels.prefill_attention(q, k, v, table, ctx, dim ** -0.5, window)}
+            runs = {"torch": lambda: _sequence_attention_fused(q, k, v, span, dim ** -0.5, torch.bfloat16, window or None)}
+            for key, mod in builds.items():
+                runs[key] = functools.partial(mod.prefill_attention, q, k, v, table, ctx, dim ** -0.5, window)
             best = {key: float("inf") for key in runs}
             for rep in range(args.reps):
                 for key, fn in list(runs.items())[:: 1 if rep % 2 else -1]:
@@ -246,7 +250,9 @@ def prefill(args) -> None:
             rate = lambda sec: 4 * heads * dim * pairs / sec / 1e9  # noqa: E731
             print(f"  {name}, {n:3d} new of {ctx:3d}{f', window {window}' if window else ''}: torch "
                   f"{best['torch'] * 1e3:6.3f} ms ({rate(best['torch']):4.0f} GFLOP/s), C++ {best['C++'] * 1e3:6.3f} ms "
-                  f"({rate(best['C++']):4.0f}), {best['C++'] / best['torch']:.2f}x")
+                  f"({rate(best['C++']):4.0f}), {best['C++'] / best['torch']:.2f}x"
+                  + (f"; {args.base} {best[args.base] * 1e3:6.3f} ms, now {best['C++'] / best[args.base]:.2f}x"
+                     if args.base else ""))
 
 
 PEAK_SOURCE = r"""
