@@ -12,7 +12,7 @@
 # Before/after a change, in the same run: JUSTAPI_BEFORE=DIR serves the checkout in DIR (another revision, e.g.
 # `git worktree add ../before REV`) as "justapi-before" on the next port, with this venv's Python and
 # JUSTAPI_BEFORE_ARGS (e.g. --scheduled for revisions whose default was static batching); where that revision
-# compiles its kernels on first use, they go to DIR/.torch_extensions. W1, W2 and W3 then run a second time with the
+# compiles its kernels on first use, they go to DIR/.torch_extensions. S1, W1, W2 and W3 then run a second time with the
 # two JustAPI servers in the other order, and benchmarks/before_after.py prints after / before from both orders.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
