@@ -45,8 +45,8 @@ constexpr int64_t kSpan = 4;     // tiles a softmax update covers
 // exp(x) for x <= 0 (a score less the running max, or -inf for a hidden key, which gives 0): x = n ln 2 + r with
 // n = round(x / ln 2) and ln 2 in two parts (the first exact times any n here), so |r| <= ln 2 / 2; e^r by its
 // Taylor series to degree 6, scaled by 2^n. Within 2.3e-7 of exp (2 units in the last place) for every fp32 x in
-// [-87, 0], where Sleef's, torch's, is within 1; twelve instructions instead of Sleef's range checks and longer
-// polynomial: a prefill chunk's attention 0.82-0.89x the time on SmolLM2 (docs/benchmarks.md)
+// [-87, 0] (Sleef's, torch's, is within 1); twelve instructions instead of Sleef's range checks and longer
+// polynomial: a prefill chunk's attention 0.88-0.94x the time on SmolLM2 (docs/benchmarks.md)
 inline __m512 exp_nonpositive(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-120.0f));  // 2^-173: 0 once scaled; keeps -inf - n ln 2 from being NaN
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
