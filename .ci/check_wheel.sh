@@ -15,7 +15,8 @@ trap 'kill "${pid:-}" 2>/dev/null || true; rm -rf "$work"' EXIT
 .venv/bin/pip wheel -q --no-deps -w "$work/dist" . 2>&1 | grep -v "^WARNING: Location" || true
 wheel=$(ls "$work"/dist/justapi-*.whl)
 listing=$(.venv/bin/python -m zipfile -l "$wheel")
-for f in avx2_reduce.h q_units.h paged_attention.cpp layer_ops.cpp int4_matmul.cpp units_avx512.cpp q_matmul.cpp build_spec.py _C.cpu_flags; do
+# every kernel source and header in the tree (a header only included is easy to leave out of the package data)
+for f in $(cd justapi/kernels && ls ./*.cpp ./*.h | sed 's|^\./||') build_spec.py _C.cpu_flags; do
   grep -q "justapi/kernels/$f" <<<"$listing" || { echo "wheel check: $f missing from $wheel"; exit 1; }
 done
 for f in index.html dashboard.js dashboard.css; do

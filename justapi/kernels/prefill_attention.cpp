@@ -17,7 +17,7 @@
 //
 // The rounding points are the flash kernel's: queries rounded to bf16, scores and the softmax in fp32, the weights
 // rounded to bf16 for the products with V, accumulation in fp32; only the order of the sums differs (and exp: a
-// polynomial here, exp_nonpositive). The result stays fp32 (the next product rounds it to bf16). Keys after a
+// polynomial here, vec_exp.h's). The result stays fp32 (the next product rounds it to bf16). Keys after a
 // query's position are never read for it: a fresh prompt's chunk costs half the products of the full rectangle.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -32,6 +32,8 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define JUSTAPI_PREFILL_ATTENTION 1
 #include <immintrin.h>
+
+#include "vec_exp.h"
 #endif
 
 namespace {
@@ -41,27 +43,6 @@ constexpr int64_t kKeys = 16;    // keys a tile: one vector of scores per query 
 constexpr int64_t kTokens = 16;  // query tokens a work item
 constexpr int64_t kRowBlock = 8; // query rows sharing each loaded key pair in the score loop
 constexpr int64_t kSpan = 4;     // tiles a softmax update covers
-
-// exp(x) for x <= 0 (a score less the running max, or -inf for a hidden key, which gives 0): x = n ln 2 + r with
-// n = round(x / ln 2) and ln 2 in two parts (the first exact times any n here), so |r| <= ln 2 / 2; e^r by its
-// Taylor series to degree 6, scaled by 2^n. Within 2.3e-7 of exp (2 units in the last place) for every fp32 x in
-// [-87, 0] (Sleef's, torch's, is within 1); twelve instructions instead of Sleef's range checks and longer
-// polynomial: a prefill chunk's attention 0.88-0.94x the time on SmolLM2 (docs/benchmarks.md)
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-120.0f));  // 2^-173: 0 once scaled; keeps -inf - n ln 2 from being NaN
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln 2's first 16 bits
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606820309417e-06f), r);    // and the rest
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 
 // The K and V tiles of one KV head: tile t holds keys [16t, 16t + 16), zeros past the context.
 void pack_tiles(const uint16_t* k_head, const uint16_t* v_head, const int64_t* table, int64_t block_stride,
@@ -214,7 +195,8 @@ void attend_item(const float* q, const uint32_t* kp_head, const uint32_t* vp_hea
       __m512 sum = _mm512_setzero_ps();
       uint32_t* pr = p.data() + r * kSpan * kKeys / 2;
       for (int64_t t = 0; t < span; ++t) {
-        const __m512 e = exp_nonpositive(_mm512_sub_ps(sc[t], shift));
+        // hidden keys (-inf) weigh exactly 0, not exp512's floor of ~1.6e-38
+        const __m512 e = _mm512_maskz_mov_ps(visible[t], exp512(_mm512_sub_ps(sc[t], shift)));
         sum = _mm512_add_ps(sum, e);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + t * kKeys / 2), (__m256i)_mm512_cvtneps_pbh(e));
       }
