@@ -14,7 +14,7 @@ DEFAULT_MAX_SEQS = 32
 DEFAULT_MAX_PREFILL = 4
 DEFAULT_MAX_DECODE = 32
 DEFAULT_CHUNK_SIZE = 512
-SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
+SCHEDULING_POLICIES = ("fcfs", "priority", "fair", "shortest")
 ROUTER_POLICIES = ("prefix", "round-robin")  # core.router.PrefixRouter
 DISTRIBUTED_EXECUTORS = ("mp", "ray")  # distributed.launch
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's placement-group strategies
@@ -105,9 +105,11 @@ class EngineConfig:
     prefix_cache: bool = flag(True, "the radix prefix cache")
     scheduling_policy: str = flag("fcfs", "who is admitted first and preempted last: fcfs (arrival order), priority "
                                   "(the request's priority field, lower first), fair (equal token shares per user, "
-                                  "virtual token counters)", choices=SCHEDULING_POLICIES)
+                                  "virtual token counters), shortest (fewest prompt tokens left first)",
+                                  choices=SCHEDULING_POLICIES)
     priority_aging: float = flag(DEFAULT_PRIORITY_AGING_S, "under --scheduling-policy priority, every this many "
-                                 "seconds of waiting make a request one level more urgent, so none waits forever")
+                                 "seconds of waiting make a request one level more urgent (under shortest, count "
+                                 "as --chunk-size tokens fewer), so none waits forever")
     user_weights: tuple[str, ...] = flag((), "under --scheduling-policy fair, users' weights (default 1): a user "
                                          "of weight 2 gets twice the tokens of one of weight 1", metavar="USER=W,...")
     max_model_len: int | None = flag(None, "longest prompt + output (default: the model's context)")
@@ -353,7 +355,7 @@ class SchedulerConfig:
     gamma: int = DEFAULT_GAMMA  # draft tokens per step at most (a tree's depth)
     branch: int = DEFAULT_BRANCH  # children per draft-tree node
     spec_max_batch: int = DEFAULT_SPEC_MAX_BATCH  # no speculation in steps with more decoding requests than this
-    policy: str = "fcfs"  # core.policy: fcfs, priority or fair
+    policy: str = "fcfs"  # core.policy: fcfs, priority, fair or shortest
     priority_aging_s: float = DEFAULT_PRIORITY_AGING_S
     user_weights: tuple[tuple[str, float], ...] = ()  # fair shares' weights (others: 1)
 

@@ -63,7 +63,7 @@ def test_batching_never_changes_greedy_output(engines):
         assert not sched.running and sched.pool.num_free + sched.num_cached_blocks == sched.pool.num_blocks
 
 
-@pytest.mark.parametrize("policy", ["priority", "fair"])
+@pytest.mark.parametrize("policy", ["priority", "fair", "shortest"])
 def test_scheduling_policies_never_change_greedy_output(engines, policy):
     """The order requests run in and who is preempted change, each request's greedy tokens do not: with mixed
     priorities and users, under preemption, with the prefix cache and with prompt-lookup speculation."""

@@ -19,10 +19,10 @@ EOS = 2
 
 
 def make(num_blocks=64, block_size=4, chunk_size=8, max_seqs=32, max_prefill=4, max_decode=32, static=False,
-         prefix_cache=False, max_model_len=4096):
+         prefix_cache=False, max_model_len=4096, policy="fcfs"):
     cfg = SchedulerConfig(num_blocks=num_blocks, block_size=block_size, chunk_size=chunk_size, max_seqs=max_seqs,
                           max_prefill=max_prefill, max_decode=max_decode, max_model_len=max_model_len,
-                          prefix_cache=prefix_cache)
+                          prefix_cache=prefix_cache, policy=policy)
     return (StaticScheduler if static else Scheduler)(cfg)
 
 
@@ -139,20 +139,27 @@ def test_preemption_picks_the_latest_admitted_and_resumes_it():
     assert s.pool.num_free == 6
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "shortest"])
 @pytest.mark.parametrize("prefix_cache", [False, True])
-def test_random_workload_under_pressure_finishes_without_leaks(prefix_cache):
+def test_random_workload_under_pressure_finishes_without_leaks(prefix_cache, policy):
     rng = random.Random(1)
-    s = make(num_blocks=24, block_size=4, chunk_size=7, max_seqs=6, max_prefill=3, prefix_cache=prefix_cache)
-    expected = {}
+    s = make(num_blocks=24, block_size=4, chunk_size=7, max_seqs=6, max_prefill=3, prefix_cache=prefix_cache,
+             policy=policy)
+    expected, arrivals = {}, []
     for i in range(40):
         n = rng.randint(1, 30)
         m = rng.randint(1, 20)
         if n + m > 24 * 4:
             continue
-        add(s, f"r{i}", n, max_tokens=m, base=rng.choice([100, 200]))
+        arrivals.append((f"r{i}", n, m, rng.choice([100, 200])))
         expected[f"r{i}"] = m
+    for rid, n, m, base in arrivals[:20]:
+        add(s, rid, n, max_tokens=m, base=base)
     lengths = {}
-    while s.has_unfinished:
+    while s.has_unfinished or arrivals[20:]:
+        if arrivals[20:] and rng.random() < 0.3:  # the rest arrive while the first ones run
+            rid, n, m, base = arrivals.pop(20)
+            add(s, rid, n, max_tokens=m, base=base)
         out, outs = step(s)
         for o in outs:
             lengths[o.request_id] = lengths.get(o.request_id, 0) + len(o.new_token_ids)

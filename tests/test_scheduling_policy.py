@@ -142,6 +142,88 @@ def test_prefilled_requests_in_a_decode_pool_are_admitted_by_priority():
     assert admitted == ["b", "c", "a"]
 
 
+# --- shortest ---------------------------------------------------------------------------------------------------
+
+def test_shortest_admits_the_fewest_prompt_tokens_first_ties_in_arrival_order():
+    s = make("shortest", max_seqs=1, chunk_size=64)
+    for rid, n in (("a", 20), ("b", 4), ("c", 12), ("d", 4)):
+        add(s, rid, n_prompt=n)
+    admitted = []
+    run_all(s, admitted)
+    assert admitted == ["b", "d", "c", "a"]
+
+
+def first_output_steps(policy):
+    """Steps to the first output of a long prompt that started prefilling one step before a short one arrived, and
+    of the short one."""
+    s = make(policy, chunk_size=8, num_blocks=64)
+    add(s, "long", n_prompt=48)
+    step(s)  # the long prompt's first chunk
+    add(s, "short", n_prompt=6)
+    first = {}
+    for i in range(1, 20):
+        _, outs = step(s)
+        for o in outs:
+            first.setdefault(o.request_id, i)
+    return first
+
+
+def test_shortest_spends_the_prefill_budget_on_the_shortest_remaining_prompt():
+    # a step's 8 prompt tokens: under fcfs the long prompt keeps them until its 48 are done; under shortest the
+    # short one's 6 go first (its first token a step later), the long prompt gets the other 2
+    assert first_output_steps("fcfs") == {"long": 5, "short": 6}
+    assert first_output_steps("shortest") == {"short": 1, "long": 6}
+
+
+def test_a_deferred_prompt_short_of_blocks_gives_way_and_finishes_later():
+    # 9 blocks of 4 tokens: the long prompt holds 6 after two chunks of 12; the short one's 5 tokens take 2 more,
+    # so the long one, deferred behind it, finds 1 of the 2 it needs for its last 6 and is preempted, not stuck
+    s = make("shortest", num_blocks=9, chunk_size=12)
+    add(s, "long", n_prompt=30, max_tokens=2)
+    step(s)
+    step(s)
+    add(s, "short", n_prompt=5, max_tokens=2)
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"short": 5}
+    assert s.last_preempted == ["long"]
+    done = run_all(s)
+    assert sorted(done) == ["long", "short"]
+    assert s.pool.num_free == 9
+
+
+def test_shortest_preempts_the_one_with_most_left_to_compute():
+    s = make("shortest", num_blocks=10, chunk_size=64)
+    for rid, n in (("p8", 8), ("p4", 4), ("p6", 6)):
+        add(s, rid, n_prompt=n, max_tokens=20)
+    step(s)
+    victims = []
+    for _ in range(60):
+        step(s)
+        victims += [r.request_id for r in s.waiting if r.request_id not in victims]
+    # decoding, all three have one token left; ties keep admission order (shortest first: p4, p6, p8), so the
+    # latest admitted goes first
+    assert victims[0] == "p8"
+    run_all(s)
+
+
+def test_aging_bounds_the_wait_of_a_long_prompt_under_a_stream_of_short_ones():
+    aging, chunk = 2.0, 16
+    s = make("shortest", max_seqs=1, chunk_size=chunk, aging=aging, num_blocks=128)
+    add(s, "long", n_prompt=160, max_tokens=2)
+    waited = None
+    for i in range(300):  # a short request arrives every step, more than one slot can serve
+        add(s, f"s{i}", n_prompt=4, max_tokens=3)
+        admitted = []
+        step(s, admitted, dt=1.0)
+        if "long" in admitted:
+            waited = s.clock.t - 1000.0
+            break
+    assert waited is not None, "the long prompt starved"
+    # it outranks every later arrival (4 tokens) once 160 - 4 tokens of credit are earned at chunk / aging tokens a
+    # second; those that arrived before then (one a second) are served first, 4 steps (seconds) each
+    assert waited <= ((160 - 4) / chunk * aging + 1) * 4 + 4
+
+
 # --- deadlines --------------------------------------------------------------------------------------------------
 
 def test_deadlines_end_waiting_and_running_requests_and_free_their_blocks():
@@ -268,6 +350,7 @@ def test_policy_flags_are_checked(tmp_path):
         replace(base, user_weights=("a=2",))
     with pytest.raises(ValueError, match="'a=0' is not USER=WEIGHT"):
         replace(base, scheduling_policy="fair", user_weights=("a=0",))
+    assert replace(base, scheduling_policy="shortest").scheduling_policy == "shortest"
     with pytest.raises(ValueError, match="--priority-aging"):
         replace(base, priority_aging=0.0)
     assert replace(base, scheduling_policy="fair", user_weights=("a=2", "b=0.5")).weights_by_user() == {

@@ -1,6 +1,6 @@
 """Scheduling over HTTP (issue 29): deadlines end requests with what they have and free their blocks, priority
-changes who is served first, API keys are tenants of the fair policy, and --ttft-slo refuses with 429 and
-Retry-After. In-process servers on the tiny model, steps slowed to make queues."""
+and shortest-prompt-first change who is served first, API keys are tenants of the fair policy, and --ttft-slo
+refuses with 429 and Retry-After. In-process servers on the tiny model, steps slowed to make queues."""
 
 from __future__ import annotations
 
@@ -138,6 +138,36 @@ def test_priority_serves_the_urgent_request_first_and_keys_are_users(priority_se
     assert labelled(m, "justapi_tokens_served_by_user_total", user="key-2") > 0
     assert labelled(m, "justapi_time_to_first_token_by_priority_seconds_count", priority="5") >= 3
     assert labelled(m, "justapi_time_to_first_token_by_priority_seconds_count", priority="-1") >= 1
+
+
+def test_shortest_serves_a_short_prompt_before_a_long_one_queued_first(tiny_model, tmp_path):
+    srv = InProcessServer(["--model", tiny_model, "--max-seqs", "1", "--pool-blocks", "200", "--threads", "1",
+                           "--scheduling-policy", "shortest"], str(tmp_path / "shortest.log"),
+                          on_engine=slow_steps(0.02))
+    try:
+        finished: list[str] = []
+
+        async def one(c, name, prompt):
+            body = {"prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+            r = await c.post(srv.url + "/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            finished.append(name)
+            return r.json()["usage"]["prompt_tokens"]
+
+        async def run():
+            async with httpx.AsyncClient(timeout=60) as c:
+                filler = asyncio.create_task(one(c, "filler", "hold the slot"))
+                await asyncio.sleep(0.2)
+                long = asyncio.create_task(one(c, "long", "a long prompt " * 60))
+                await asyncio.sleep(0.2)  # the long one queues first
+                short = asyncio.create_task(one(c, "short", "short"))
+                return await asyncio.gather(filler, long, short)
+
+        _, long_tokens, short_tokens = asyncio.run(run())
+        assert long_tokens > 100 > short_tokens
+        assert finished == ["filler", "short", "long"]  # under fcfs: filler, long, short
+    finally:
+        assert srv.stop() == 0
 
 
 def test_fair_shares_let_a_light_user_past_a_heavy_backlog(tiny_model, tmp_path):

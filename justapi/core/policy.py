@@ -14,6 +14,13 @@ waiting request may push a running one out. The scheduler asks; a policy never m
   counter of the last user to leave it when the queue is empty), so idle time earns no credit. No preemption for
   fairness: the preemption victim (for lack of blocks) is the latest admitted request of the user with the largest
   counter.
+- ``shortest``: shortest remaining prompt first (SRPT on the prefill): the request with the fewest tokens left to
+  compute before its next output (for a waiting request, its whole prompt: the prefix cache is looked up at
+  admission) starts next and gets the step's prefill budget first, so a short prompt is not queued behind a long
+  one's chunks. Aged: every ``aging_s`` seconds of waiting count as one step's prefill budget
+  (``chunk_size`` tokens) fewer, so a prompt of L tokens outranks every later arrival after L / chunk_size * aging_s
+  seconds. The most recently admitted of those with the most left to compute is preempted first. No preemption to
+  start a shorter one.
 """
 
 from __future__ import annotations
@@ -46,6 +53,11 @@ class FcfsPolicy:
 
     def displaces(self, waiting: Request, running: Request, now: float) -> bool:
         """Whether ``waiting`` may preempt ``running`` to start (when slots or blocks are short)."""
+        return False
+
+    def prefill_after(self, running: Request, waiting: Sequence[Request], now: float) -> bool:
+        """Whether the prompt chunk of ``running`` (still prefilling) waits this step until the next of ``waiting``
+        (not empty) is admitted and given its chunk. Otherwise running requests' chunks come first."""
         return False
 
     def charge(self, req: Request, num_prompt_tokens: int, num_output_tokens: int) -> None:
@@ -122,7 +134,29 @@ class FairPolicy(FcfsPolicy):
         self.counters[user] = self.counters.pop(user, 0.0) + cost / self.weights.get(user, 1.0)  # now most recent
 
 
-def make_policy(name: str, aging_s: float, weights: dict[str, float]) -> FcfsPolicy:
+class ShortestPolicy(FcfsPolicy):
+    name = "shortest"
+
+    def __init__(self, aging_s: float, chunk_size: int) -> None:
+        self.credit_per_s = chunk_size / aging_s  # tokens of rank a second of waiting earns
+
+    def rank(self, req: Request, now: float) -> float:
+        """Tokens left to compute before the request's next output, less its credit for the time since it arrived."""
+        return req.num_tokens - req.num_computed_tokens - self.credit_per_s * max(0.0, now - req.arrival_time)
+
+    def next_waiting(self, waiting: Sequence[Request], now: float) -> Request:
+        return min(waiting, key=lambda r: (self.rank(r, now), r.arrival_seq))
+
+    def order_running(self, running: list[Request], now: float) -> None:
+        running.sort(key=lambda r: self.rank(r, now))  # stable: admission order among equal ranks
+
+    def prefill_after(self, running: Request, waiting: Sequence[Request], now: float) -> bool:
+        return self.rank(self.next_waiting(waiting, now), now) < self.rank(running, now)
+
+
+def make_policy(name: str, aging_s: float, weights: dict[str, float], chunk_size: int) -> FcfsPolicy:
+    if name == "shortest":
+        return ShortestPolicy(aging_s, chunk_size)
     if name == "priority":
         return PriorityPolicy(aging_s)
     if name == "fair":

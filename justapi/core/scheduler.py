@@ -3,7 +3,7 @@
 One invariant drives everything: a request has ``num_computed_tokens`` and catches up towards ``num_tokens``.
 A step gives every running request that has caught up one decode token, then spends the prefill budget
 (``chunk_size`` tokens) on requests still prefilling, in the policy's order, admitting waiting requests into free
-slots (who starts next and who is preempted first: core.policy). A prefix-cache hit simply starts a request with ``num_computed_tokens > 0``; a preempted request
+slots (who starts next, who is preempted first, and whose prompt goes before a running one's: core.policy). A prefix-cache hit simply starts a request with ``num_computed_tokens > 0``; a preempted request
 restarts at 0 and recomputes (cheaply, since its blocks went into the prefix cache).
 
 The blocks themselves are kept by ``KvBlocks``; ``StaticScheduler`` (static_scheduler.py) is the baseline.
@@ -40,7 +40,7 @@ class Scheduler:
         self.cache = self.kv.cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in the policy's order (fcfs: admission): the last is preempted first
-        self.policy = make_policy(config.policy, config.priority_aging_s, dict(config.user_weights))
+        self.policy = make_policy(config.policy, config.priority_aging_s, dict(config.user_weights), config.chunk_size)
         self.clock = time.monotonic  # arrivals, priority aging and deadlines (tests set their own)
         self._num_arrivals = 0
         self._num_with_deadline = 0  # requests that have one: expire() scans nothing while there are none
@@ -178,9 +178,10 @@ class Scheduler:
         self._displace(now)
         self._admit_batch()
         propose_drafts(self.running, self.config)
-        preempted = self._schedule_running(out, budget, counts)
+        preempted, deferred = self._schedule_running(out, budget, counts, now)
         if not preempted and self._may_admit():
             self._schedule_waiting(out, budget, counts, now)
+        self._schedule_deferred(out, budget, counts, deferred)
         self._charge(out)
         out.finished_request_ids = self._finished_ids
         self._finished_ids = set()
@@ -191,9 +192,13 @@ class Scheduler:
         self.stats.num_scheduled_tokens_total += out.total_num_scheduled_tokens
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: list[int], counts: Counter) -> bool:
+    def _schedule_running(self, out: SchedulerOutput, budget: list[int], counts: Counter,
+                          now: float) -> tuple[bool, list[Request]]:
+        """Decodes and prefill chunks of running requests; returns whether any was preempted, and the prefilling
+        requests the policy puts after the next waiting one (their chunks wait for the admissions)."""
         preempted = False
         drafting: list[Request] = []  # decodes with drafts, given their draft slots once everyone has a token
+        deferred: list[Request] = []
         i = 0
         while i < len(self.running):
             req = self.running[i]
@@ -207,15 +212,13 @@ class Scheduler:
                 if counts["prefill"] >= self.config.max_prefill or budget[0] == 0:
                     i += 1
                     continue
+                if self.waiting and self.policy.prefill_after(req, self.waiting, now):
+                    deferred.append(req)
+                    i += 1
+                    continue
                 n = min(remaining, budget[0])
-            new_blocks = self.kv.grow(req, req.num_computed_tokens + n)
-            while new_blocks is None:  # out of blocks: preempt the most recently admitted request
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted = True
-                if victim is req:
-                    break
-                new_blocks = self.kv.grow(req, req.num_computed_tokens + n)
+            new_blocks, lost = self._grow_or_preempt(req, n)
+            preempted |= lost
             if new_blocks is None:
                 break  # req itself was preempted; it was the last one
             if remaining == 1:
@@ -229,7 +232,37 @@ class Scheduler:
             i += 1
         for req in drafting:
             self._schedule_drafts(out, req)
-        return preempted
+        return preempted, deferred
+
+    def _grow_or_preempt(self, req: Request, n: int) -> tuple[list[int] | None, bool]:
+        """Blocks for ``n`` more of ``req``'s tokens, preempting from the end of the running list (the policy's
+        last) while there are none; None if ``req`` itself was preempted. Also whether anyone was."""
+        new_blocks = self.kv.grow(req, req.num_computed_tokens + n)
+        preempted = False
+        while new_blocks is None:  # out of blocks: preempt the policy's last running request
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted = True
+            if victim is req:
+                break
+            new_blocks = self.kv.grow(req, req.num_computed_tokens + n)
+        return new_blocks, preempted
+
+    def _schedule_deferred(self, out: SchedulerOutput, budget: list[int], counts: Counter,
+                           deferred: list[Request]) -> None:
+        """What the admissions left of the prefill budget, to the running prompts deferred for them. Everyone else
+        is scheduled by now, so one short of blocks is itself preempted (the policy put it after the admissions)."""
+        for req in deferred:
+            if counts["prefill"] >= self.config.max_prefill or budget[0] == 0:
+                return
+            n = min(req.num_tokens - req.num_computed_tokens, budget[0])
+            new_blocks = self.kv.grow(req, req.num_computed_tokens + n)
+            if new_blocks is None:
+                self._preempt(req)
+                continue
+            counts["prefill"] += 1
+            budget[0] -= n
+            self._add_to_output(out, req, n, new_blocks)
 
     def _schedule_drafts(self, out: SchedulerOutput, req: Request) -> None:
         """Add a decode's draft slots if free (or cached) blocks allow: drafts never cost another request its
