@@ -153,13 +153,13 @@ def test_shortest_admits_the_fewest_prompt_tokens_first_ties_in_arrival_order():
     assert admitted == ["b", "d", "c", "a"]
 
 
-def first_output_steps(policy):
+def first_output_steps(policy, long_priority=0, short_priority=0):
     """Steps to the first output of a long prompt that started prefilling one step before a short one arrived, and
     of the short one."""
     s = make(policy, chunk_size=8, num_blocks=64)
-    add(s, "long", n_prompt=48)
+    add(s, "long", n_prompt=48, priority=long_priority)
     step(s)  # the long prompt's first chunk
-    add(s, "short", n_prompt=6)
+    add(s, "short", n_prompt=6, priority=short_priority)
     first = {}
     for i in range(1, 20):
         _, outs = step(s)
@@ -173,6 +173,11 @@ def test_shortest_spends_the_prefill_budget_on_the_shortest_remaining_prompt():
     # short one's 6 go first (its first token a step later), the long prompt gets the other 2
     assert first_output_steps("fcfs") == {"long": 5, "short": 6}
     assert first_output_steps("shortest") == {"short": 1, "long": 6}
+
+
+def test_a_more_urgent_prompt_goes_before_a_running_less_urgent_ones_chunks():
+    assert first_output_steps("priority", long_priority=1, short_priority=0) == {"short": 1, "long": 6}
+    assert first_output_steps("priority", long_priority=0, short_priority=1) == {"long": 5, "short": 6}
 
 
 def test_a_deferred_prompt_short_of_blocks_gives_way_and_finishes_later():

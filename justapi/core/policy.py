@@ -6,7 +6,8 @@ waiting request may push a running one out. The scheduler asks; a policy never m
   every ``aging_s`` seconds since arrival make a request one level more urgent. A request of priority p therefore
   outranks every later arrival of priority p_min after (p - p_min) * aging_s seconds, and ties go to the earlier
   arrival, so it starts once the requests ahead of it by then are served. The least urgent running request (ties:
-  the latest admitted) is preempted first, also to make room for a strictly more urgent waiting one.
+  the latest admitted) is preempted first, also to make room for a strictly more urgent waiting one, and a strictly
+  more urgent waiting request's prompt chunk goes before a less urgent running one's.
 - ``fair``: virtual token counters (Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024): each
   user's counter grows by the tokens computed for it, prompt tokens weighing 1 and output tokens 2 (the paper's
   w_p, w_q), divided by the user's weight; the waiting request of the user with the smallest counter starts next.
@@ -82,6 +83,9 @@ class PriorityPolicy(FcfsPolicy):
 
     def displaces(self, waiting: Request, running: Request, now: float) -> bool:
         return self.level(waiting, now) < self.level(running, now)
+
+    def prefill_after(self, running: Request, waiting: Sequence[Request], now: float) -> bool:
+        return self.displaces(self.next_waiting(waiting, now), running, now)
 
 
 class FairPolicy(FcfsPolicy):
