@@ -3,8 +3,9 @@
 One invariant drives everything: a request has ``num_computed_tokens`` and catches up towards ``num_tokens``.
 A step gives every running request that has caught up one decode token, then spends the prefill budget
 (``chunk_size`` tokens) on requests still prefilling, in the policy's order, admitting waiting requests into free
-slots (who starts next, who is preempted first, and whose prompt goes before a running one's: core.policy). A prefix-cache hit simply starts a request with ``num_computed_tokens > 0``; a preempted request
-restarts at 0 and recomputes (cheaply, since its blocks went into the prefix cache).
+slots (who starts next, who is preempted first, and whose prompt goes before a running one's: core.policy). A
+prefix-cache hit simply starts a request with ``num_computed_tokens > 0``; a preempted request restarts at 0 and
+recomputes (cheaply, since its blocks went into the prefix cache).
 
 The blocks themselves are kept by ``KvBlocks``; ``StaticScheduler`` (static_scheduler.py) is the baseline.
 """
@@ -213,6 +214,7 @@ class Scheduler:
                     i += 1
                     continue
                 if self.waiting and self.policy.prefill_after(req, self.waiting, now):
+                    # stays running: victims below come from after the request growing, so never from here
                     deferred.append(req)
                     i += 1
                     continue
