@@ -129,6 +129,45 @@ def test_int4_units_matmul_on_smollm2_widths_rounds_once_and_matches_onednn_at_d
                 assert torch.equal(got, packed_linear(x, prepack_linear(dense)))
 
 
+def test_q4_small_multiplies_fp32_rows_by_the_exact_4bit_weights(cpp_kernels):
+    """q4_small: 1-4 fp32 rows times the 4-bit units (int4_amx_pack's) with AVX-512 FMAs, each weight exact
+    ((q - 8) * scale + zero): within fp32 rounding of the exact product (a sum of k terms, each group scaled once),
+    on a small width and SmolLM2's. Beside dpbf16 a 4-bit weight's 1-2 rows take it, from the units alone (torch's
+    int4 copy of the weight is not built)."""
+    from justapi.model.kernel_policy import KernelPolicy
+    from justapi.model.quant import Int4Weight, Q4Unpacked
+
+    units_matmul(cpp_kernels, "dpbf16", 4)  # skips where the AVX-512 BF16 units do not run
+    g = torch.Generator().manual_seed(13)
+    for n, k in ((96, 160), (960, 576), (576, 1536)):
+        q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+        scale = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).to(torch.bfloat16).float()
+        zero = (torch.randn(n, k // 32, generator=g) * 0.05).to(torch.bfloat16).float()
+        w = Q4Unpacked(q, scale, zero)
+        exact_w = w.dequantize().double()  # exact in fp32 already
+        terms = (q.double() - 8).abs() * scale.double().repeat_interleave(32, 1) + zero.double().abs().repeat_interleave(32, 1)
+        packed = cpp_kernels.int4_amx_pack(q, scale, zero)
+        for rows in (1, 2, 3, 4):
+            x = torch.randn(rows, k, generator=g)
+            got = cpp_kernels.int4_small_matmul(x, packed, n)
+            assert got.dtype == torch.float32 and got.shape == (rows, n)
+            exact = x.double() @ exact_w.T
+            bound = (x.double().abs() @ terms.T) * k * 2 ** -23
+            assert ((got.double() - exact).abs() <= bound).all(), (n, k, rows)
+    with pytest.raises(RuntimeError, match="at most 4 rows"):
+        cpp_kernels.int4_small_matmul(torch.randn(5, k), packed, n)
+    with pytest.raises(RuntimeError, match="does not match"):
+        cpp_kernels.int4_small_matmul(torch.randn(1, 160), packed, n)
+    weight = Int4Weight(w, KernelPolicy.make(torch.bfloat16, cpp_kernels))
+    if weight.routes[0].kernel == "q4_small":  # no AMX tiles here
+        assert [r.kernel for r in weight.routes] == ["q4_small", "dpbf16"] and not hasattr(weight, "packed")
+        x = torch.randn(2, k, generator=g).to(torch.bfloat16)  # bf16 rows in and out: widened, rounded once
+        assert torch.equal(weight.matmul(x), cpp_kernels.int4_small_matmul(x.float(), packed, n).to(torch.bfloat16))
+        assert torch.equal(cpp_kernels.int4_small_matmul(x, packed, n), weight.matmul(x))
+        x = torch.randn(3, k, generator=g).to(torch.bfloat16)
+        assert torch.equal(weight.matmul(x), cpp_kernels.int4_dpbf16_matmul(x, packed, n))
+
+
 @pytest.mark.parametrize("kernel", UNIT_KERNELS)
 @pytest.mark.parametrize("n, k", [(96, 160), (96, 576)])
 def test_q8_units_matmul_expands_q8_0_exactly_and_rounds_once(cpp_kernels, kernel, n, k):

@@ -544,8 +544,8 @@ def test_smollm2_greedy_output_is_the_same_with_and_without_onednn_prepacked_wei
 def test_smollm2_output_is_the_same_with_and_without_the_units_kernels(real_model_path, monkeypatch):
     """Batches multiply the 4-bit weights, and the Q8_0 LM head, on AMX tiles (kernels/int4_matmul.cpp) or AVX-512
     BF16 vectors (units_avx512.cpp) instead of their bf16 copies on oneDNN (--disable-kernels amx,dpbf16). Torch's
-    small-batch kernels and q8_small, which would serve 1-5 rows on one side only, are routed out on both
-    (TORCH_SMALL_MAX_ROWS = 0, --disable-kernels q8_small).
+    small-batch kernels, q8_small and q4_small, which would serve 1-5 rows on one side only, are routed out on both
+    (TORCH_SMALL_MAX_ROWS = 0, --disable-kernels q8_small,q4_small).
 
     AMX: up to 32 rows the same values and the same sums as oneDNN's on a Xeon (tests/test_kernels.py), so greedy
     text must not change; prefill chunks of 16 tokens keep every step under 32 rows (from 48 rows the two sum in
@@ -562,7 +562,7 @@ def test_smollm2_output_is_the_same_with_and_without_the_units_kernels(real_mode
     amx = KernelPolicy.make(torch.bfloat16, decode_kernels()).uses("amx")
     # no prefix cache: the second run's prefills must have the first's shapes
     opts = dict(pool_blocks=128, dtype="auto", prefix_cache=False, chunk_size=16, show_progress=False)
-    llm = LLM(real_model_path, **opts, disabled_kernels=("q8_small",))
+    llm = LLM(real_model_path, **opts, disabled_kernels=("q8_small", "q4_small"))
     if not hasattr(llm.engine.model.layers[0].down, "units"):
         pytest.skip("the C++ kernels have neither AMX nor AVX-512 BF16 here")
     assert hasattr(llm.engine.model.lm_head, "units")
@@ -618,6 +618,40 @@ def test_smollm2_with_the_cpp_prefill_attention_agrees_with_torchs_flash_kernel(
         clear = (top2[:, 0] - top2[:, 1]) > 0.1
         assert clear.sum() > len(ids) // 2 and torch.equal(mine.argmax(-1)[clear], theirs.argmax(-1)[clear])
     assert_greedy_forks_only_at_near_ties(llm, flash)
+
+
+@pytest.mark.real_model
+def test_smollm2_with_q4_small_agrees_with_torchs_int4_kernel(real_model_path, smollm2_exact):
+    """1-2 rows times the 4-bit weights through q4_small (fp32 rows, the weights exact, fp32 FMAs) instead of torch's
+    int4 kernel (bf16 rows; --disable-kernels q4_small), where there is no AMX: the sums differ in rounding and order,
+    so greedy text may fork at a near-tie, and only there. Prefilled one and two tokens a step (single-stream and
+    two-row decode shapes), the next-token distributions are at least as close to the exact path's as torch's
+    kernel's are (KL, worst and mean position, within 1.25x), the two pick the same token wherever the top two
+    logits are 0.1 apart, and greedy texts fork only at near-ties (assert_greedy_forks_only_at_near_ties)."""
+    from justapi import LLM
+
+    opts = dict(pool_blocks=256, dtype="auto", show_progress=False)
+    llm = LLM(real_model_path, **opts)
+    if llm.engine.model.layers[0].down.routes[0].kernel != "q4_small":
+        pytest.skip("no q4_small here (it needs AVX-512 BF16 without AMX and a bf16 model)")
+    int4 = LLM(real_model_path, disabled_kernels=("q4_small",), **opts)
+    assert int4.engine.model.layers[0].down.routes[0].kernel == "torch_int4"
+    ids = llm.engine.tokenizer.encode("The rivers of Europe, and where each of them flows: the Danube flows from the "
+                                      "Black Forest to the Black Sea, the Rhine from the Alps to the North Sea.")
+
+    def kl(ref, other):
+        a, b = torch.log_softmax(ref, -1), torch.log_softmax(other, -1)
+        return (a.exp() * (a - b)).sum(-1)
+
+    for chunk in (1, 2):
+        want, mine, theirs = (paged_prefill_logits(m.engine.model, ids, chunk=chunk).float()
+                              for m in (smollm2_exact, llm, int4))
+        ours, torchs = kl(want, mine), kl(want, theirs)
+        assert ours.max() <= 1.25 * torchs.max() and ours.mean() <= 1.25 * torchs.mean(), (ours, torchs)
+        top2 = theirs.topk(2, -1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 0.1
+        assert clear.sum() > len(ids) // 2 and torch.equal(mine.argmax(-1)[clear], theirs.argmax(-1)[clear])
+    assert_greedy_forks_only_at_near_ties(llm, int4)
 
 
 def assert_greedy_forks_only_at_near_ties(llm, reference) -> int:
@@ -771,7 +805,8 @@ def test_smollm2_weights_and_kv_cache_on_huge_pages_keep_greedy_output(real_mode
         model, k_cache = huge.engine.model, huge.engine.runner.kv_caches[0][0]
         assert model.huge_pages and "hg" in _vm_flags(k_cache.data_ptr())
         down = model.layers[0].down
-        four_bit = down.packed if hasattr(down, "packed") else down.q_bytes  # torch's int4 layout, or q_matmul's
+        # torch's int4 layout, q_matmul's, or the units (where q4_small and dpbf16 take every batch)
+        four_bit = next(getattr(down, form) for form in ("packed", "q_bytes", "units") if hasattr(down, form))
         embed = model.embed if model.embed is not None else model.lm_head.units  # a tied head's packed form
         assert "hg" in _vm_flags(four_bit.data_ptr()) and "hg" in _vm_flags(embed.data_ptr())
     plain = LLM(real_model_path, pool_blocks=128, dtype="auto", huge_pages=False, show_progress=False)

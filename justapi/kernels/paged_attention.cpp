@@ -619,6 +619,7 @@ torch::Tensor q8_dpbf16_matmul(torch::Tensor x, torch::Tensor packed, int64_t ou
                                bool has_zero);
 torch::Tensor q8_small_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features, int64_t group,
                               bool has_zero);
+torch::Tensor int4_small_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features);
 
 // prefill_attention.cpp
 bool prefill_attention_available();
@@ -649,8 +650,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("packed"), py::arg("out_features"), py::arg("group") = 32, py::arg("has_zero") = false);
   m.def("q8_small_matmul", &q8_small_matmul, "x @ w.T, 1-4 fp32 rows x q8_amx_pack's units, AVX-512 FMAs (fp32 out)",
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("group") = 32, py::arg("has_zero") = false);
+  m.def("int4_small_matmul", &int4_small_matmul,
+        "x @ w.T, 1-4 fp32 rows x int4_amx_pack's units, AVX-512 FMAs (fp32 out)");
   m.def("units_avx512_available", &units_avx512_available,
-        "whether the AVX-512 BF16 kernels of the packed units run here (dpbf16, q8_small)");
+        "whether the AVX-512 BF16 kernels of the packed units run here (dpbf16, q8_small, q4_small)");
   m.def("int4_dpbf16_matmul", &int4_dpbf16_matmul, "x @ w.T, bf16 rows x int4_amx_pack's units, AVX-512 BF16");
   m.def("q8_dpbf16_matmul", &q8_dpbf16_matmul, "x @ w.T, bf16 rows x q8_amx_pack's units, AVX-512 BF16",
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("group") = 32, py::arg("has_zero") = false);

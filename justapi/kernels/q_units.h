@@ -44,7 +44,15 @@ inline uint16_t bf16_bits(float f) {  // f is bf16-exact (scales, zeros)
 // A unit format: its bytes and its expansion into 16 rows of 32 bf16 (the layout above)
 struct Q4Unit {
   static constexpr int64_t kBytes = kUnitBytes;
+  static constexpr int kGroupSets = 1;
+  static constexpr bool kHasZero = true;
   static void expand(const uint8_t* unit, uint16_t* b);
+#ifdef JUSTAPI_UNITS_AVX512
+  // row r exact in fp32 lanes (q - 8): lane j of `lo` is output j/2 at input 2r + j%2, of `hi` output 8 + j/2
+  static void widen(const uint8_t* unit, int r, __m512& lo, __m512& hi);
+  static __m512 scales(const uint8_t* unit, int set);  // the 16 outputs' scales (fp32)
+  static __m512 zeros(const uint8_t* unit, int set);
+#endif
 };
 
 template <int kSets, bool kZero>
@@ -53,6 +61,15 @@ struct Q8Unit {
   static constexpr bool kHasZero = kZero;
   static constexpr int64_t kBytes = q8_unit_bytes(kSets, kZero);
   static void expand(const uint8_t* unit, uint16_t* b);
+#ifdef JUSTAPI_UNITS_AVX512
+  static void widen(const uint8_t* unit, int r, __m512& lo, __m512& hi);  // as Q4Unit's
+  static __m512 scales(const uint8_t* unit, int set) {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(unit + 512) + 16 * set);
+  }
+  static __m512 zeros(const uint8_t* unit, int set) {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(unit + 512) + 16 * (kSets + set));
+  }
+#endif
 };
 
 // f(Q8Unit<...>{}) for the unit format of an 8-bit weight with groups of `group` inputs (32 or 16) and zeros or not
@@ -76,57 +93,64 @@ inline torch::Tensor checked_rows(const char* name, torch::Tensor x, const torch
 }
 
 #ifdef JUSTAPI_UNITS_AVX512
-// Q8_0: q * d, exact in fp32 (an 8-bit integer times an 11-bit significand) — the values gguf's dequantize gives —,
-// then rounded to bf16 as torch's conversion rounds them
+// The integers of row r as fp32 lanes, exact: Q8, sign-extended; Q4, q - 8 for q = 0..15 looked up by q
+// (permutexvar reads only the low 4 bits of each index, so a lane holding a whole byte looks up its low nibble, and
+// the byte shifted right by 4 its high nibble)
 template <int kSets, bool kZero>
-inline void Q8Unit<kSets, kZero>::expand(const uint8_t* unit, uint16_t* b) {
+inline void Q8Unit<kSets, kZero>::widen(const uint8_t* unit, int r, __m512& lo, __m512& hi) {
+  const __m128i* row = reinterpret_cast<const __m128i*>(unit + 32 * r);
+  lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row)));
+  hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row + 1)));
+}
+
+inline void Q4Unit::widen(const uint8_t* unit, int r, __m512& lo, __m512& hi) {
+  const __m512 centred = _mm512_set_ps(7, 6, 5, 4, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8);
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + 16 * r)));
+  lo = _mm512_permutexvar_ps(bytes, centred);
+  hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), centred);
+}
+
+inline __m512 widen_bf16(const uint8_t* p) {  // 16 bf16 -> fp32, exact
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 Q4Unit::scales(const uint8_t* unit, int) { return widen_bf16(unit + 256); }
+inline __m512 Q4Unit::zeros(const uint8_t* unit, int) { return widen_bf16(unit + 288); }
+
+// Expanded to bf16: w = q * s (+ z) per lane. Q8_0: q * d, exact in fp32 (an 8-bit integer times an 11-bit
+// significand) — the values gguf's dequantize gives —, then rounded to bf16 as torch's conversion rounds them. Q4:
+// (q - 8) * scale is exact in fp32 (a 4-bit integer times an 8-bit significand), so one fused multiply-add rounds
+// exactly as torch's multiply then add do.
+template <typename Unit>
+inline void expand_unit(const uint8_t* unit, uint16_t* b) {
   const __m512i lo_idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m512i hi_idx = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
-  const float* terms = reinterpret_cast<const float*>(unit + 512);
+  constexpr int kSets = Unit::kGroupSets;
   for (int set = 0; set < kSets; ++set) {
-    const __m512 scales = _mm512_loadu_ps(terms + 16 * set);
+    const __m512 scales = Unit::scales(unit, set);
     const __m512 s_lo = _mm512_permutexvar_ps(lo_idx, scales), s_hi = _mm512_permutexvar_ps(hi_idx, scales);
     __m512 z_lo = _mm512_setzero_ps(), z_hi = _mm512_setzero_ps();
-    if (kZero) {
-      const __m512 zeros = _mm512_loadu_ps(terms + 16 * (kSets + set));
+    if (Unit::kHasZero) {
+      const __m512 zeros = Unit::zeros(unit, set);
       z_lo = _mm512_permutexvar_ps(lo_idx, zeros), z_hi = _mm512_permutexvar_ps(hi_idx, zeros);
     }
     for (int r = set * 16 / kSets; r < (set + 1) * 16 / kSets; ++r) {
-      const int8_t* row = reinterpret_cast<const int8_t*>(unit + 32 * r);
-      const __m512 q_lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
-      const __m512 q_hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16))));
+      __m512 q_lo, q_hi;
+      Unit::widen(unit, r, q_lo, q_hi);
       // q * s is exact in fp32 for every source format (at most 24 significant bits: Q6_K's d·sc has 18 and
       // |q| <= 32), so the fused multiply-add rounds once, where gguf's dequantization rounds its sum
-      const __m512 w_lo = kZero ? _mm512_fmadd_ps(q_lo, s_lo, z_lo) : _mm512_mul_ps(q_lo, s_lo);
-      const __m512 w_hi = kZero ? _mm512_fmadd_ps(q_hi, s_hi, z_hi) : _mm512_mul_ps(q_hi, s_hi);
+      const __m512 w_lo = Unit::kHasZero ? _mm512_fmadd_ps(q_lo, s_lo, z_lo) : _mm512_mul_ps(q_lo, s_lo);
+      const __m512 w_hi = Unit::kHasZero ? _mm512_fmadd_ps(q_hi, s_hi, z_hi) : _mm512_mul_ps(q_hi, s_hi);
       _mm512_store_si512(b + 32 * r, (__m512i)_mm512_cvtne2ps_pbh(w_hi, w_lo));
     }
   }
 }
 
-inline void Q4Unit::expand(const uint8_t* unit, uint16_t* b) {
-  const __m512i scale_zero = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + 256)));
-  const __m512 scales = _mm512_castsi512_ps(_mm512_slli_epi32(scale_zero, 16));
-  const __m512i zeros_raw = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + 288)));
-  const __m512 zeros = _mm512_castsi512_ps(_mm512_slli_epi32(zeros_raw, 16));
-  const __m512i lo_idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-  const __m512i hi_idx = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
-  const __m512 s_lo = _mm512_permutexvar_ps(lo_idx, scales), s_hi = _mm512_permutexvar_ps(hi_idx, scales);
-  const __m512 z_lo = _mm512_permutexvar_ps(lo_idx, zeros), z_hi = _mm512_permutexvar_ps(hi_idx, zeros);
-  // q - 8 for q = 0..15 (exact), looked up by q: permutexvar reads only the low 4 bits of each index, so a lane
-  // holding a whole byte looks up its low nibble, and the byte shifted right by 4 its high nibble
-  const __m512 centred = _mm512_set_ps(7, 6, 5, 4, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8);
-  for (int r = 0; r < 16; ++r) {
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + 16 * r)));
-    const __m512 q_lo = _mm512_permutexvar_ps(bytes, centred);
-    const __m512 q_hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), centred);
-    // (q - 8) * scale is exact in fp32 (a 4-bit integer times an 8-bit significand), so one fused multiply-add
-    // rounds exactly as torch's multiply then add do
-    const __m512 w_lo = _mm512_fmadd_ps(q_lo, s_lo, z_lo);
-    const __m512 w_hi = _mm512_fmadd_ps(q_hi, s_hi, z_hi);
-    _mm512_store_si512(b + 32 * r, (__m512i)_mm512_cvtne2ps_pbh(w_hi, w_lo));
-  }
+template <int kSets, bool kZero>
+inline void Q8Unit<kSets, kZero>::expand(const uint8_t* unit, uint16_t* b) {
+  expand_unit<Q8Unit<kSets, kZero>>(unit, b);
 }
+inline void Q4Unit::expand(const uint8_t* unit, uint16_t* b) { expand_unit<Q4Unit>(unit, b); }
 #endif
 
 }  // namespace justapi

@@ -5,7 +5,7 @@ and the flags (``--dtype``, ``--no-cpu-kernels``, ``--disable-kernels``) holds, 
 routes, ``(max_rows, kernel)`` with the first route whose ``max_rows`` covers a batch serving it::
 
     4-bit linear, bf16 model on AMX:              rows 1-5 torch_int4 | 6+ amx
-    4-bit linear, bf16 model, AVX-512 BF16 (Zen 4): rows 1-5 torch_int4 | 6+ dpbf16
+    4-bit linear, bf16 model, AVX-512 BF16 (Zen 4): rows 1-2 q4_small   | 3+ dpbf16
     4-bit linear, fp32 model on AVX2:             rows 1+ q_matmul (also Q8_0's 8-bit linears and heads)
     8-bit linear, bf16 model on AMX:              rows 1-2 q8_small   | 3+ amx
     8-bit linear, bf16 model, AVX-512 BF16:       rows 1-4 q8_small   | 5+ dpbf16
@@ -50,6 +50,10 @@ Q8_SMALL_MAX_ROWS = 2
 # ... and against dpbf16 (the units on AVX-512 BF16 vectors, no AMX) on a Zen 4: 0.4-0.6x the time of dpbf16 and of
 # the dense bf16 copy on oneDNN at 1-4 rows for SmolLM2's head
 Q8_SMALL_MAX_ROWS_NO_AMX = 4
+# q4_small (the same FMAs on the 4-bit units) beside dpbf16, where it replaces torch's int4 kernel and its copy of
+# the weight: SmolLM2's 4-bit layers on a Zen 4, 1 / 2 / 3 rows: 2.9-3.0 / 3.9-4.0 / 5.7 ms a pass, torch's int4
+# kernel 3.5 / 4.3 / 5.0 (11 at 5 rows), dpbf16 4.8 / 4.9 / 5.0 (docs/benchmarks.md)
+Q4_SMALL_MAX_ROWS = 2
 PREPACK_ROWS_HINT = 32  # the batch size oneDNN picks a prepacked layout for; any number of rows works with it
 
 
@@ -58,7 +62,7 @@ class Route:
     """Batches of up to ``max_rows`` rows (not served by an earlier route) go to ``kernel``."""
 
     max_rows: int
-    kernel: str  # "torch_int4", "torch_int8", "q_matmul", "amx", "dpbf16", "q8_small" or "dense"
+    kernel: str  # "torch_int4", "torch_int8", "q_matmul", "amx", "dpbf16", "q8_small", "q4_small" or "dense"
 
 
 def cpu_has_bf16_matmul() -> bool:
@@ -77,7 +81,7 @@ class CpuFeatures:
 
     bf16_matmul: bool  # oneDNN's bf16 matmul (AVX-512 BF16 or AMX)
     amx: bool  # the C++ kernels' AMX tiles (built with AMX, permitted by the OS)
-    avx512_units: bool  # the C++ kernels' AVX-512 BF16 products of the packed units (dpbf16, q8_small)
+    avx512_units: bool  # the C++ kernels' AVX-512 BF16 products of the packed units (dpbf16, q8_small, q4_small)
     q_matmul: bool  # the C++ kernels' AVX2 integer matmul
     silu_bf16: bool  # the C++ silu_mul on bf16 rows (AVX-512)
     silu_fp32: bool  # ... on fp32 rows (AVX2 or AVX-512)
@@ -150,6 +154,8 @@ class KernelPolicy:
                 # the same units on AVX-512 BF16 vectors: where there are no AMX tiles (or they are disabled)
                 "dpbf16": cpu.avx512_units and bf16 and not (cpu.amx and "amx" not in disabled),
                 "q8_small": cpu.avx512_units and bf16,
+                # beside dpbf16 only: on AMX tiles torch's int4 kernel keeps 1-5 rows (not measured against it there)
+                "q4_small": cpu.avx512_units and bf16 and not (cpu.amx and "amx" not in disabled),
                 "prepack": cpu.onednn and (dtype == torch.float32 or (dtype == torch.bfloat16 and cpu.bf16_matmul)),
                 "fused_silu": cpu.silu_bf16 if dtype == torch.bfloat16 else cpu.silu_fp32 and dtype == torch.float32,
                 # prompt chunks' attention over a bf16 cache where the model computes in bf16 (where it computes in
@@ -172,7 +178,10 @@ class KernelPolicy:
         """Routes of a 4-bit [out, in] linear."""
         if self.uses("q_matmul") and shape[1] % GROUP_SIZE == 0:
             return (Route(ALL_ROWS, "q_matmul"),)
-        return (Route(TORCH_SMALL_MAX_ROWS, "torch_int4"), Route(ALL_ROWS, self._units_kernel(shape) or "dense"))
+        units = self._units_kernel(shape)
+        if units == "dpbf16" and self.uses("q4_small"):  # one form, the units, for every batch
+            return (Route(Q4_SMALL_MAX_ROWS, "q4_small"), Route(ALL_ROWS, units))
+        return (Route(TORCH_SMALL_MAX_ROWS, "torch_int4"), Route(ALL_ROWS, units or "dense"))
 
     def q8_routes(self, shape: tuple[int, int], plain: bool = True) -> tuple[Route, ...]:
         """Routes of an 8-bit [out, in] linear (``plain``: Q8_0's form, groups of 32 and no zero, the only one

@@ -76,6 +76,12 @@ class _RoutedWeight:
         return self.kernels.q_matmul(x if x.dtype == torch.float32 else x.float(), self.q_bytes, self.q_scale,
                                      self.q_offset, bits, self.shape[0])
 
+    def _small_rows(self, kernel, x: torch.Tensor, **unit) -> torch.Tensor:
+        """q4_small / q8_small: the kernel takes fp32 or bf16 rows and returns the product in their dtype."""
+        x = x if x.dtype in (torch.float32, torch.bfloat16) else x.to(self.dtype)
+        y = kernel(x, self.units, self.shape[0], **unit)
+        return y if y.dtype == self.dtype else y.to(self.dtype)
+
     def _dense_form(self, w: torch.Tensor) -> torch.Tensor:
         return prepack_linear(w) if self.policy.uses("prepack") else w
 
@@ -88,7 +94,8 @@ class Int4Weight(_RoutedWeight):
     """A 4-bit [out, in] weight (GGUF Q4_0/Q4_1) in the forms its routes read (KernelPolicy.q4_routes).
 
     torch_int4: torch's group-32 int4 kernel, bf16 rows. amx: the engine's AMX kernel (int4_matmul.cpp), the weight
-    expanded to bf16 once for all rows; dpbf16, the same units on AVX-512 BF16 vectors (units_avx512.cpp).
+    expanded to bf16 once for all rows; dpbf16, the same units on AVX-512 BF16 vectors, and q4_small, 1-4 fp32 rows
+    times them with fp32 FMAs, the weights exact (units_avx512.cpp).
     q_matmul: fp32 rows rounded to 16-bit integers per group, AVX2 integer products (q_matmul.cpp). dense: the
     dequantized weight in the compute dtype (fp32: the file's own values where the loader kept them), prepacked for
     oneDNN. All use the same weight values.
@@ -119,14 +126,18 @@ class Int4Weight(_RoutedWeight):
         self.q_bytes, self.q_scale, self.q_offset = pack_for_q_matmul(w.q, w.scale, w.zero - 8 * w.scale)
 
     def _build_amx(self) -> None:  # bf16-rounded scale and zero: the values the other routes compute with
-        w = self._w
-        self.units = self.kernels.int4_amx_pack(w.q.contiguous(), w.scale.to(torch.bfloat16).float(),
-                                                w.zero.to(torch.bfloat16).float())
+        if not hasattr(self, "units"):  # one form for the amx, dpbf16 and q4_small routes
+            w = self._w
+            self.units = self.kernels.int4_amx_pack(w.q.contiguous(), w.scale.to(torch.bfloat16).float(),
+                                                    w.zero.to(torch.bfloat16).float())
 
     def _run_amx(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.int4_amx_matmul(x if x.dtype == self.dtype else x.to(self.dtype), self.units, self.shape[0])
 
-    _build_dpbf16 = _build_amx  # the same units
+    _build_dpbf16 = _build_q4_small = _build_amx  # the same units
+
+    def _run_q4_small(self, x: torch.Tensor) -> torch.Tensor:
+        return self._small_rows(self.kernels.int4_small_matmul, x)
 
     def _run_dpbf16(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.int4_dpbf16_matmul(x if x.dtype == self.dtype else x.to(self.dtype), self.units,
@@ -183,7 +194,7 @@ class _Int8Forms(_RoutedWeight):
                                              self.shape[0], **self.unit)
 
     def _run_q8_small(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.q8_small_matmul(x.float(), self.units, self.shape[0], **self.unit).to(self.dtype)
+        return self._small_rows(self.kernels.q8_small_matmul, x, **self.unit)
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor | None:
         """Rows ``ids`` of the weight in the compute dtype (exact values, rounded once), gathered from the units or
