@@ -1,7 +1,8 @@
 // What the decode-attention kernel could read at most here: GB/s of a plain AVX-512 sum over blocks of the paged KV
 // cache's size taken in random order, as a decode step reads one (sequence, KV head)'s blocks, with the next blocks
 // prefetched into L2 as the kernel does (kernels/paged_attention.cpp, `kAhead`), against one sequential stream.
-// A bf16 block of 16 tokens at head size 64 is 2 KiB; 32 and 64 tokens a block would be 4 and 8 KiB.
+// A bf16 block of 16 tokens at head size 64 is 2 KiB; 32 and 64 tokens a block would be 4 and 8 KiB; an 8-bit
+// cache's block of 16 tokens would be 1 KiB (plus its scales).
 //
 //   gcc -O2 -march=native -fopenmp benchmarks/kv_read_ceiling.c -o /tmp/kv_read_ceiling
 //   OMP_NUM_THREADS=$(nproc) /tmp/kv_read_ceiling
@@ -65,7 +66,7 @@ int main(void) {
   for (size_t a = 0; a < 5; ++a) printf("%8zu", aheads[a]);
   printf("\n");
   srand(1);
-  for (size_t block = 2048; block <= 65536; block *= 2) {
+  for (size_t block = 1024; block <= 65536; block *= 2) {
     const size_t count = kReadPerPass / block, blocks = kBuffer / block;
     size_t* order = malloc(count * sizeof(size_t));
     for (size_t i = 0; i < count; ++i) order[i] = ((size_t)rand() * RAND_MAX + rand()) % blocks;
