@@ -33,7 +33,8 @@ ratio, and each one's rate over the arithmetic of the keys a query sees (4 x hea
 
 ``peak``: the rate this CPU's cores reach on products with nothing to load: 16 independent accumulators per thread
 updated in registers with fp32 FMAs and, where there is AVX-512 BF16, with ``vdpbf16ps`` (what the ``dpbf16`` route
-multiplies with), on 1 thread and on all of torch's, best of 5 runs of ~0.1 s. The ceiling the products of
+multiplies with), and where there is AVX-512 VNNI with ``vpdpbusd`` (8-bit integers, what an integer-activation
+route would multiply with; integer operations counted as FLOP), on 1 thread and on all of torch's, best of 5 runs of ~0.1 s. The ceiling the products of
 ``weights`` are measured against.
 
 Replaces int4_amx_bench.py, q_matmul_bench.py and decode_attention_bench.py (docs/benchmarks-archive.md).
@@ -261,7 +262,8 @@ PEAK_SOURCE = r"""
 #include <omp.h>
 #include <chrono>
 
-// seconds for `iters` updates of each of 16 accumulators per thread (kind 0: fp32 FMA, 1: vdpbf16ps), on `threads`
+// seconds for `iters` updates of each of 16 accumulators per thread (kind 0: fp32 FMA, 1: vdpbf16ps, 2: vpdpbusd,
+// the 8-bit integer products of AVX-512 VNNI: what an integer-activation route could reach), on `threads`
 double peak(int64_t kind, int64_t iters, int64_t threads) {
   const auto t0 = std::chrono::steady_clock::now();
   float sink = 0.f;
@@ -275,6 +277,13 @@ double peak(int64_t kind, int64_t iters, int64_t threads) {
       if (kind == 1) {
 #pragma GCC unroll 16
         for (int i = 0; i < 16; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)a, (__m512bh)b);
+      } else
+#endif
+#if defined(__AVX512VNNI__)
+      if (kind == 2) {
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i)
+          acc[i] = (__m512)_mm512_dpbusd_epi32((__m512i)acc[i], (__m512i)a, (__m512i)b);
       } else
 #endif
       {
@@ -295,6 +304,13 @@ bool has_dpbf16() {
   return false;
 #endif
 }
+bool has_vnni() {
+#if defined(__AVX512VNNI__)
+  return true;
+#else
+  return false;
+#endif
+}
 """
 
 
@@ -305,10 +321,12 @@ def peak(args) -> None:
 
     if "avx512f" not in build_spec.cpu_flags():
         raise SystemExit("peak measures AVX-512 products; this CPU has no AVX-512")
-    mod = cpp_extension.load_inline("justapi_peak", PEAK_SOURCE, functions=["peak", "has_dpbf16"],
+    mod = cpp_extension.load_inline("justapi_peak", PEAK_SOURCE, functions=["peak", "has_dpbf16", "has_vnni"],
                                     extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
-    kinds = [("fp32 FMA", 0, 32)] + ([("vdpbf16ps", 1, 64)] if mod.has_dpbf16() else [])
-    for name, kind, flops in kinds:  # flops: per 16-lane update (an FMA is 2 a lane; vdpbf16ps 2 pairs a lane)
+    kinds = ([("fp32 FMA", 0, 32)] + ([("vdpbf16ps", 1, 64)] if mod.has_dpbf16() else [])
+             + ([("vpdpbusd", 2, 128)] if mod.has_vnni() else []))
+    # flops: per 16-lane update (an FMA is 2 a lane; vdpbf16ps 2 pairs a lane; vpdpbusd 4 byte pairs, integer ops)
+    for name, kind, flops in kinds:
         for threads in sorted({1, torch.get_num_threads()}):
             iters = 10_000_000
             best = min(mod.peak(kind, iters, threads) for _ in range(5))
