@@ -150,12 +150,13 @@ class KernelPolicy:
         """The policy for a model computing in ``dtype``, less the ``disabled`` kernels (--disable-kernels)."""
         cpu = probe_cpu(kernels)
         bf16 = dtype == torch.bfloat16
+        # the units on AVX-512 BF16 vectors: where there are no AMX tiles (or they are disabled)
+        vectors = cpu.avx512_units and bf16 and not (cpu.amx and "amx" not in disabled)
         runs = {"q_matmul": cpu.q_matmul and dtype == torch.float32, "amx": cpu.amx and bf16,
-                # the same units on AVX-512 BF16 vectors: where there are no AMX tiles (or they are disabled)
-                "dpbf16": cpu.avx512_units and bf16 and not (cpu.amx and "amx" not in disabled),
+                "dpbf16": vectors,
                 "q8_small": cpu.avx512_units and bf16,
                 # beside dpbf16 only: on AMX tiles torch's int4 kernel keeps 1-5 rows (not measured against it there)
-                "q4_small": cpu.avx512_units and bf16 and not (cpu.amx and "amx" not in disabled),
+                "q4_small": vectors,
                 "prepack": cpu.onednn and (dtype == torch.float32 or (dtype == torch.bfloat16 and cpu.bf16_matmul)),
                 "fused_silu": cpu.silu_bf16 if dtype == torch.bfloat16 else cpu.silu_fp32 and dtype == torch.float32,
                 # prompt chunks' attention over a bf16 cache where the model computes in bf16 (where it computes in
