@@ -34,8 +34,8 @@ ratio, and each one's rate over the arithmetic of the keys a query sees (4 x hea
 ``peak``: the rate this CPU's cores reach on products with nothing to load: 16 independent accumulators per thread
 updated in registers with fp32 FMAs and, where there is AVX-512 BF16, with ``vdpbf16ps`` (what the ``dpbf16`` route
 multiplies with), and where there is AVX-512 VNNI with ``vpdpbusd`` (8-bit integers, what an integer-activation
-route would multiply with; integer operations counted as FLOP), on 1 thread and on all of torch's, best of 5 runs of ~0.1 s. The ceiling the products of
-``weights`` are measured against.
+route would multiply with; integer operations counted as FLOP), on 1 thread and on all of torch's, best of 5 runs
+of ~0.1 s. The ceiling the products of ``weights`` are measured against.
 
 Replaces int4_amx_bench.py, q_matmul_bench.py and decode_attention_bench.py (docs/benchmarks-archive.md).
 """

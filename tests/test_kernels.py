@@ -145,7 +145,8 @@ def test_q4_small_multiplies_fp32_rows_by_the_exact_4bit_weights(cpp_kernels):
         zero = (torch.randn(n, k // 32, generator=g) * 0.05).to(torch.bfloat16).float()
         w = Q4Unpacked(q, scale, zero)
         exact_w = w.dequantize().double()  # exact in fp32 already
-        terms = (q.double() - 8).abs() * scale.double().repeat_interleave(32, 1) + zero.double().abs().repeat_interleave(32, 1)
+        per_input = lambda t: t.double().repeat_interleave(32, 1)  # noqa: E731
+        terms = (q.double() - 8).abs() * per_input(scale) + per_input(zero).abs()
         packed = cpp_kernels.int4_amx_pack(q, scale, zero)
         for rows in (1, 2, 3, 4):
             x = torch.randn(rows, k, generator=g)

@@ -79,7 +79,10 @@ void small_rows(const float* x, int64_t k, const uint8_t* packed, int64_t n, Out
           }
           const __m512 scales = Unit::scales(unit, set);
           for (int i = 0; i < M; ++i) {
-            for (int c = 1; c < C; ++c) lo[i][0] = _mm512_add_ps(lo[i][0], lo[i][c]), hi[i][0] = _mm512_add_ps(hi[i][0], hi[i][c]);
+            for (int c = 1; c < C; ++c) {
+              lo[i][0] = _mm512_add_ps(lo[i][0], lo[i][c]);
+              hi[i][0] = _mm512_add_ps(hi[i][0], hi[i][c]);
+            }
             const __m512 sums = _mm512_add_ps(_mm512_permutex2var_ps(lo[i][0], even, hi[i][0]),
                                               _mm512_permutex2var_ps(lo[i][0], odd, hi[i][0]));
             total[i] = _mm512_fmadd_ps(sums, scales, total[i]);
@@ -93,7 +96,8 @@ void small_rows(const float* x, int64_t k, const uint8_t* packed, int64_t n, Out
         if constexpr (std::is_same_v<Out, float>)
           _mm512_storeu_ps(out + i * n + blk * 16, total[i]);
         else  // rounded to bf16 to nearest even, as torch's conversion rounds
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * n + blk * 16), (__m256i)_mm512_cvtneps_pbh(total[i]));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * n + blk * 16),
+                              (__m256i)_mm512_cvtneps_pbh(total[i]));
       }
     }
   });
