@@ -8,6 +8,7 @@
 # without one. The peers' start scripts pin SmolLM2 (env.sh), so this script starts them itself with their flags.
 # The three servers are started together (idle, each uses ~0% CPU) and measured one after another by each
 # `justapi bench serve` call. Needs the peers installed with the recipes in ../shared/peers (README there).
+# LLAMA_SERVER=PATH serves llama.cpp with another build (benchmarks/as_avx2.sh: one built for a Zen 3).
 # Results: bench_results/peers_{S1,W1,W2,W3}.json, bench_results/sweep.{json,png}, bench_results/peers_bench.txt
 # Before/after a change, in the same run: JUSTAPI_BEFORE=DIR serves the checkout in DIR (another revision, e.g.
 # `git worktree add ../before REV`) as "justapi-before" on the next port, with this venv's Python and
@@ -51,11 +52,11 @@ if [ -n "${JUSTAPI_BEFORE:-}" ]; then
     "$STEER/wait_ready.sh" "$PORT_BEFORE" 900 "$PEERS/run/justapi_before.pid" "$PEERS/logs/justapi_before.log"; }
   URLS+=(--base-url "http://127.0.0.1:$PORT_BEFORE" --name justapi-before)
 fi
-start_llama_server() {  # start_llama_server.sh's command line, on $GGUF
-  if [ -z "${BENCH_GGUF:-}" ]; then "$STEER/start_llama_server.sh"; return; fi
+start_llama_server() {  # start_llama_server.sh's command line, on $GGUF, with $LLAMA_SERVER (another build) if set
+  if [ -z "${BENCH_GGUF:-}" ] && [ -z "${LLAMA_SERVER:-}" ]; then "$STEER/start_llama_server.sh"; return; fi
   local np=${LLAMA_NP:-32} t=${LLAMA_THREADS:-$(nproc)}
   # shellcheck disable=SC2086 # the extra flags are words
-  setsid "$PEERS/build/llama.cpp/bin/llama-server" -m "$GGUF" -a "$SERVED_NAME" --host 127.0.0.1 \
+  setsid "${LLAMA_SERVER:-$PEERS/build/llama.cpp/bin/llama-server}" -m "$GGUF" -a "$SERVED_NAME" --host 127.0.0.1 \
     --port "$PORT_LLAMA_SERVER" -np "$np" -cb -c $(( np * ${LLAMA_CTX_PER_SLOT:-1024} )) -t "$t" -tb "$t" \
     -b 2048 -ub 512 --metrics ${LLAMA_EXTRA:-} > "$PEERS/logs/llama_server.log" 2>&1 < /dev/null &
   echo $! > "$PEERS/run/llama_server.pid"
@@ -80,7 +81,7 @@ if [ -z "${BENCH_GGUF:-}" ] || [ -n "$HF_DIR" ]; then
 fi
 LOG=$OUT/peers_bench.txt
 {
-  echo "# $(date -u +%FT%TZ) $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2), $(basename "$GGUF")"
+  echo "# $(date -u +%FT%TZ) $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2), $(basename "$GGUF")${AS_CPU:+, as on $AS_CPU}"
   echo "## S1: 4 requests one at a time, 128 prompt + 128 output tokens (decode tok/s = 1000 / TPOT p50)"
   # shellcheck disable=SC2046 # the workload's arguments are words
   timeout 900 "$J" bench serve "${URLS[@]}" $(workload S1) --json "$OUT/peers_S1.json"

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from justapi.kernels import STALE_LOCK_S, _clear_stale_lock
+from justapi.kernels import STALE_LOCK_S, _clear_stale_lock, _compiled_here
+from justapi.kernels.build_spec import CFLAGS, cflags
 from justapi.model.attention import write_kv
 from justapi.model.layers import RotaryEmbedding, rms_norm
 
@@ -399,6 +400,13 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
     _clear_stale_lock(str(tmp_path))
     assert not lock.exists()
     _clear_stale_lock(str(tmp_path))  # no lock: nothing to do
+
+
+def test_kernels_for_another_cpu_change_only_the_march_and_refuse_a_name_that_is_not_one():
+    assert cflags() == CFLAGS
+    assert [f for f in cflags("znver3") if f.startswith("-march")] == ["-march=znver3"]
+    assert len(cflags("znver3")) == len(CFLAGS)
+    assert _compiled_here("../x") is None  # never a path into torch's extension cache
 
 
 def _exact_attention(q, k_cache, v_cache, table, ctx, scale, window):

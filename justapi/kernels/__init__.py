@@ -12,6 +12,9 @@ The installed build (``justapi.kernels._C``) is used where this CPU has every in
 Otherwise (a wheel built elsewhere, an install without a compiler) the same sources are compiled on first use by
 torch's extension builder (a few minutes on 2 cores, logged) into its cache (``TORCH_EXTENSIONS_DIR``, by default
 ~/.cache/torch_extensions), once per machine.
+
+``JUSTAPI_KERNELS_MARCH=ARCH`` (e.g. znver3) compiles them for another CPU instead, into the same cache under a name
+of its own: the kernels a Zen 3 runs (AVX2, no AVX-512), measured on a Zen 4 (benchmarks/as_avx2.sh).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import os
 import threading
 import time
 
-from .build_spec import CFLAGS, FLAGS_FILE, LDFLAGS, SOURCES, cpu_flags
+from .build_spec import FLAGS_FILE, LDFLAGS, MARCH_ENV, SOURCES, cflags, cpu_flags
 
 log = logging.getLogger("justapi.kernels")
 
@@ -37,7 +40,15 @@ def decode_kernels():
     with _lock:
         if not _loaded:
             _loaded = True
-            _module = None if os.environ.get("JUSTAPI_KERNELS", "1") == "0" else (_installed() or _compiled_here())
+            march = os.environ.get(MARCH_ENV, "native")
+            if os.environ.get("JUSTAPI_KERNELS", "1") == "0":
+                _module = None
+            elif march != "native":
+                _module = _compiled_here(march)
+                if _module is not None:
+                    log.warning("C++ kernels built for -march=%s (%s), not for this CPU", march, MARCH_ENV)
+            else:
+                _module = _installed() or _compiled_here("native")
         return _module
 
 
@@ -65,21 +76,26 @@ def _installed():
     return module
 
 
-def _compiled_here():
-    """The kernels compiled by torch's extension builder into its cache (once per machine), or None."""
+def _compiled_here(march: str):
+    """The kernels compiled for ``-march=march`` by torch's extension builder into its cache (once per machine), or
+    None."""
+    name = "justapi_paged_attention" if march == "native" else "justapi_kernels_" + march.replace("-", "_")
+    if not name.replace("_", "").isalnum():
+        log.warning("C++ kernels unavailable, using the torch path: %s=%r is not a -march name", MARCH_ENV, march)
+        return None
     try:
         from torch.utils import cpp_extension
 
         here = os.path.dirname(__file__)
-        build_dir = cpp_extension._get_build_directory("justapi_paged_attention", False)
+        build_dir = cpp_extension._get_build_directory(name, False)
         _clear_stale_lock(build_dir)
-        if not os.path.exists(os.path.join(build_dir, "justapi_paged_attention.so")):
-            log.info("compiling the C++ kernels for this CPU into %s (once; a few minutes on 2 cores)", build_dir)
+        if not os.path.exists(os.path.join(build_dir, name + ".so")):
+            log.info("compiling the C++ kernels for -march=%s into %s (once; a few minutes on 2 cores)", march, build_dir)
         started = time.perf_counter()
         module = cpp_extension.load(
-            name="justapi_paged_attention",
-            sources=[os.path.join(here, name) for name in SOURCES],
-            extra_cflags=list(CFLAGS),
+            name=name,
+            sources=[os.path.join(here, source) for source in SOURCES],
+            extra_cflags=list(cflags(march)),
             extra_ldflags=list(LDFLAGS),
             verbose=False,
         )

@@ -14,8 +14,15 @@ SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "int4_matmul.cpp", "units_avx
 # bit-identical to the torch path). -march=native: compiled for this CPU, as llama.cpp builds.
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
 LDFLAGS = ("-fopenmp",)
+# another CPU's build on this one (e.g. znver3: a Zen 3's AVX2 paths, measured on a Zen 4), compiled on first use
+MARCH_ENV = "JUSTAPI_KERNELS_MARCH"
 FLAGS_FILE = "_C.cpu_flags"  # beside the built module: the instruction sets of the CPU it was compiled for
 _ISA_PREFIXES = ("sse", "ssse", "avx", "amx", "fma", "f16c", "bmi", "popcnt", "vaes", "vpclmul", "gfni", "adx", "sha")
+
+
+def cflags(march: str = "native") -> tuple[str, ...]:
+    """The compiler flags for ``-march=march``."""
+    return tuple(f"-march={march}" if flag == "-march=native" else flag for flag in CFLAGS)
 
 
 def cpu_flags() -> set[str]:
