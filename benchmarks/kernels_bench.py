@@ -25,8 +25,8 @@ revision too (with the flags that revision used) and times it interleaved with t
 inputs; ``--huge-pages`` times caches on transparent huge pages against ordinary pages, interleaved.
 
 ``prefill``: a prompt chunk's attention over its bf16 cache, the C++ kernel (kernels/prefill_attention.cpp, AVX-512
-BF16) against the path it replaces (torch's fused kernel over the gathered, padded K/V, its mask built once as in a
-step), interleaved, best of ``--reps``, on SmolLM2's heads (9 / 3, size 64) and Gemma 3 270M's (4 / 1, size 256):
+BF16 or, in fp32, AVX2) against the path it replaces (torch's fused kernel over the gathered, padded K/V, in bf16 or
+over K/V widened to fp32, its mask built once as in a step), interleaved, best of ``--reps``, on SmolLM2's heads (9 / 3, size 64) and Gemma 3 270M's (4 / 1, size 256):
 fresh chunks of 64-512 tokens, chunks after a cached prefix, and a sliding window of 512. Prints ms a layer, the
 ratio, and each one's rate over the arithmetic of the keys a query sees (4 x heads x head size per query-key pair).
 ``--base REV`` times that revision's kernel too, interleaved, and prints the working tree's time against it.
@@ -224,7 +224,9 @@ def prefill(args) -> None:
 
     kernels = decode_kernels()
     if kernels is None or not kernels.prefill_attention_available():
-        raise SystemExit("the C++ kernels here have no prefill attention (it needs AVX-512 BF16)")
+        raise SystemExit("the C++ kernels here have no prefill attention (it needs AVX-512 BF16 or AVX2)")
+    # the path each build replaces: torch's kernel in bf16 (AVX-512 BF16), over the cache widened to fp32 (AVX2)
+    compute = torch.float32 if kernels.prefill_attention_fp32() else torch.bfloat16
     builds = {"C++": kernels} if not args.base else {args.base: build_at(args.base), "C++": kernels}
     g = torch.Generator().manual_seed(0)
     bs, blocks = 16, 128
@@ -237,7 +239,7 @@ def prefill(args) -> None:
             table = torch.randperm(blocks, generator=g)[: -(-ctx // bs)]
             q = torch.randn(n, heads, dim, generator=g)
             span = SeqSpan(0, n, ctx, table)  # keeps its mask across calls, as a step's layers share it
-            runs = {"torch": lambda: _sequence_attention_fused(q, k, v, span, dim ** -0.5, torch.bfloat16, window or None)}
+            runs = {"torch": lambda: _sequence_attention_fused(q, k, v, span, dim ** -0.5, compute, window or None)}
             for key, mod in builds.items():
                 runs[key] = functools.partial(mod.prefill_attention, q, k, v, table, ctx, dim ** -0.5, window)
             best = {key: float("inf") for key in runs}

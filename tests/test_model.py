@@ -587,8 +587,9 @@ def test_smollm2_output_is_the_same_with_and_without_the_units_kernels(real_mode
 
 @pytest.mark.real_model
 def test_smollm2_with_the_cpp_prefill_attention_agrees_with_torchs_flash_kernel(real_model_path, smollm2_exact):
-    """Prompt chunks' attention in C++ on AVX-512 BF16 (kernels/prefill_attention.cpp) instead of torch's fused
-    kernel (--disable-kernels prefill_attention): the same rounding points in other orders of the sums, so greedy
+    """Prompt chunks' attention in C++ (kernels/prefill_attention.cpp: bf16 products on AVX-512 BF16, fp32 on AVX2,
+    where the model computes in fp32) instead of torch's fused kernel (--disable-kernels prefill_attention): the same
+    rounding points in other orders of the sums, so greedy
     text may fork at a near-tie, and only there. Over a prompt prefilled whole and in chunks of 48 after a prefix
     (block size 4, shuffled blocks), the next-token distributions are as close to the exact path's (fp32 weights
     and cache, plain matmuls: the session's ``smollm2_exact``) as the torch path's are (KL from the exact ones, worst and mean position, within 1.25x of the torch
@@ -600,7 +601,8 @@ def test_smollm2_with_the_cpp_prefill_attention_agrees_with_torchs_flash_kernel(
     opts = dict(pool_blocks=256, show_progress=False)
     llm = LLM(real_model_path, dtype="auto", **opts)
     if not llm.engine.model.policy.uses("prefill_attention"):
-        pytest.skip("no C++ prefill attention here (it needs AVX-512 BF16 and a bf16 model; AMX CPUs keep torch's)")
+        pytest.skip("no C++ prefill attention here (AVX-512 BF16 and a bf16 model, or an AVX2 build and an fp32 "
+                    "model; AMX CPUs keep torch's)")
     flash = LLM(real_model_path, dtype="auto", disabled_kernels=("prefill_attention",), **opts)
     ids = llm.engine.tokenizer.encode("The rivers of Europe, and where each of them flows: the Danube flows from the "
                                       "Black Forest to the Black Sea, the Rhine from the Alps to the North Sea, " * 4)
@@ -634,10 +636,18 @@ def test_smollm2_with_q4_small_agrees_with_torchs_int4_kernel(real_model_path, s
     assert_greedy_forks_only_at_near_ties(llm, int4)
 
 
+# KL (nats; worst and mean position) below which two paths' distance from the exact path is not resolved where the
+# model computes in fp32: there both sums are within ~1e-6 of each other, and what is left is where they round
+# the bf16 cache's values (a flip moves a value by 2^-9) and q_matmul's rows differently, noise that alone costs up
+# to 0.0021 nats at a position against fp32 (docs/benchmarks-archive.md)
+FP32_KL_FLOOR = (0.001, 0.0001)
+
+
 def assert_as_close_to_exact(exact, llm, reference, ids: list[int], chunk: int) -> None:
     """``ids`` prefilled ``chunk`` tokens a step by three engines: ``llm``'s next-token distributions are as close
-    to ``exact``'s as ``reference``'s are (KL from the exact ones, worst and mean position, within 1.25x), and
-    ``llm`` picks ``reference``'s token wherever the reference's top two logits are 0.1 apart."""
+    to ``exact``'s as ``reference``'s are (KL from the exact ones, worst and mean position, within 1.25x, or where
+    the model computes in fp32 below FP32_KL_FLOOR), and ``llm`` picks ``reference``'s token wherever the
+    reference's top two logits are 0.1 apart."""
     want, mine, theirs = (paged_prefill_logits(m.engine.model, ids, chunk=chunk).float()
                           for m in (exact, llm, reference))
 
@@ -646,7 +656,9 @@ def assert_as_close_to_exact(exact, llm, reference, ids: list[int], chunk: int) 
         return (a.exp() * (a - b)).sum(-1)
 
     ours, theirs_kl = kl(want, mine), kl(want, theirs)
-    assert ours.max() <= 1.25 * theirs_kl.max() and ours.mean() <= 1.25 * theirs_kl.mean(), (ours, theirs_kl)
+    worst, mean = FP32_KL_FLOOR if llm.engine.model.dtype == torch.float32 else (0.0, 0.0)
+    assert ours.max() <= max(1.25 * theirs_kl.max(), worst), (ours, theirs_kl)
+    assert ours.mean() <= max(1.25 * theirs_kl.mean(), mean), (ours, theirs_kl)
     top2 = theirs.topk(2, -1).values
     clear = (top2[:, 0] - top2[:, 1]) > 0.1
     assert clear.sum() > len(ids) // 2 and torch.equal(mine.argmax(-1)[clear], theirs.argmax(-1)[clear])
@@ -805,7 +817,9 @@ def test_smollm2_weights_and_kv_cache_on_huge_pages_keep_greedy_output(real_mode
         down = model.layers[0].down
         # torch's int4 layout, q_matmul's, or the units (where q4_small and dpbf16 take every batch)
         four_bit = next(getattr(down, form) for form in ("packed", "q_bytes", "units") if hasattr(down, form))
-        embed = model.embed if model.embed is not None else model.lm_head.units  # a tied head's packed form
+        # a tied head's packed form: the units, or q_matmul's bytes (AVX2)
+        embed = model.embed if model.embed is not None else next(
+            getattr(model.lm_head, form) for form in ("units", "q_bytes") if hasattr(model.lm_head, form))
         assert "hg" in _vm_flags(four_bit.data_ptr()) and "hg" in _vm_flags(embed.data_ptr())
     plain = LLM(real_model_path, pool_blocks=128, dtype="auto", huge_pages=False, show_progress=False)
     # not carved out of an arena (its own storage); its pages' flags are not checked: the heap may hand it memory

@@ -623,6 +623,7 @@ torch::Tensor int4_small_matmul(torch::Tensor x, torch::Tensor packed, int64_t o
 
 // prefill_attention.cpp
 bool prefill_attention_available();
+bool prefill_attention_fp32();
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                 torch::Tensor block_table, int64_t context_len, double scale, int64_t window);
 
@@ -658,8 +659,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_dpbf16_matmul", &q8_dpbf16_matmul, "x @ w.T, bf16 rows x q8_amx_pack's units, AVX-512 BF16",
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("group") = 32, py::arg("has_zero") = false);
   m.def("prefill_attention_available", &prefill_attention_available,
-        "whether prefill_attention runs here (an AVX-512 BF16 build)");
-  m.def("prefill_attention", &prefill_attention, "a prompt chunk's causal attention over its bf16 cache, AVX-512 BF16");
+        "whether prefill_attention runs here (an AVX-512 BF16 or an AVX2 build)");
+  m.def("prefill_attention_fp32", &prefill_attention_fp32,
+        "whether prefill_attention computes in fp32 (the AVX2 build) rather than with bf16 products (AVX-512 BF16)");
+  m.def("prefill_attention", &prefill_attention,
+        "a prompt chunk's causal attention over its bf16 cache: bf16 products on AVX-512 BF16, fp32 on AVX2");
   m.def("q_matmul_available", &q_matmul_available, "whether q_matmul can run here (an AVX2 + FMA build)");
   m.def("q_matmul", &q_matmul, "x @ w.T, fp32 rows (rounded to 16-bit integers) x a packed 4-bit or Q8_0 weight, on AVX2");
 }

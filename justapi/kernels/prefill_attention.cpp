@@ -1,6 +1,6 @@
-// Prefill attention on AVX-512 BF16 (AMD Zen 4, Intel Cooper Lake and later): one sequence's new tokens (a prompt
-// chunk) over its bf16 cache, read through the block table, causal, with an optional sliding window. torch's CPU
-// flash kernel, which served these chunks, ran at 16-90 GFLOP/s on a Zen 4 counted over the keys each query sees
+// Prefill attention on AVX-512 BF16 (AMD Zen 4, Intel Cooper Lake and later; an AVX2 build in fp32 below, for Zen
+// 2/3): one sequence's new tokens (a prompt chunk) over its bf16 cache, read through the block table, causal, with
+// an optional sliding window. torch's CPU flash kernel, which served these chunks, ran at 16-90 GFLOP/s on a Zen 4 counted over the keys each query sees
 // (`benchmarks/kernels_bench.py prefill`; the packed products reach ~310), computed every key tile of the padded
 // context for every query (an additive mask hides the causal half, it does not skip it; `is_causal` took the same
 // time), and needed the sequence's keys and values gathered and padded first.
@@ -30,15 +30,30 @@
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define JUSTAPI_PREFILL_BF16 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define JUSTAPI_PREFILL_FP32 1
+#endif
+#if defined(JUSTAPI_PREFILL_BF16) || defined(JUSTAPI_PREFILL_FP32)
 #define JUSTAPI_PREFILL_ATTENTION 1
 #include <immintrin.h>
 
+#include "avx2_reduce.h"
 #include "vec_exp.h"
 #endif
 
 namespace {
 
 #ifdef JUSTAPI_PREFILL_ATTENTION
+struct Shape {
+  int64_t num_new, ctx, num_heads, group, window;
+  float scale;
+};
+#endif
+
+#ifdef JUSTAPI_PREFILL_BF16
+using Word = uint32_t;           // a packed tile's element: a pair of bf16 dimensions (K) or keys (V)
+constexpr int64_t kValuesPerWord = 2;
 constexpr int64_t kKeys = 16;    // keys a tile: one vector of scores per query row
 constexpr int64_t kTokens = 16;  // query tokens a work item
 constexpr int64_t kRowBlock = 8; // query rows sharing each loaded key pair in the score loop
@@ -126,11 +141,6 @@ inline void tile_values2(const uint32_t* p0, const uint32_t* p1, const uint32_t*
     _mm512_storeu_ps(acc1 + c * 16, a1[c]);
   }
 }
-
-struct Shape {
-  int64_t num_new, ctx, num_heads, group, window;
-  float scale;
-};
 
 // One work item: KV head h, query tokens [t0, t0 + tokens). q: [num_new, num_heads, Dim] fp32; out likewise.
 template <int64_t Dim>
@@ -229,12 +239,207 @@ void attend_item(const float* q, const uint32_t* kp_head, const uint32_t* vp_hea
   }
 }
 
+#endif  // JUSTAPI_PREFILL_BF16
+
+#ifdef JUSTAPI_PREFILL_FP32
+// The AVX2 build (AMD Zen 2/3), for a model computing in fp32 over its bf16 cache: the same tiles, spans and
+// online softmax in 8 lanes, every product in fp32. K and V are widened to fp32 as they are packed (exact), the
+// queries and softmax weights stay fp32, so this computes what torch's fp32 flash kernel computes over the widened
+// cache (the path it replaces) in another order of the sums.
+//
+//   pack:   K as [head_dim][8 keys] fp32 (8 keys' scores from one dimension), V as [8 keys][head_dim] fp32
+//   scores: 6 rows by 2 tiles at a time (12 accumulators of the 16 registers), each key vector used by 6 rows
+//   values: acc += p . v, 8 vectors of a row's accumulators at a time (head size 64: one pass per key)
+using Word = float;
+constexpr int64_t kValuesPerWord = 1;
+constexpr int64_t kKeys = 8;     // keys a tile: one vector of scores per query row
+constexpr int64_t kTokens = 16;  // query tokens a work item
+constexpr int64_t kRowBlock = 6; // query rows sharing each loaded key vector in the score loop
+constexpr int64_t kSpan = 8;     // tiles a softmax update covers (64 keys, as the AVX-512 build's 4 x 16)
+
+inline float widen(uint16_t bits) {
+  const uint32_t word = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &word, sizeof(f));
+  return f;
+}
+
+// The K and V tiles of one KV head: tile t holds keys [8t, 8t + 8), zeros past the context.
+void pack_tiles(const uint16_t* k_head, const uint16_t* v_head, const int64_t* table, int64_t block_stride,
+                int64_t block_size, int64_t ctx, int64_t dim, int64_t tile, float* kp, float* vp) {
+  std::memset(kp, 0, dim * kKeys * sizeof(float));
+  std::memset(vp, 0, kKeys * dim * sizeof(float));
+  for (int64_t j = 0; j < kKeys; ++j) {
+    const int64_t key = tile * kKeys + j;
+    if (key >= ctx) break;
+    const int64_t offset = table[key / block_size] * block_stride + (key % block_size) * dim;
+    for (int64_t d = 0; d < dim; ++d) {
+      kp[d * kKeys + j] = widen(k_head[offset + d]);
+      vp[j * dim + d] = widen(v_head[offset + d]);
+    }
+  }
+}
+
+// scores[r][t * 8 ..] = q[r] . k for kRowBlock rows and Tiles (1 or 2) packed tiles
+template <int64_t Dim, int64_t Tiles>
+inline void tile_scores(const float* q, const float* kp, float* scores, int64_t row_stride) {
+  __m256 s[Tiles][kRowBlock];
+  for (int64_t t = 0; t < Tiles; ++t)
+    for (int64_t r = 0; r < kRowBlock; ++r) s[t][r] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < Dim; ++d) {
+    __m256 k[Tiles];
+    for (int64_t t = 0; t < Tiles; ++t) k[t] = _mm256_loadu_ps(kp + (t * Dim + d) * kKeys);
+    for (int64_t r = 0; r < kRowBlock; ++r) {
+      const __m256 qd = _mm256_broadcast_ss(q + r * Dim + d);
+      for (int64_t t = 0; t < Tiles; ++t) s[t][r] = _mm256_fmadd_ps(qd, k[t], s[t][r]);
+    }
+  }
+  for (int64_t t = 0; t < Tiles; ++t)
+    for (int64_t r = 0; r < kRowBlock; ++r) _mm256_storeu_ps(scores + r * row_stride + t * kKeys, s[t][r]);
+}
+
+// acc[0..Dim) = acc * alpha + p . v over `keys` keys, in order of the keys, 8 vectors of acc at a time
+template <int64_t Dim>
+inline void tile_values(const float* p, const float* vp, int64_t keys, float alpha, float* acc) {
+  constexpr int64_t chunk = std::min<int64_t>(8, Dim / 8);
+  const __m256 scale = _mm256_set1_ps(alpha);
+  for (int64_t c0 = 0; c0 < Dim / 8; c0 += chunk) {
+    __m256 a[chunk];
+    for (int64_t c = 0; c < chunk; ++c) a[c] = _mm256_mul_ps(_mm256_loadu_ps(acc + (c0 + c) * 8), scale);
+    for (int64_t j = 0; j < keys; ++j) {
+      const __m256 w = _mm256_broadcast_ss(p + j);
+      for (int64_t c = 0; c < chunk; ++c)
+        a[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vp + j * Dim + (c0 + c) * 8), a[c]);
+    }
+    for (int64_t c = 0; c < chunk; ++c) _mm256_storeu_ps(acc + (c0 + c) * 8, a[c]);
+  }
+}
+
+// tile_values for two rows, 4 vectors of each row's accumulators at a time, each V vector loaded once for both:
+// 6 loads for 8 FMAs instead of 9 (the loads, not the FMAs, bounded one row's pass). Each row's sums are
+// tile_values' sums in the same order, so a row's result does not depend on whether it was paired.
+template <int64_t Dim>
+inline void tile_values2(const float* p0, const float* p1, const float* vp, int64_t keys, float alpha0, float alpha1,
+                         float* acc0, float* acc1) {
+  constexpr int64_t chunk = 4;
+  const __m256 s0 = _mm256_set1_ps(alpha0), s1 = _mm256_set1_ps(alpha1);
+  for (int64_t c0 = 0; c0 < Dim / 8; c0 += chunk) {
+    __m256 a0[chunk], a1[chunk];
+    for (int64_t c = 0; c < chunk; ++c) {
+      a0[c] = _mm256_mul_ps(_mm256_loadu_ps(acc0 + (c0 + c) * 8), s0);
+      a1[c] = _mm256_mul_ps(_mm256_loadu_ps(acc1 + (c0 + c) * 8), s1);
+    }
+    for (int64_t j = 0; j < keys; ++j) {
+      const __m256 w0 = _mm256_broadcast_ss(p0 + j), w1 = _mm256_broadcast_ss(p1 + j);
+      for (int64_t c = 0; c < chunk; ++c) {
+        const __m256 v = _mm256_loadu_ps(vp + j * Dim + (c0 + c) * 8);
+        a0[c] = _mm256_fmadd_ps(w0, v, a0[c]);
+        a1[c] = _mm256_fmadd_ps(w1, v, a1[c]);
+      }
+    }
+    for (int64_t c = 0; c < chunk; ++c) {
+      _mm256_storeu_ps(acc0 + (c0 + c) * 8, a0[c]);
+      _mm256_storeu_ps(acc1 + (c0 + c) * 8, a1[c]);
+    }
+  }
+}
+
+// One work item: KV head h, query tokens [t0, t0 + tokens). q: [num_new, num_heads, Dim] fp32; out likewise.
+template <int64_t Dim>
+void attend_item(const float* q, const float* kp_head, const float* vp_head, const Shape& s, int64_t h, int64_t t0,
+                 int64_t tokens, float* out) {
+  const int64_t rows = tokens * s.group;
+  const int64_t padded_rows = (rows + kRowBlock - 1) / kRowBlock * kRowBlock;
+  std::vector<float> qr(padded_rows * Dim, 0.0f);  // row r = (token r / group, head r % group)
+  std::vector<float> acc(rows * Dim, 0.0f), scores(padded_rows * kSpan * kKeys), p(rows * kSpan * kKeys);
+  std::vector<float> m(rows, -std::numeric_limits<float>::infinity()), l(rows, 0.0f), alphas(rows);
+  std::vector<char> active(rows);  // whether a row sees any key of the current span
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(qr.data() + r * Dim, q + ((t0 + r / s.group) * s.num_heads + h * s.group + r % s.group) * Dim,
+                Dim * sizeof(float));
+  const int64_t first_pos = s.ctx - s.num_new + t0, last_pos = first_pos + tokens - 1;
+  // spans start at multiples of kSpan tiles whatever the item's first query (see the AVX-512 build)
+  const int64_t first_tile = s.window > 0 ? std::max<int64_t>(0, first_pos - s.window + 1) / kKeys / kSpan * kSpan : 0;
+  const int64_t last_tile = last_pos / kKeys;
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256 scale = _mm256_set1_ps(s.scale);
+  for (int64_t span0 = first_tile; span0 <= last_tile; span0 += kSpan) {
+    const int64_t span = std::min(kSpan, last_tile + 1 - span0);
+    for (int64_t t = 0; t < span; t += 2) {
+      const float* kp = kp_head + (span0 + t) * Dim * kKeys;
+      for (int64_t r = 0; r < padded_rows; r += kRowBlock) {
+        float* dst = scores.data() + r * kSpan * kKeys + t * kKeys;
+        if (t + 1 < span)
+          tile_scores<Dim, 2>(qr.data() + r * Dim, kp, dst, kSpan * kKeys);
+        else
+          tile_scores<Dim, 1>(qr.data() + r * Dim, kp, dst, kSpan * kKeys);
+      }
+    }
+    std::fill(active.begin(), active.end(), 0);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t pos = first_pos + r / s.group;
+      __m256 visible[kSpan], sc[kSpan];  // visible: all ones in a lane whose key the row sees
+      __m256 vmax = neg_inf;
+      bool any = false;
+      for (int64_t t = 0; t < span; ++t) {
+        const __m256i keys = _mm256_add_epi32(lane, _mm256_set1_epi32(static_cast<int>((span0 + t) * kKeys)));
+        __m256i seen = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(pos + 1)), keys);  // key <= pos
+        if (s.window > 0)
+          seen = _mm256_and_si256(seen, _mm256_cmpgt_epi32(keys, _mm256_set1_epi32(static_cast<int>(pos - s.window))));
+        visible[t] = _mm256_castsi256_ps(seen);
+        any |= !_mm256_testz_si256(seen, seen);
+        sc[t] = _mm256_blendv_ps(neg_inf, _mm256_mul_ps(_mm256_loadu_ps(scores.data() + (r * kSpan + t) * kKeys), scale),
+                                 visible[t]);
+        vmax = _mm256_max_ps(vmax, sc[t]);
+      }
+      if (!any) continue;  // nothing of these keys for this row: its state is unchanged
+      const float m_new = std::max(m[r], hmax8(vmax));
+      const float alpha = m[r] == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(m[r] - m_new);
+      const __m256 shift = _mm256_set1_ps(m_new);
+      __m256 sum = _mm256_setzero_ps();
+      float* pr = p.data() + r * kSpan * kKeys;
+      for (int64_t t = 0; t < span; ++t) {
+        // hidden keys (-inf) weigh exactly 0, not exp256's floor
+        const __m256 e = _mm256_and_ps(visible[t], exp256(_mm256_sub_ps(sc[t], shift)));
+        sum = _mm256_add_ps(sum, e);
+        _mm256_storeu_ps(pr + t * kKeys, e);
+      }
+      l[r] = l[r] * alpha + hadd8(sum);
+      m[r] = m_new;
+      alphas[r] = alpha;
+      active[r] = 1;
+    }
+    const float* vp = vp_head + span0 * kKeys * Dim;
+    for (int64_t r = 0; r < rows; ++r) {
+      if (!active[r]) continue;
+      float* pr = p.data() + r * kSpan * kKeys;
+      if (r + 1 < rows && active[r + 1]) {
+        tile_values2<Dim>(pr, pr + kSpan * kKeys, vp, span * kKeys, alphas[r], alphas[r + 1], acc.data() + r * Dim,
+                          acc.data() + (r + 1) * Dim);
+        ++r;
+        continue;
+      }
+      tile_values<Dim>(pr, vp, span * kKeys, alphas[r], acc.data() + r * Dim);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* dst = out + ((t0 + r / s.group) * s.num_heads + h * s.group + r % s.group) * Dim;
+    const __m256 inv = _mm256_set1_ps(1.0f / l[r]);
+    for (int64_t c = 0; c < Dim / 8; ++c)
+      _mm256_storeu_ps(dst + c * 8, _mm256_mul_ps(_mm256_loadu_ps(acc.data() + r * Dim + c * 8), inv));
+  }
+}
+#endif  // JUSTAPI_PREFILL_FP32
+
+#ifdef JUSTAPI_PREFILL_ATTENTION
+// Both builds: pack each KV head's tiles once, then attend, items dealt to the threads
 template <int64_t Dim>
 void run(const float* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table, int64_t head_stride,
          int64_t block_stride, int64_t block_size, int64_t num_kv_heads, const Shape& s, float* out) {
   const int64_t tiles = (s.ctx + kKeys - 1) / kKeys;
-  const int64_t tile_words = (Dim / 2) * kKeys;  // = (kKeys / 2) * Dim: K and V tiles are the same size
-  std::vector<uint32_t> kp(num_kv_heads * tiles * tile_words), vp(kp.size());
+  const int64_t tile_words = Dim * kKeys / kValuesPerWord;  // K and V tiles are the same size
+  std::vector<Word> kp(num_kv_heads * tiles * tile_words), vp(kp.size());
   at::parallel_for(0, num_kv_heads * tiles, 4, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t h = i / tiles, t = i % tiles;
@@ -261,6 +466,14 @@ void run(const float* q, const uint16_t* k_cache, const uint16_t* v_cache, const
 
 bool prefill_attention_available() {
 #ifdef JUSTAPI_PREFILL_ATTENTION
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool prefill_attention_fp32() {
+#ifdef JUSTAPI_PREFILL_FP32
   return true;
 #else
   return false;
@@ -301,6 +514,6 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::T
     run<256>(q.data_ptr<float>(), k, v, table, head_stride, block_stride, block_size, num_kv_heads, s, out.data_ptr<float>());
   return out;
 #else
-  TORCH_CHECK(false, "prefill_attention: this build has no AVX-512 BF16");
+  TORCH_CHECK(false, "prefill_attention: this build has neither AVX-512 BF16 nor AVX2");
 #endif
 }

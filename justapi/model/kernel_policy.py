@@ -85,7 +85,8 @@ class CpuFeatures:
     q_matmul: bool  # the C++ kernels' AVX2 integer matmul
     silu_bf16: bool  # the C++ silu_mul on bf16 rows (AVX-512)
     silu_fp32: bool  # ... on fp32 rows (AVX2 or AVX-512)
-    prefill_attention: bool  # the C++ prefill attention over a bf16 cache (AVX-512 BF16)
+    prefill_attention: bool  # the C++ prefill attention over a bf16 cache with bf16 products (AVX-512 BF16)
+    prefill_attention_fp32: bool  # ... in fp32 (the AVX2 build)
     onednn: bool  # torch's oneDNN (prepacked weights)
 
     def names(self) -> str:
@@ -100,7 +101,8 @@ def _probe(kernels) -> CpuFeatures:
     return CpuFeatures(cpu_has_bf16_matmul(), has("int4_amx_available"), has("units_avx512_available"),
                        has("q_matmul_available"),
                        has("silu_mul_available", True), has("silu_mul_available", False),
-                       has("prefill_attention_available"),
+                       has("prefill_attention_available") and not has("prefill_attention_fp32"),
+                       has("prefill_attention_fp32"),
                        torch.backends.mkldnn.is_available())
 
 
@@ -159,11 +161,12 @@ class KernelPolicy:
                 "q4_small": vectors,
                 "prepack": cpu.onednn and (dtype == torch.float32 or (dtype == torch.bfloat16 and cpu.bf16_matmul)),
                 "fused_silu": cpu.silu_bf16 if dtype == torch.bfloat16 else cpu.silu_fp32 and dtype == torch.float32,
-                # prompt chunks' attention over a bf16 cache where the model computes in bf16 (where it computes in
-                # fp32, the torch path widens the cache to fp32 instead: model.attention); not where there are AMX
-                # tiles, which torch's flash kernel uses for bf16 (brgemm) and which this kernel was not measured
-                # against (docs/benchmarks.md)
-                "prefill_attention": cpu.prefill_attention and bf16 and not cpu.amx}
+                # prompt chunks' attention over a bf16 cache: with bf16 products where the model computes in bf16,
+                # in fp32 (the AVX2 build) where it computes in fp32; else torch's flash kernel, which widens the
+                # cache for an fp32 model (model.attention). Not where there are AMX tiles, which torch's flash
+                # kernel uses for bf16 (brgemm) and which this kernel was not measured against (docs/benchmarks.md)
+                "prefill_attention": (cpu.prefill_attention and bf16 and not cpu.amx
+                                      or cpu.prefill_attention_fp32 and dtype == torch.float32)}
         assert set(runs) == set(OPTIONAL_KERNELS)
         return cls(dtype, kernels, cpu, frozenset(k for k, ok in runs.items() if ok and k not in disabled))
 
