@@ -141,6 +141,9 @@ def build_at(rev: str):
     for node in ast.walk(ast.parse(show("justapi/kernels/__init__.py"))):
         if isinstance(node, ast.keyword) and node.arg in ("extra_cflags", "extra_ldflags") and not flags.get(node.arg):
             flags[node.arg] = ast.literal_eval(node.value)
+    march = os.environ.get("JUSTAPI_KERNELS_MARCH")  # the working tree's kernels are built for it too (as_avx2.sh)
+    if march:
+        flags["extra_cflags"] = [f"-march={march}" if f == "-march=native" else f for f in flags["extra_cflags"]]
     tmp = tempfile.mkdtemp(prefix="justapi-kernel-base-")
     files = subprocess.run(["git", "ls-tree", "--name-only", rev, "justapi/kernels/"], cwd=ROOT, check=True,
                            capture_output=True, text=True).stdout.split()

@@ -171,7 +171,7 @@ def engine_category(frames: list[str]) -> tuple[str, str | None]:
             continue  # the category is the Python code's; a C++ frame only names a kernel
         category = next((c for prefix, c in MODULE_CATEGORIES if m.group("file").startswith(prefix)), category)
         if category == "products":  # quant.py's _run_<route> runs one kernel route (model/kernel_policy.py)
-            route = m.group("func")
+            route = m.group("func").rpartition(".")[2]  # py-spy may name the class: _RoutedWeight._run_q_matmul
             category = f"products: {route[5:] if route.startswith('_run_') else 'python (forms, views)'}"
         break
     leaf = " ".join(frames[-3:])  # native frames (--native): what the thread waits on
