@@ -26,7 +26,8 @@ inputs; ``--huge-pages`` times caches on transparent huge pages against ordinary
 
 ``prefill``: a prompt chunk's attention over its bf16 cache, the C++ kernel (kernels/prefill_attention.cpp, AVX-512
 BF16 or, in fp32, AVX2) against the path it replaces (torch's fused kernel over the gathered, padded K/V, in bf16 or
-over K/V widened to fp32, its mask built once as in a step), interleaved, best of ``--reps``, on SmolLM2's heads (9 / 3, size 64) and Gemma 3 270M's (4 / 1, size 256):
+over K/V widened to fp32, its mask built once as in a step), interleaved, best of ``--reps``, on SmolLM2's heads
+(9 / 3, size 64) and Gemma 3 270M's (4 / 1, size 256):
 fresh chunks of 64-512 tokens, chunks after a cached prefix, and a sliding window of 512. Prints ms a layer, the
 ratio, and each one's rate over the arithmetic of the keys a query sees (4 x heads x head size per query-key pair).
 ``--base REV`` times that revision's kernel too, interleaved, and prints the working tree's time against it.

@@ -81,7 +81,8 @@ if [ -z "${BENCH_GGUF:-}" ] || [ -n "$HF_DIR" ]; then
 fi
 LOG=$OUT/peers_bench.txt
 {
-  echo "# $(date -u +%FT%TZ) $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2), $(basename "$GGUF")${AS_CPU:+, as on $AS_CPU}"
+  echo "# $(date -u +%FT%TZ) $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)," \
+    "$(basename "$GGUF")${AS_CPU:+, as on $AS_CPU}"
   echo "## S1: 4 requests one at a time, 128 prompt + 128 output tokens (decode tok/s = 1000 / TPOT p50)"
   # shellcheck disable=SC2046 # the workload's arguments are words
   timeout 900 "$J" bench serve "${URLS[@]}" $(workload S1) --json "$OUT/peers_S1.json"

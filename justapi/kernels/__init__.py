@@ -90,7 +90,8 @@ def _compiled_here(march: str):
         build_dir = cpp_extension._get_build_directory(name, False)
         _clear_stale_lock(build_dir)
         if not os.path.exists(os.path.join(build_dir, name + ".so")):
-            log.info("compiling the C++ kernels for -march=%s into %s (once; a few minutes on 2 cores)", march, build_dir)
+            log.info("compiling the C++ kernels for -march=%s into %s (once; a few minutes on 2 cores)", march,
+                     build_dir)
         started = time.perf_counter()
         module = cpp_extension.load(
             name=name,

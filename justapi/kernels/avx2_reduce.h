@@ -1,4 +1,5 @@
-// Horizontal reductions of an 8-lane fp32 vector, shared by the AVX2 paths of paged_attention.cpp and q_matmul.cpp.
+// Horizontal reductions of an 8-lane fp32 vector, shared by the AVX2 paths of paged_attention.cpp, q_matmul.cpp and
+// prefill_attention.cpp.
 // (Included, not compiled on its own; the build hashes the .cpp sources, so a change here wants one of them touched.)
 #pragma once
 

@@ -1,7 +1,8 @@
 // Prefill attention on AVX-512 BF16 (AMD Zen 4, Intel Cooper Lake and later; an AVX2 build in fp32 below, for Zen
 // 2/3): one sequence's new tokens (a prompt chunk) over its bf16 cache, read through the block table, causal, with
-// an optional sliding window. torch's CPU flash kernel, which served these chunks, ran at 16-90 GFLOP/s on a Zen 4 counted over the keys each query sees
-// (`benchmarks/kernels_bench.py prefill`; the packed products reach ~310), computed every key tile of the padded
+// an optional sliding window. torch's CPU flash kernel, which served these chunks, ran at 16-90 GFLOP/s on a Zen 4
+// counted over the keys each query sees (`benchmarks/kernels_bench.py prefill`; the packed products reach ~310),
+// computed every key tile of the padded
 // context for every query (an additive mask hides the causal half, it does not skip it; `is_causal` took the same
 // time), and needed the sequence's keys and values gathered and padded first.
 //
@@ -389,8 +390,8 @@ void attend_item(const float* q, const float* kp_head, const float* vp_head, con
           seen = _mm256_and_si256(seen, _mm256_cmpgt_epi32(keys, _mm256_set1_epi32(static_cast<int>(pos - s.window))));
         visible[t] = _mm256_castsi256_ps(seen);
         any |= !_mm256_testz_si256(seen, seen);
-        sc[t] = _mm256_blendv_ps(neg_inf, _mm256_mul_ps(_mm256_loadu_ps(scores.data() + (r * kSpan + t) * kKeys), scale),
-                                 visible[t]);
+        const __m256 scaled = _mm256_mul_ps(_mm256_loadu_ps(scores.data() + (r * kSpan + t) * kKeys), scale);
+        sc[t] = _mm256_blendv_ps(neg_inf, scaled, visible[t]);
         vmax = _mm256_max_ps(vmax, sc[t]);
       }
       if (!any) continue;  // nothing of these keys for this row: its state is unchanged
