@@ -49,6 +49,21 @@ namespace {
 struct Shape {
   int64_t num_new, ctx, num_heads, group, window;
   float scale;
+
+  // where row r of the item (KV head h, tokens from t0) lies in q and out: token t0 + r / group, its query head
+  // h * group + r % group (a head size apart)
+  int64_t row(int64_t h, int64_t t0, int64_t r) const { return (t0 + r / group) * num_heads + h * group + r % group; }
+};
+
+// The tiles (of `keys` keys) an item of query tokens [t0, t0 + tokens) reads. Spans of `span` tiles start at
+// multiples of `span` whatever the item's first query, so that each query's keys are taken in the same groups
+// whichever chunk and item it comes in (a span's keys past a query add exact zeros to it).
+struct TileRange {
+  int64_t first_pos, first, last;  // the item's first query's position, its first and last tile
+  TileRange(const Shape& s, int64_t t0, int64_t tokens, int64_t keys, int64_t span)
+      : first_pos(s.ctx - s.num_new + t0),
+        first(s.window > 0 ? std::max<int64_t>(0, first_pos - s.window + 1) / keys / span * span : 0),
+        last((first_pos + tokens - 1) / keys) {}
 };
 #endif
 
@@ -157,16 +172,13 @@ void attend_item(const float* q, const uint32_t* kp_head, const uint32_t* vp_hea
   std::vector<float> alphas(rows);
   std::vector<char> active(rows);  // whether a row sees any key of the current span
   for (int64_t r = 0; r < rows; ++r) {
-    const float* src = q + ((t0 + r / s.group) * s.num_heads + h * s.group + r % s.group) * Dim;
+    const float* src = q + s.row(h, t0, r) * Dim;
     for (int64_t c = 0; c < Dim / 16; ++c)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb.data() + r * pairs + c * 8),
                           (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + c * 16)));
   }
-  const int64_t first_pos = s.ctx - s.num_new + t0, last_pos = first_pos + tokens - 1;
-  // spans start at multiples of kSpan tiles whatever the item's first query, so that each query's keys are taken in
-  // the same groups whichever chunk and item it comes in (a span's keys past a query add exact zeros to it)
-  const int64_t first_tile = s.window > 0 ? std::max<int64_t>(0, first_pos - s.window + 1) / kKeys / kSpan * kSpan : 0;
-  const int64_t last_tile = last_pos / kKeys;
+  const TileRange tiles(s, t0, tokens, kKeys, kSpan);
+  const int64_t first_pos = tiles.first_pos, first_tile = tiles.first, last_tile = tiles.last;
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 scale = _mm512_set1_ps(s.scale);
@@ -233,7 +245,7 @@ void attend_item(const float* q, const uint32_t* kp_head, const uint32_t* vp_hea
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    float* dst = out + ((t0 + r / s.group) * s.num_heads + h * s.group + r % s.group) * Dim;
+    float* dst = out + s.row(h, t0, r) * Dim;
     const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
     for (int64_t c = 0; c < Dim / 16; ++c)
       _mm512_storeu_ps(dst + c * 16, _mm512_mul_ps(_mm512_loadu_ps(acc.data() + r * Dim + c * 16), inv));
@@ -356,12 +368,9 @@ void attend_item(const float* q, const float* kp_head, const float* vp_head, con
   std::vector<float> m(rows, -std::numeric_limits<float>::infinity()), l(rows, 0.0f), alphas(rows);
   std::vector<char> active(rows);  // whether a row sees any key of the current span
   for (int64_t r = 0; r < rows; ++r)
-    std::memcpy(qr.data() + r * Dim, q + ((t0 + r / s.group) * s.num_heads + h * s.group + r % s.group) * Dim,
-                Dim * sizeof(float));
-  const int64_t first_pos = s.ctx - s.num_new + t0, last_pos = first_pos + tokens - 1;
-  // spans start at multiples of kSpan tiles whatever the item's first query (see the AVX-512 build)
-  const int64_t first_tile = s.window > 0 ? std::max<int64_t>(0, first_pos - s.window + 1) / kKeys / kSpan * kSpan : 0;
-  const int64_t last_tile = last_pos / kKeys;
+    std::memcpy(qr.data() + r * Dim, q + s.row(h, t0, r) * Dim, Dim * sizeof(float));
+  const TileRange tiles(s, t0, tokens, kKeys, kSpan);
+  const int64_t first_pos = tiles.first_pos, first_tile = tiles.first, last_tile = tiles.last;
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   const __m256 scale = _mm256_set1_ps(s.scale);
@@ -425,7 +434,7 @@ void attend_item(const float* q, const float* kp_head, const float* vp_head, con
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    float* dst = out + ((t0 + r / s.group) * s.num_heads + h * s.group + r % s.group) * Dim;
+    float* dst = out + s.row(h, t0, r) * Dim;
     const __m256 inv = _mm256_set1_ps(1.0f / l[r]);
     for (int64_t c = 0; c < Dim / 8; ++c)
       _mm256_storeu_ps(dst + c * 8, _mm256_mul_ps(_mm256_loadu_ps(acc.data() + r * Dim + c * 8), inv));
