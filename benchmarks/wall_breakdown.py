@@ -4,6 +4,7 @@ the wall time split three ways.
 1. The engine's own step log (GET /engine/steps, engine/step_log.py), from a run with no profiler attached: the
    engine thread's wall time as idle (no work), taking in commands, scheduling, executing, updating, detokenizing
    and delivering, with each step's shape (prefill tokens, decode rows).
+   Each request's time to first token is split by the same log (the bench's JSON has its response id and times).
 2. The CPU seconds each thread of the server used (/proc/PID/task/TID/stat), the same run: the engine thread, the
    event loop (HTTP, SSE, tokenizing prompts) and the kernels' OpenMP threads, against wall time x cores.
 3. py-spy sampling the same workload run again (Python frames; with --native also native ones): each engine-thread
@@ -18,6 +19,7 @@ the wall time split three ways.
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import json
 import os
@@ -134,6 +136,37 @@ def step_totals(steps: list[dict], start: float, end: float) -> dict:
     return {"phases": t, "shapes": shapes, "num_steps": len(steps), "wall": end - start}
 
 
+def first_token_parts(steps: list[dict], requests: list[dict]) -> list[dict]:
+    """Each request's time to first token in four parts: until the first step to start after it was sent (the step
+    in flight then, HTTP, tokenizing), the steps that ran without it while it waited (queued), its prompt's steps
+    (its first step's start to its last prompt chunk's end; "own share": its tokens of those steps' prompt tokens),
+    and the first token's way back to the client. The engine runs a response's choice i as ``ID-i``; every request
+    here has one choice."""
+    first, last_chunk, own_tokens = {}, {}, collections.Counter()
+    for i, s in enumerate(steps):
+        for rid, kind, _, tokens, _ in (s["work"] or {}).get("cells", ()):
+            first.setdefault(rid, i)
+            if kind == "prefill":
+                last_chunk[rid] = i
+                own_tokens[rid] += tokens
+    starts = [s["start"] for s in steps]
+    ends = [s["start"] + s["commands"] + s["step"] + s["deliver"] for s in steps]
+    parts = []
+    for r in requests:
+        rid = r["id"] + "-0"
+        if not r["ok"] or r["ttft"] is None or rid not in first:
+            continue
+        k0, k1 = first[rid], last_chunk.get(rid, first[rid])
+        nxt = bisect.bisect_left(starts, r["start"], hi=k0)
+        step_tokens = sum(steps[k]["work"]["num_prefill_tokens"] for k in range(k0, k1 + 1))
+        parts.append({"ttft": r["ttft"], "until a step starts": starts[nxt] - r["start"],
+                      "queued": starts[k0] - starts[nxt], "queued steps": k0 - nxt,
+                      "prompt steps": k1 - k0 + 1, "prompt": ends[k1] - starts[k0],
+                      "own share": own_tokens[rid] / step_tokens if step_tokens else 1.0,
+                      "to the client": r["start"] + r["ttft"] - ends[k1]})
+    return parts
+
+
 # --- 3. the sampled stacks ------------------------------------------------------------------------------------------
 MODULE_CATEGORIES = [  # the leaf-most justapi frame's file → the category
     ("justapi/model/quant.py", "products"), ("justapi/model/attention.py", "attention"),
@@ -230,7 +263,9 @@ def measure(args, workload: str, tmp: Path, profile: bool) -> dict:
         cpu1 = thread_cpu(proc.pid)
         steps = read_step_log(f"http://127.0.0.1:{args.port}", first)
         totals = step_totals(steps, start, end)
-        result = {"wall": totals["wall"], "bench": bench_figures(tmp / f"bench_{workload}.json"), "steps": totals}
+        bench = bench_figures(tmp / f"bench_{workload}.json")
+        result = {"wall": totals["wall"], "bench": bench, "steps": totals,
+                  "first tokens": first_token_parts(steps, bench.pop("requests"))}
         used = {tid: cpu1.get(tid, 0) - cpu0.get(tid, 0) for tid in cpu1}
         engine_tid = busiest_python_thread(used, tids, proc.pid)
         result["cpu"] = {"engine thread": used.get(engine_tid, 0), "event loop (main thread)": used.get(proc.pid, 0),
@@ -293,7 +328,25 @@ def report(workload: str, plain: dict, spied: dict, cores: int, rate: int) -> st
             lines.append(f"{kind} | {n} | {shapes[kind + ' s']:.2f} | {1000 * shapes[kind + ' s'] / n:.1f} | "
                          f"{shapes[kind + ' decode rows'] / n:.1f} | {shapes[kind + ' prefill tokens'] / n:.0f}")
     lines.append(f"idle gaps over 5 ms: {shapes.get('idle gaps over 5 ms', 0)}")
-    return "\n".join(lines)
+    return "\n".join(lines + first_token_lines(plain["first tokens"]))
+
+
+def first_token_lines(parts: list[dict]) -> list[str]:
+    """Mean parts of the time to first token over all requests, and over the middle half by TTFT (what p50 says)."""
+    if not parts:
+        return []
+    by_ttft = sorted(parts, key=lambda p: p["ttft"])
+    groups = {"all": by_ttft, "middle half": by_ttft[len(by_ttft) // 4: max(1, 3 * len(by_ttft) // 4)]}
+    lines = ["", "time to first token (unprofiled run), mean | " + " | ".join(f"{k} ({len(g)})" for k, g in
+             groups.items()), "---|" + "---|" * len(groups)]
+    for key in ("ttft", "until a step starts", "queued", "prompt", "to the client"):
+        lines.append(f"{key}, ms | " + " | ".join(f"{1000 * sum(p[key] for p in g) / len(g):.0f}"
+                                                   for g in groups.values()))
+    lines.append("its share of its prompt steps' prompt tokens, % | " + " | ".join(
+        f"{100 * sum(p['own share'] for p in g) / len(g):.0f}" for g in groups.values()))
+    for key in ("queued steps", "prompt steps"):
+        lines.append(f"{key} | " + " | ".join(f"{sum(p[key] for p in g) / len(g):.2f}" for g in groups.values()))
+    return lines
 
 
 def main() -> None:

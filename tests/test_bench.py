@@ -94,10 +94,15 @@ def test_multi_turn_conversations_extend_each_other(bench, server, tiny_model, t
 
 def test_serve_saves_a_justapi_server_s_step_timeline(bench, server, tiny_model, tmp_path):
     p = bench("serve", "--base-url", server.url, "--num-requests", "6", "--input-len", "8:40", "--output-len", "4:20",
-              "--tokenizer", tiny_model, "--timeline", str(tmp_path / "tl"))
+              "--tokenizer", tiny_model, "--timeline", str(tmp_path / "tl"), "--json", str(tmp_path / "run.json"))
     assert p.returncode == 0, p.stderr
     steps = json.loads((tmp_path / "tl.json").read_text())["runs"][server.url]
-    assert len({rid for s in steps for rid in s["finished"]}) == 6
+    finished = {rid for s in steps for rid in s["finished"]}
+    assert len(finished) == 6
+    # each request's timing names the engine request the step log shows (wall_breakdown splits TTFT by it)
+    requests = json.loads((tmp_path / "run.json").read_text())["servers"][0]["figures"]["requests"]
+    assert {r["id"] + "-0" for r in requests} == finished
+    assert all(r["ok"] and 0 < r["ttft"] <= r["end"] - r["start"] for r in requests)
     assert steps[0]["t"] >= 0 and all(a["t"] <= b["t"] for a, b in zip(steps, steps[1:]))
     assert (tmp_path / "tl.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

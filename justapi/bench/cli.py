@@ -100,7 +100,7 @@ def add_parser(sub, engine_flags) -> None:
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _client_flags(serve, sweep=False)
     _workload_flags(serve)
-    serve.add_argument("--json", default=None, help="write every figure to this JSON file")
+    serve.add_argument("--json", default=None, help="write every figure, and each request's timing, to this JSON file")
     serve.add_argument("--timeline", default=None, metavar="OUT",
                        help="JustAPI servers: write each run's step timeline (from /engine/steps) to OUT.json and "
                             "draw it in OUT.png")
@@ -167,6 +167,7 @@ def _run_one(url: str, jobs, rate: float, args, slo) -> dict:
         request_timeout=args.request_timeout, time_limit=args.time_limit, extra_body=args.extra_body))
     figures = report.summarize(results, elapsed, slo)
     figures["model"] = model
+    figures["requests"] = [r.timing() for r in results]  # for --json readers that split latencies by server steps
     return figures
 
 

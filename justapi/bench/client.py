@@ -23,6 +23,7 @@ class RequestResult:
     ok: bool
     kind: str = ""
     error: str = ""
+    response_id: str = ""  # the server's id of the response (JustAPI's engine runs its choice i as ID-i)
     start: float = 0.0  # monotonic seconds
     end: float = 0.0
     ttft: float | None = None  # seconds to the first content token
@@ -46,6 +47,11 @@ class RequestResult:
     @property
     def itls(self) -> list[float]:
         return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+
+    def timing(self) -> dict:
+        """What a reader of the server's step log needs to place this request in it (monotonic seconds)."""
+        return {"id": self.response_id, "ok": self.ok, "start": self.start, "ttft": self.ttft, "end": self.end,
+                "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens}
 
 
 async def model_name(client: httpx.AsyncClient, base_url: str) -> str:
@@ -94,6 +100,7 @@ async def _send(client: httpx.AsyncClient, base_url: str, model: str, turn: Turn
                 if "error" in event:
                     res.error = f"server error: {json.dumps(event['error'])[:300]}"
                     break
+                res.response_id = res.response_id or str(event.get("id") or "")
                 for choice in event.get("choices") or ():
                     piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
                     if piece:
