@@ -237,6 +237,11 @@ def test_a_decode_worker_killed_mid_stream_fails_its_requests_and_serving_goes_o
         for _ in range(3):  # later requests are served by the remaining workers
             ok = httpx.post(srv.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 12}, timeout=60)
             assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 12
+        # the router refuses what no worker could ever hold, naming the limit, before sending it anywhere
+        for prompt, max_tokens, limit in (([5] * 1100, 4, "maximum context length"), ([5] * 8, 1020, "maximum context"),
+                                          ([], 4, "empty")):
+            bad = httpx.post(srv.url + "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens}, timeout=60)
+            assert bad.status_code == 400 and limit in bad.json()["error"]["message"], bad.text
         m = httpx.get(srv.url + "/metrics").text
         assert metric(m, "justapi_pd_requests_failed_total") == 1
         assert metric(m, "justapi_pd_kv_transfers_total") >= 4

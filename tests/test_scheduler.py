@@ -11,7 +11,8 @@ import pytest
 from justapi.config import SchedulerConfig
 from justapi.core.block_pool import BlockPool
 from justapi.core.outputs import RunnerOutput
-from justapi.core.scheduler import AdmissionError, Scheduler
+from justapi.core.limits import AdmissionError
+from justapi.core.scheduler import Scheduler
 from justapi.core.static_scheduler import StaticScheduler
 from justapi.sampling_params import SamplingParams
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 from ..config import SchedulerConfig, tree_size
 from ..request import Request
 from ..spec.ngram import propose_ngram
+from .kv_blocks import KvBlocks
+from .outputs import CachedRequestData, NewRequestData, SchedulerOutput
 
 
 def draft_slots(req: Request, branch: int) -> int:
@@ -39,3 +41,23 @@ def propose_drafts(running: list[Request], cfg: SchedulerConfig) -> None:
             req.spec_token_ids = propose_ngram(req.all_token_ids, gamma)
         else:
             req.spec_depth = gamma
+
+
+def add_draft_slots(out: SchedulerOutput, data: NewRequestData | CachedRequestData, req: Request, kv: KvBlocks,
+                    branch: int) -> None:
+    """Add a running decode's draft slots to the step (``data``: its entry in ``out``) if free or cached blocks
+    allow: drafts never cost another request its blocks, nor a waiting request its admission order (they only ever
+    use what is left); without the blocks the request decodes one token."""
+    slots = draft_slots(req, branch)
+    new_blocks = kv.grow(req, req.num_computed_tokens + 1 + slots)
+    if new_blocks is None:
+        req.spec_token_ids = []
+        req.spec_depth = 0
+        return
+    rid = req.request_id
+    out.num_scheduled_tokens[rid] += slots
+    (data.block_ids if isinstance(data, NewRequestData) else data.new_block_ids).extend(new_blocks)
+    if req.spec_token_ids:
+        out.spec_token_ids[rid] = req.spec_token_ids
+    else:
+        out.spec_depth[rid] = req.spec_depth

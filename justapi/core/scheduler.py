@@ -19,15 +19,12 @@ from dataclasses import replace
 from ..config import SchedulerConfig
 from ..request import Request, RequestStatus
 from ..sampling_params import SamplingParams
-from .drafts import draft_slots, propose_drafts
+from .drafts import add_draft_slots, draft_slots, propose_drafts
 from .kv_blocks import KvBlocks
+from .limits import RequestLimits
 from .outputs import CachedRequestData, EngineCoreOutput, NewRequestData, RunnerOutput, SchedulerOutput
 from .policy import make_policy
 from .stats import SchedulerStats
-
-
-class AdmissionError(ValueError):
-    """A request that can never be served with this configuration (too long for the context or the pool)."""
 
 
 class Scheduler:
@@ -39,6 +36,7 @@ class Scheduler:
         self.kv = KvBlocks(config.num_blocks, config.block_size, config.prefix_cache)
         self.pool = self.kv.pool  # read by the engine, stats and tests
         self.cache = self.kv.cache
+        self.limits = RequestLimits(config.max_model_len, config.num_blocks, config.block_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in the policy's order (fcfs: admission): the last is preempted first
         self.policy = make_policy(config.policy, config.priority_aging_s, dict(config.user_weights), config.chunk_size)
@@ -63,37 +61,13 @@ class Scheduler:
         self.handoffs: dict[str, Request] = {}
 
     # --- requests in and out ------------------------------------------------------------------------------
-    def check_admissible(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
-        """Raise AdmissionError if such a request could never fit; return its max_tokens. Reads state only."""
-        if num_prompt_tokens == 0:
-            raise AdmissionError("the prompt is empty")
-        limit = self.config.max_model_len
-        n = num_prompt_tokens
-        if n >= limit:
-            raise AdmissionError(
-                f"the prompt has {n} tokens; the maximum context length is {limit} tokens including the output"
-            )
-        max_tokens = max_tokens if max_tokens is not None else limit - n
-        if n + max_tokens > limit:
-            raise AdmissionError(
-                f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds the maximum context length of "
-                f"{limit} tokens"
-            )
-        capacity = self.kv.capacity_tokens
-        if n + max_tokens > capacity:
-            raise AdmissionError(
-                f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds the KV cache pool of {capacity} "
-                f"tokens ({self.pool.num_blocks} blocks of {self.block_size})"
-            )
-        return max_tokens
-
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, eos_token_ids, seed: int
     ) -> Request:
         """Queue a request, or raise AdmissionError if it could never fit."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        max_tokens = self.check_admissible(len(prompt_token_ids), params.max_tokens)
+        max_tokens = self.limits.check(len(prompt_token_ids), params.max_tokens)
         if params.max_tokens is None:
             params = replace(params, max_tokens=max_tokens)
         req = Request(request_id, list(prompt_token_ids), params, frozenset(eos_token_ids), seed)
@@ -116,7 +90,7 @@ class Scheduler:
         is known: it is admitted straight into decoding, the runner copies ``kv`` into its blocks."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.check_admissible(len(prompt_token_ids), params.max_tokens)
+        self.limits.check(len(prompt_token_ids), params.max_tokens)
         req = Request(request_id, list(prompt_token_ids), params, frozenset(eos_token_ids), seed)
         req.append_output(first_token)
         req.imported_kv = kv
@@ -233,7 +207,8 @@ class Scheduler:
             self._add_to_output(out, req, n, new_blocks)
             i += 1
         for req in drafting:
-            self._schedule_drafts(out, req)
+            if req.status is RequestStatus.RUNNING:  # not preempted for a later request's blocks
+                add_draft_slots(out, self._out_data[req.request_id], req, self.kv, self.config.branch)
         return preempted, deferred
 
     def _grow_or_preempt(self, req: Request, n: int) -> tuple[list[int] | None, bool]:
@@ -265,26 +240,6 @@ class Scheduler:
             counts["prefill"] += 1
             budget[0] -= n
             self._add_to_output(out, req, n, new_blocks)
-
-    def _schedule_drafts(self, out: SchedulerOutput, req: Request) -> None:
-        """Add a decode's draft slots if free (or cached) blocks allow: drafts never cost another request its
-        blocks, nor a waiting request its admission order (they only ever use what is left)."""
-        slots = draft_slots(req, self.config.branch)
-        if req.status is not RequestStatus.RUNNING:
-            return
-        new_blocks = self.kv.grow(req, req.num_computed_tokens + 1 + slots)
-        if new_blocks is None:
-            req.spec_token_ids = []
-            req.spec_depth = 0
-            return
-        rid = req.request_id
-        out.num_scheduled_tokens[rid] += slots
-        data = self._out_data[rid]
-        (data.block_ids if isinstance(data, NewRequestData) else data.new_block_ids).extend(new_blocks)
-        if req.spec_token_ids:
-            out.spec_token_ids[rid] = req.spec_token_ids
-        else:
-            out.spec_depth[rid] = req.spec_depth
 
     def _displace(self, now: float) -> None:
         """Preempt the last running request (the policy's least urgent) for the next waiting one when the policy

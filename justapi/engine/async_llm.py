@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from ..core.admission import StepCostModel
-from ..core.scheduler import AdmissionError
+from ..core.limits import AdmissionError
 from ..core.stats import PdSnapshot, SchedulerSnapshot
 from ..sampling_params import SamplingParams
 from .output_processor import RequestOutput

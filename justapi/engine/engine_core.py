@@ -104,7 +104,7 @@ class EngineCore(ModelFront):
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Raise ValueError (AdmissionError) for a request that can never be served; its max_tokens. Reads state only."""
         self.check_token_ids(prompt_token_ids)
-        return self.scheduler.check_admissible(len(prompt_token_ids), params.max_tokens)
+        return self.scheduler.limits.check(len(prompt_token_ids), params.max_tokens)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request; raises AdmissionError (a ValueError) when it can never be served."""

@@ -23,11 +23,11 @@ import multiprocessing.connection as mp_connection
 import os
 import time
 
-from ..config import EngineConfig, SchedulerConfig
+from ..config import EngineConfig
+from ..core.limits import RequestLimits
 from ..core.outputs import EngineCoreOutput
 from ..core.pd_scheduler import PdScheduler, WorkerInfo
 from ..core.router import PrefixRouter
-from ..core.scheduler import Scheduler
 from ..core.stats import PdSnapshot
 from ..distributed.group import describe
 from ..distributed.launch import make_launcher
@@ -124,8 +124,7 @@ class PdEngine(ModelFront):
         self.pd = PdScheduler([WorkerInfo(r, roles[r], num_blocks=ready[r][0], block_size=ready[r][1],
                                           free_blocks=ready[r][0]) for r in range(workers)], router)
         smallest = min(n for n, _ in ready.values())
-        self._admission = Scheduler(SchedulerConfig(num_blocks=smallest, block_size=cfg.block_size,
-                                                    max_model_len=self.max_model_len))
+        self._limits = RequestLimits(self.max_model_len, smallest, cfg.block_size)
         c = self.model_config
         self._kv_shape = (c.num_layers, 2, c.num_kv_heads, None, cfg.block_size, c.head_dim)
 
@@ -204,7 +203,7 @@ class PdEngine(ModelFront):
             raise ValueError("embeddings are not served with --disaggregate (a prompt's prefill is all they are: "
                              "serve them from a plain server)")
         self.check_token_ids(prompt_token_ids)
-        return self._admission.check_admissible(len(prompt_token_ids), params.max_tokens)
+        return self._limits.check(len(prompt_token_ids), params.max_tokens)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self.pd.requests:

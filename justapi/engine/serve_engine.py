@@ -13,10 +13,10 @@ import time
 
 from ray import serve
 
-from ..config import EngineConfig, SchedulerConfig
+from ..config import EngineConfig
+from ..core.limits import RequestLimits
 from ..core.outputs import EngineCoreOutput
 from ..core.pd_scheduler import PdStats
-from ..core.scheduler import Scheduler
 from ..core.stats import PdSnapshot, WorkerSnapshot
 from ..sampling_params import SamplingParams
 from .async_llm import EngineDeadError
@@ -44,8 +44,7 @@ class ServeEngine(ModelFront):
         self.handle, self.deployment = handle.options(stream=True), deployment
         self.outputs = OutputProcessor(self.tokenizer)
         blocks = -(-self.max_model_len // config.block_size)  # a pool as long as the model: only lengths are checked
-        self._admission = Scheduler(SchedulerConfig(num_blocks=blocks, block_size=config.block_size,
-                                                    max_model_len=self.max_model_len))
+        self._limits = RequestLimits(self.max_model_len, blocks, config.block_size)
         self.last_step = None
         self.requests: dict[str, _Pending] = {}
         self.stats_counters = PdStats()
@@ -63,7 +62,7 @@ class ServeEngine(ModelFront):
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """The length checks of a scheduler; a replica checks its own KV pool when the request gets there."""
         self.check_token_ids(prompt_token_ids)
-        return self._admission.check_admissible(len(prompt_token_ids), params.max_tokens)
+        return self._limits.check(len(prompt_token_ids), params.max_tokens)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self.requests:
