@@ -261,6 +261,21 @@ def test_incremental_detokenizer_never_splits_a_character(tiny_llm):
     assert sum(1 for p in pieces if p == "") > 0  # multi-byte characters waited for their last byte
 
 
+def test_bytes_that_never_make_a_character_stream_as_they_come(tiny_llm):
+    """A model emitting stray byte tokens (a lead byte over and over: SmolLM2 does so on some random prompts) gets
+    replacement characters streamed a few tokens behind, not its whole output held back to the end."""
+    from justapi.model.tokenizer import IncrementalDetokenizer
+
+    tok = tiny_llm.tokenizer
+    lead, _ = tok.encode("é")  # é is two byte tokens here; its first byte alone never completes
+    ids = [lead] * 20 + tok.encode(" ok ✓ é")
+    detok = IncrementalDetokenizer(tok, [], True)
+    pieces = [detok.add([i]) for i in ids] + [detok.add([], final=True)]
+    assert "".join(pieces) == tok.decode(ids, True) == "\ufffd" * 20 + " ok ✓ é"
+    assert next(i for i, p in enumerate(pieces) if p) <= 4  # at most 4 tokens behind (HOLD_TOKENS)
+    assert pieces[-1] == ""  # nothing was left for the end
+
+
 def test_sentencepiece_vocabulary_from_gguf(tmp_path):
     from justapi import LLM, SamplingParams
     from justapi.model.tokenizer import IncrementalDetokenizer

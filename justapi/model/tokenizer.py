@@ -129,10 +129,13 @@ class IncrementalDetokenizer:
     """Text of a growing token sequence, released only when it no longer ends inside a UTF-8 character.
 
     Decodes a short window (a few tokens of context, then the unreleased ones) each time, so the cost per token
-    stays constant and SentencePiece's leading-space rules see the token before.
+    stays constant and SentencePiece's leading-space rules see the token before. Bytes that will never make a
+    character (a model emitting stray byte tokens) are released as replacement characters once HOLD_TOKENS tokens
+    follow them, as llama.cpp's server does, instead of holding the whole stream until the end.
     """
 
     CONTEXT_TOKENS = 5
+    HOLD_TOKENS = 4  # an unfinished UTF-8 character has at most 3 bytes: 4 tokens later it is finished or invalid
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
@@ -148,9 +151,15 @@ class IncrementalDetokenizer:
         prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], self.skip)
         full = self.tokenizer.decode(self.ids[self.prefix_offset :], self.skip)
         if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
-            delta = full[len(prefix) :]
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.ids)
-            self.text += delta
-            return delta
+            return self._release(full[len(prefix) :], len(self.ids))
+        cut = len(self.ids) - self.HOLD_TOKENS
+        if cut > self.read_offset:  # what lies before the last HOLD_TOKENS tokens can no longer change
+            head = self.tokenizer.decode(self.ids[self.prefix_offset : cut], self.skip)
+            if len(head) > len(prefix) and full.startswith(head):
+                return self._release(head[len(prefix) :], cut)
         return ""
+
+    def _release(self, delta: str, read_offset: int) -> str:
+        self.prefix_offset, self.read_offset = self.read_offset, read_offset
+        self.text += delta
+        return delta
