@@ -22,10 +22,6 @@ class KvBlocks:
         self.cache = RadixPrefixCache(self.pool, block_size) if prefix_cache else None
 
     @property
-    def capacity_tokens(self) -> int:
-        return self.pool.num_blocks * self.block_size
-
-    @property
     def num_cached_blocks(self) -> int:
         return self.cache.num_blocks if self.cache is not None else 0
 
