@@ -33,6 +33,7 @@ import urllib.request
 from pathlib import Path
 
 from justapi.bench.client import read_step_log
+from justapi.config import usable_cores
 
 BIN = Path(sys.executable).parent
 NAME = "smollm2-135m"
@@ -363,7 +364,7 @@ def main() -> None:
     p.add_argument("serve_args", nargs="*", help="after --: extra `justapi serve` flags")
     args = p.parse_args()
     cpu = re.search(r"model name\s*: (.*)", Path("/proc/cpuinfo").read_text()).group(1)
-    print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} cores, {cpu}, "
+    print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {usable_cores()} cores, {cpu}, "
           f"serve flags: {' '.join(args.serve_args) or '(defaults)'}")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -373,7 +374,7 @@ def main() -> None:
             plain = measure(args, workload, folder, profile=False)
             spied = measure(args, workload, folder, profile=True)
             results[workload] = {"plain": plain, "profiled": spied}
-            print(report(workload, plain, spied, os.cpu_count(), args.rate), flush=True)
+            print(report(workload, plain, spied, usable_cores(), args.rate), flush=True)
             print()
     if args.json:
         args.json.write_text(json.dumps(results, indent=1, default=dict))

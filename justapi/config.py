@@ -82,6 +82,15 @@ def flag(default, help: str, name: str | None = None, choices=None, metavar: str
     return field(default=default, metadata={"help": help, "flag": name, "choices": choices, "metavar": metavar})
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (taskset, a container's cpuset), not the host's count,
+    which os.cpu_count() gives and which would put several threads on each allowed core."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no sched_getaffinity (not Linux)
+        return os.cpu_count() or 1
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs a model: device, KV pool, scheduler limits. Each field made with ``flag`` is a flag of

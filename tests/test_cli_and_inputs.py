@@ -218,6 +218,14 @@ def test_flags_become_the_config_continuous_batching_by_default():
     assert static.static_batching
 
 
+def test_threads_default_to_the_cores_this_process_may_use_not_the_hosts():
+    """Under taskset or a container's cpuset, os.cpu_count() still counts the host's cores; threads are split over the
+    cores the process may run on (one here), or --tp's ranks would each start the host's count on one core."""
+    code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+            "from justapi.config import usable_cores; print(usable_cores())")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "1\n"
+
+
 def test_generate_streams_a_completion(tiny_model):
     proc = run_cli("generate", "--model", tiny_model, "--prompt", "the cat", "--max-tokens", "8")
     assert proc.returncode == 0, proc.stderr

@@ -13,12 +13,11 @@ the next collective on rank 0 with an error (gloo closes the pair), which fails 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 
-from ..config import EngineConfig
+from ..config import EngineConfig, usable_cores
 from ..model_config import ModelConfig
 from ..core.outputs import RunnerOutput, SchedulerOutput
 from ..distributed import group as pg
@@ -54,7 +53,7 @@ def set_threads(config: EngineConfig) -> None:
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     elif config.tp > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tp))
+        torch.set_num_threads(max(1, usable_cores() // config.tp))
 
 
 class Executor:
@@ -90,7 +89,7 @@ class TpExecutor(Executor):
         plan = TpPlan.make(model_config, 0, config.tp)  # a bad --tp fails here, before any process starts
         self.group, self.procs, self.launcher = group, [], None
         if group is None:
-            threads = config.num_threads or max(1, (os.cpu_count() or 1) // config.tp)
+            threads = config.num_threads or max(1, usable_cores() // config.tp)
             self.launcher = make_launcher(config, config.tp, threads, driver_bundle=True)  # rank 0 is this process
             init = self.launcher.rendezvous(None)
             try:

@@ -20,10 +20,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing.connection as mp_connection
-import os
 import time
 
-from ..config import EngineConfig
+from ..config import EngineConfig, usable_cores
 from ..core.limits import RequestLimits
 from ..core.outputs import EngineCoreOutput
 from ..core.pd_scheduler import PdScheduler, WorkerInfo
@@ -75,7 +74,7 @@ class PdEngine(ModelFront):
             start += n
         self._dist_rank = [ranks[0] for ranks in layout]  # where a worker's KV is sent from / to
         world = start
-        threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // world)
+        threads = cfg.num_threads or max(1, usable_cores() // world)
         # under Ray, each process a bundle of this many CPUs (--threads sets it; the default splits this host's cores)
         self.launcher = make_launcher(cfg, world, threads)
         init_method = self.launcher.rendezvous(0)  # on the node of global rank 0, worker 0's leader
