@@ -157,8 +157,9 @@ class KernelPolicy:
         runs = {"q_matmul": cpu.q_matmul and dtype == torch.float32, "amx": cpu.amx and bf16,
                 "dpbf16": vectors,
                 "q8_small": cpu.avx512_units and bf16,
-                # beside dpbf16 only: on AMX tiles torch's int4 kernel keeps 1-5 rows (not measured against it there)
-                "q4_small": vectors,
+                # beside dpbf16 on a CPU without AMX tiles only: on a Xeon with AMX, with the tiles disabled, it took
+                # 1.35x torch's int4 kernel's time at 1 row (7.44 against 5.51 ms a pass, docs/benchmarks.md)
+                "q4_small": vectors and not cpu.amx,
                 "prepack": cpu.onednn and (dtype == torch.float32 or (dtype == torch.bfloat16 and cpu.bf16_matmul)),
                 "fused_silu": cpu.silu_bf16 if dtype == torch.bfloat16 else cpu.silu_fp32 and dtype == torch.float32,
                 # prompt chunks' attention over a bf16 cache: with bf16 products where the model computes in bf16,
