@@ -1,7 +1,7 @@
 """The engine's C++ kernels in process, one kernel family per mode.
 
 usage: python benchmarks/kernels_bench.py [weights] [--model GGUF] [--rows 1 5 8 28 64 128 512] [--reps 7] [--fp32]
-                                         [--disable K ... | --base REV]
+                                         [--disable K ... | --base REV] [--torch-small-rows N ...]
        python benchmarks/kernels_bench.py attention [--base REV | --huge-pages] [--reps 7]
        python benchmarks/kernels_bench.py prefill [--base REV] [--reps 7]
        python benchmarks/kernels_bench.py peak
@@ -15,7 +15,9 @@ through all the layers' projections (4- or 8-bit) and through the LM head, each 
 ``--reps``. Prints the start-up log's route tables, the weights' MiB, ms per pass and the ratio to the default, and
 the default's layers' rate (2 x weights x rows per pass, GFLOP/s: compare with ``peak``). ``--base REV``: instead of
 kernels off, the kernels as built at that git revision, swapped into the same weights and timed interleaved with
-the working tree's (a change inside a weight kernel, before and after).
+the working tree's (a change inside a weight kernel, before and after). ``--torch-small-rows N``: also the
+default policy with torch's int4 (and int8) kernels taking batches of up to N rows instead of 5, where they take any
+(beside AMX tiles): where the tiles should start.
 
 ``attention``: the decode-attention kernel alone, on a W1-sized batch: 32 sequences of 64-767 tokens (seeded),
 SmolLM2's heads (9 query / 3 KV, head size 64), blocks of 16 scattered through the pool, and one cache per layer for
@@ -101,10 +103,19 @@ def weights(args) -> None:
     for kernel in [] if args.base else off:
         models[f"{kernel} off"] = load((kernel,), args.model)
         kernels[f"{kernel} off"] = models[f"{kernel} off"].policy.kernels
+    routes = {}  # the route tables as loaded (describe() reads the limits when called)
+    for limit in args.torch_small_rows:  # torch's int4/int8 kernels up to this many rows, the units' route above
+        default_limit, kernel_policy.TORCH_SMALL_MAX_ROWS = kernel_policy.TORCH_SMALL_MAX_ROWS, limit
+        try:
+            models[f"torch<={limit}"] = load((), args.model)
+            routes[f"torch<={limit}"] = models[f"torch<={limit}"].policy.describe()
+        finally:
+            kernel_policy.TORCH_SMALL_MAX_ROWS = default_limit
+        kernels[f"torch<={limit}"] = policy.kernels
     for name, model in models.items():
         if name == args.base:
             continue  # the default's weights and routes
-        lines = model.policy.describe()
+        lines = routes.get(name) or model.policy.describe()
         print(f"{name}: weights {model.weight_bytes() / 2**20:.1f} MiB; {lines[0]}")
         print("\n".join(lines[1:]))
     width = max(len(n) for n in models) + 2
@@ -348,6 +359,9 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="weights: a GGUF file (default: SmolLM2)")
     ap.add_argument("--fp32", action="store_true", help="weights: the fp32 route of a CPU without a bf16 matmul")
     ap.add_argument("--disable", nargs="*", default=None, help="weights: kernels to time off (default: each one in use)")
+    ap.add_argument("--torch-small-rows", type=int, nargs="*", default=[],
+                    help="weights: also time the routes with torch's int4/int8 kernels taking up to N rows (where they "
+                         "take 1-5, as beside AMX tiles; 0: the units' route from 1 row)")
     ap.add_argument("--base", default=None, help="attention, weights: a git revision whose kernels are timed alongside")
     ap.add_argument("--block-size", type=int, default=16, help="attention: tokens per KV block (the engine's --block-size)")
     ap.add_argument("--huge-pages", action="store_true", help="attention: caches on huge pages against ordinary ones")

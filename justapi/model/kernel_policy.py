@@ -246,6 +246,8 @@ def describe_routes(routes: tuple[Route, ...]) -> str:
     """``rows 1-5 torch_int4, 6+ amx``."""
     parts, low = [], 1
     for r in routes:
+        if r.max_rows < low:
+            continue  # takes no batch (a limit of 0 rows: benchmarks/kernels_bench.py --torch-small-rows 0)
         parts.append(f"{low}+ {r.kernel}" if r.max_rows >= ALL_ROWS else f"{low}-{r.max_rows} {r.kernel}")
         low = r.max_rows + 1
     return "rows " + ", ".join(parts)
