@@ -76,9 +76,10 @@ def units_matmul(cpp_kernels, kernel: str, bits: int):
 def sums_like_onednn(cpp_kernels, kernel: str) -> bool:
     """Whether oneDNN's bf16 product of the dense copy sums in ``kernel``'s order, so that the two agree bit for bit
     where the tests below say so: amx, on tiles as oneDNN's; dpbf16 only on a CPU without AMX, where oneDNN's bf16
-    kernels are AVX-512 BF16 dot products too. On a Xeon with AMX (2026-12-04) dpbf16's equality with oneDNN failed
-    at 345 rows and at 8 rows of SmolLM2's widths, while both stayed within one bf16 rounding of the exact product;
-    dpbf16 is not a route there (the AMX tiles are)."""
+    kernels are AVX-512 BF16 dot products too. On a Xeon with AMX (2026-12-04) the two dpbf16 tests below that assert
+    this equality at 345 rows and at 8 rows of SmolLM2's widths failed, their messages lost with a crash that
+    followed; the bound of one bf16 rounding stays asserted everywhere. dpbf16 is not a
+    route there (the AMX tiles are)."""
     return kernel == "amx" or not cpp_kernels.int4_amx_available()
 
 
@@ -338,9 +339,9 @@ def test_q_matmul_equals_the_dequantized_weight_times_the_rows_rounded_to_16_bit
 
 
 def one_thread(f, *args):
-    """f(*args) with torch on one thread. F.silu's own bits change with torch's thread count: at 16 threads (on a
-    Xeon, and on 2 cores told to use 16) some fp32 elements of a 373 x 768 silu differ from those at 1-3 threads,
-    which are the ones the kernel computes at any thread count."""
+    """f(*args) with torch on one thread. F.silu's own bits change with torch's thread count: at 16 threads (as on a
+    16-core machine; seen on 2 cores told to use 16) some fp32 elements of a 373 x 768 silu differ from those at 1-3
+    threads, which are the ones the kernel computes at any thread count."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
