@@ -78,8 +78,8 @@ def sums_like_onednn(cpp_kernels, kernel: str) -> bool:
     where the tests below say so: amx, on tiles as oneDNN's; dpbf16 only on a CPU without AMX, where oneDNN's bf16
     kernels are AVX-512 BF16 dot products too. On a Xeon with AMX (2026-12-04) the two dpbf16 tests below that assert
     this equality at 345 rows and at 8 rows of SmolLM2's widths failed, their messages lost with a crash that
-    followed; the bound of one bf16 rounding stays asserted everywhere. dpbf16 is not a
-    route there (the AMX tiles are)."""
+    followed; the bound of one bf16 rounding stays asserted everywhere. dpbf16 is not a route there (the AMX tiles
+    are)."""
     return kernel == "amx" or not cpp_kernels.int4_amx_available()
 
 
