@@ -3,7 +3,7 @@ machine's measured matmul rate: every product, attention included, counted at th
 reaches here, nothing else counted (no norms, no dispatch, no memory traffic).
 
 usage: python benchmarks/w1_bound.py [--model GGUF] [--requests 128] [--prompt 64:512] [--output 16:256]
-                                     [--gflops G]
+                                     [--gflops G] [--arrival-rate R]
 
 Defaults: W1 of docs/benchmarks.md. Lengths are uniform over the ranges (the expectation is summed, length by
 length). The architecture is read from the GGUF. Per request of prompt length L and output length O:
@@ -11,6 +11,9 @@ length). The architecture is read from the GGUF. Per request of prompt length L 
     layers    2 FLOP per weight for each of the L + O - 1 tokens fed (the last output token is not fed back)
     head      2 FLOP per weight for each of the O positions whose logits are sampled
     attention 4 * heads * head_dim * layers FLOP per (query, visible key): QK^T and PV; query i sees i keys
+
+``--arrival-rate R``: the requests arrive at R a second (W3's Poisson arrivals), so the run lasts at least as long as
+their arrivals (requests / R), which the arithmetic alone does not count.
 
 ``--gflops``: use this rate instead of measuring (the matmul's best GFLOP/s over square sizes 1024-4096, all
 threads, best of 5 each).
@@ -50,6 +53,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=span, default=span("64:512"))
     ap.add_argument("--output", type=span, default=span("16:256"))
     ap.add_argument("--gflops", type=float, default=None)
+    ap.add_argument("--arrival-rate", type=float, default=None, help="requests a second (W3: 1.2), else all at once")
     args = ap.parse_args()
     path = args.model or default_model_path()
     cfg = read_model_config(open_gguf(path), path)
@@ -79,6 +83,10 @@ def main() -> None:
           f"{torch.get_num_threads()} threads)")
     print(f"at that rate: prefill alone {prefill / (rate * 1e9):.1f} s, all {seconds:.1f} s -> at most "
           f"{output_tokens / seconds:.0f} out tok/s; decode alone at most {rate * 1e9 / per_decode:.0f} tok/s")
+    if args.arrival_rate:  # the requests cannot all be served before the last one arrives
+        arrivals = args.requests / args.arrival_rate
+        print(f"arrivals at {args.arrival_rate:g} a second: the last one ~{arrivals:.0f} s in -> at most "
+              f"{output_tokens / max(seconds, arrivals):.0f} out tok/s")
 
 
 if __name__ == "__main__":
