@@ -8,8 +8,8 @@ the wall time split three ways.
 2. The CPU seconds each thread of the server used (/proc/PID/task/TID/stat), the same run: the engine thread, the
    event loop (HTTP, SSE, tokenizing prompts) and the kernels' OpenMP threads, against wall time x cores.
 3. py-spy sampling the same workload run again (Python frames; with --native also native ones): each engine-thread
-   sample is put in one category (the kernel route of a product, attention, other layer work, sampling, batch
-   building, ...); with --native, waits inside it (the GIL, an OpenMP barrier) are counted apart. The busy time of
+   sample is put in one category (the kernel route of a product, the part of attention, other layer work,
+   sampling, batch building, ...); with --native, waits inside it (the GIL, an OpenMP barrier) are counted apart. The busy time of
    run 1 is split in the sampled shares; the throughput of the profiled run says what the profiler cost.
 
     .venv/bin/python benchmarks/wall_breakdown.py [--workload W1 W2 W3] [--rate 50] [--native] [--model GGUF]
@@ -179,7 +179,22 @@ MODULE_CATEGORIES = [  # the leaf-most justapi frame's file → the category
     ("justapi/engine/output_processor.py", "detokenize"), ("justapi/model/tokenizer.py", "detokenize"),
     ("justapi/engine/async_llm.py", "engine loop"), ("justapi/engine/", "engine loop"),
 ]
-FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^():]+)(?::\d+)?\)$")
+FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^():]+)(?::(?P<line>\d+))?\)$")
+# attention.py's lines by number, to tell which kernel a sample in paged_attention was calling
+ATTENTION_LINES = (Path(__file__).parent.parent / "justapi/model/attention.py").read_text().splitlines()
+
+
+def attention_part(func: str, line: str | None) -> str:
+    """The part of attention a sample's leaf-most attention.py frame is in: the decode kernel, a prompt chunk's
+    attention (the C++ prefill kernel or torch's fused one), the gathers of K/V for torch's, or the rest."""
+    text = ATTENTION_LINES[int(line) - 1] if line and 0 < int(line) <= len(ATTENTION_LINES) else ""
+    if "decode_attention" in text or func.endswith("_decode_attention"):
+        return "attention: decode"
+    if "prefill_attention" in text or func.startswith("_sequence_attention"):
+        return "attention: prompt chunks"
+    if func.startswith("_gather"):
+        return "attention: K/V gathers"
+    return "attention: other"
 
 
 def parse_raw(path: Path) -> dict[int, list[tuple[list[str], int]]]:
@@ -207,6 +222,8 @@ def engine_category(frames: list[str]) -> tuple[str, str | None]:
         if category == "products":  # quant.py's _run_<route> runs one kernel route (model/kernel_policy.py)
             route = m.group("func").rpartition(".")[2]  # py-spy may name the class: _RoutedWeight._run_q_matmul
             category = f"products: {route[5:] if route.startswith('_run_') else 'python (forms, views)'}"
+        elif category == "attention":
+            category = attention_part(m.group("func").rpartition(".")[2], m.group("line"))
         break
     leaf = " ".join(frames[-3:])  # native frames (--native): what the thread waits on
     if "pthread_cond_timedwait" in leaf or "gil_scoped_acquire" in leaf or "take_gil" in leaf:

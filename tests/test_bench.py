@@ -277,3 +277,29 @@ def test_traffic_classes_send_their_fields_and_are_reported_apart(bench, server,
     sweep = bench("sweep", "--base-url", server.url, "--tokenizer", tiny_model, "--rates", "1,2", "--out",
                   str(tmp_path / "s"), "--class", "name=x,rate=5,requests=2")  # rates would change nothing
     assert sweep.returncode == 2 and "own arrival times" in sweep.stderr and "Traceback" not in sweep.stderr
+
+
+def test_wall_breakdown_tells_the_attention_kernels_apart_by_the_line_a_sample_is_on():
+    """benchmarks/wall_breakdown.py splits attention samples by the source line of attention.py they were on: each
+    line that calls the decode kernel, the C++ prefill kernel or torch's fused path lands in its part."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "benchmarks" / "wall_breakdown.py"
+    spec = importlib.util.spec_from_file_location("wall_breakdown", path)
+    wb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(wb)
+    lines = wb.ATTENTION_LINES
+    calls = {part: [i + 1 for i, text in enumerate(lines) if f"kernels.{kernel}(" in text]
+             for part, kernel in (("attention: decode", "decode_attention"),
+                                  ("attention: prompt chunks", "prefill_attention"))}
+    assert len(calls["attention: decode"]) == 2 and len(calls["attention: prompt chunks"]) == 1
+    for part, numbers in calls.items():
+        for n in numbers:
+            assert wb.attention_part("paged_attention", str(n)) == part
+    assert wb.attention_part("_sequence_attention_fused", None) == "attention: prompt chunks"
+    assert wb.attention_part("_gather_blocks", "1") == "attention: K/V gathers"
+    assert wb.attention_part("paged_attention", "1") == "attention: other"
+    frames = ["Thread._bootstrap (threading.py:1)", "step (justapi/engine/engine_core.py:10)",
+              f"paged_attention (justapi/model/attention.py:{calls['attention: decode'][0]})"]
+    assert wb.engine_category(frames) == ("attention: decode", None)
