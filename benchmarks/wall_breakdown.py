@@ -9,8 +9,9 @@ the wall time split three ways.
    event loop (HTTP, SSE, tokenizing prompts) and the kernels' OpenMP threads, against wall time x cores.
 3. py-spy sampling the same workload run again (Python frames; with --native also native ones): each engine-thread
    sample is put in one category (the kernel route of a product, the part of attention, other layer work,
-   sampling, batch building, ...); with --native, waits inside it (the GIL, an OpenMP barrier) are counted apart. The busy time of
-   run 1 is split in the sampled shares; the throughput of the profiled run says what the profiler cost.
+   sampling, batch building, ...); with --native, waits inside it (the GIL, an OpenMP barrier) are counted apart.
+   The busy time of run 1 is split in the sampled shares; the throughput of the profiled run says what the profiler
+   cost.
 
     .venv/bin/python benchmarks/wall_breakdown.py [--workload W1 W2 W3] [--rate 50] [--native] [--model GGUF]
         [--keep DIR] [--json FILE] [-- SERVE FLAGS]
