@@ -2,7 +2,7 @@
 
 usage: python benchmarks/kernels_bench.py [weights] [--model GGUF] [--rows 1 5 8 28 64 128 512] [--reps 7] [--fp32]
                                          [--disable K ... | --base REV] [--torch-small-rows N ...]
-       python benchmarks/kernels_bench.py attention [--base REV | --huge-pages] [--reps 7]
+       python benchmarks/kernels_bench.py attention [--base REV | --huge-pages] [--block-order random] [--reps 7]
        python benchmarks/kernels_bench.py prefill [--base REV] [--reps 7]
        python benchmarks/kernels_bench.py peak
 
@@ -20,7 +20,8 @@ default policy with torch's int4 (and int8) kernels taking batches of up to N ro
 (beside AMX tiles): where the tiles should start.
 
 ``attention``: the decode-attention kernel alone, on a W1-sized batch: 32 sequences of 64-767 tokens (seeded),
-SmolLM2's heads (9 query / 3 KV, head size 64), blocks of 16 scattered through the pool, and one cache per layer for
+SmolLM2's heads (9 query / 3 KV, head size 64), blocks of 16 scattered through the pool (``--block-order in-order``:
+each sequence's one after another; a real run lies between, benchmarks/block_order.py), and one cache per layer for
 30 layers, so each call reads its K/V from memory as in a real step. Prints the best time per call (one layer) and
 the K/V bytes read per second, for fp32 and bf16 caches. ``--base REV`` builds the kernel source at that git
 revision too (with the flags that revision used) and times it interleaved with the working tree's, on the same
@@ -189,7 +190,9 @@ def attention(args) -> None:
     ctx = torch.randint(64, 768, (seqs,), generator=g)
     nblocks = (ctx + bs - 1) // bs
     pool = int(nblocks.sum()) + 8
-    perm = torch.randperm(pool, generator=g)
+    # the blocks of all sequences in random order (a pool after much churn), or each sequence's in order, one
+    # sequence after another (a fresh pool's prompts)
+    perm = torch.randperm(pool, generator=g) if args.block_order == "random" else torch.arange(pool)
     tables = torch.zeros(seqs, int(nblocks.max()), dtype=torch.long)
     used = 0
     for i in range(seqs):
@@ -198,7 +201,8 @@ def attention(args) -> None:
     q = torch.randn(seqs, heads, dim, generator=g)
     k = torch.randn(kv_heads, pool, bs, dim, generator=g)
     v = torch.randn(kv_heads, pool, bs, dim, generator=g)
-    print(f"{seqs} sequences, {int(ctx.sum())} context tokens in blocks of {bs}, {layers} layers' caches, "
+    print(f"{seqs} sequences, {int(ctx.sum())} context tokens in blocks of {bs} ({args.block_order}), "
+          f"{layers} layers' caches, "
           f"{torch.get_num_threads()} threads")
     for dtype in (torch.float32, torch.bfloat16):
         caches = [(k.to(dtype, copy=True), v.to(dtype, copy=True)) for _ in range(layers)]  # 30 distinct caches
@@ -364,6 +368,8 @@ def main() -> None:
                          "take 1-5, as beside AMX tiles; 0: the units' route from 1 row)")
     ap.add_argument("--base", default=None, help="attention, weights: a git revision whose kernels are timed alongside")
     ap.add_argument("--block-size", type=int, default=16, help="attention: tokens per KV block (the engine's --block-size)")
+    ap.add_argument("--block-order", choices=["random", "in-order"], default="random",
+                    help="attention: the blocks in random order or each sequence's contiguous")
     ap.add_argument("--huge-pages", action="store_true", help="attention: caches on huge pages against ordinary ones")
     args = ap.parse_args()
     {"weights": weights, "attention": attention, "prefill": prefill, "peak": peak}[args.mode](args)
