@@ -202,8 +202,7 @@ def attention(args) -> None:
     k = torch.randn(kv_heads, pool, bs, dim, generator=g)
     v = torch.randn(kv_heads, pool, bs, dim, generator=g)
     print(f"{seqs} sequences, {int(ctx.sum())} context tokens in blocks of {bs} ({args.block_order}), "
-          f"{layers} layers' caches, "
-          f"{torch.get_num_threads()} threads")
+          f"{layers} layers' caches, {torch.get_num_threads()} threads")
     for dtype in (torch.float32, torch.bfloat16):
         caches = [(k.to(dtype, copy=True), v.to(dtype, copy=True)) for _ in range(layers)]  # 30 distinct caches
         placed = {name: caches for name, _ in kernels}
