@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
+from pathlib import Path
 
 import justapi.model.llama as llama
 from justapi.engine.llm import LLM
 from justapi.model.gguf_loader import default_model_path
 from justapi.sampling_params import SamplingParams
 
-
-def span(text: str) -> tuple[int, int]:
-    lo, _, hi = text.partition(":")
-    return int(lo), int(hi or lo)
+sys.path.insert(0, str(Path(__file__).parent))
+from w1_bound import span  # noqa: E402  (the lengths "LO:HI" as the range they take)
 
 
 class TableCounter:
@@ -49,16 +49,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--prompt", default="64:512")
-    ap.add_argument("--output", default="16:256")
+    ap.add_argument("--prompt", type=span, default=span("64:512"))
+    ap.add_argument("--output", type=span, default=span("16:256"))
     args = ap.parse_args()
 
     engine = LLM(default_model_path(), show_progress=False).engine
     counter = TableCounter(llama.paged_attention, engine.model_config.num_layers)
     llama.paged_attention = counter
     rng = random.Random(0)
-    work = [([rng.randrange(100, 40000) for _ in range(rng.randint(*span(args.prompt)))],
-             rng.randint(*span(args.output))) for _ in range(args.requests)]
+    work = [([rng.randrange(100, 40000) for _ in range(rng.choice(args.prompt))], rng.choice(args.output))
+            for _ in range(args.requests)]
     in_flight: set[str] = set()
     sent = 0
     while sent < len(work) or in_flight:
