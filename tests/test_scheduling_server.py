@@ -111,17 +111,21 @@ def test_timeouts_end_requests_behind_a_queue_with_what_they_have(priority_serve
 def test_priority_serves_the_urgent_request_first_and_keys_are_users(priority_server):
     srv = priority_server
     gold, basic = ({"Authorization": f"Bearer {k}"} for k in KEYS)
-    body = {"prompt": "who goes first", "max_tokens": 30, "temperature": 0, "ignore_eos": True}
+    body = {"prompt": "who goes first", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     finished: list[str] = []
 
-    async def one(c, name, priority, headers):
-        r = await c.post(srv.url + "/v1/completions", json=dict(body, priority=priority), headers=headers)
+    async def one(c, name, priority, headers, max_tokens=8):
+        r = await c.post(srv.url + "/v1/completions", headers=headers,
+                         json=dict(body, priority=priority, max_tokens=max_tokens))
         assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["stop_reason"] != "timeout", name
         finished.append(name)
 
     async def run():
         async with httpx.AsyncClient(timeout=60) as c:
-            filler = asyncio.create_task(one(c, "filler", 0, basic))
+            # The filler is long enough (30 steps of >= 0.02 s) to still run when the urgent one comes; the others
+            # are short, so that all five end well inside --request-timeout (2.5 s), served one at a time.
+            filler = asyncio.create_task(one(c, "filler", 0, basic, max_tokens=30))
             await asyncio.sleep(0.2)
             tasks = [asyncio.create_task(one(c, f"low{i}", 5, basic)) for i in range(3)]
             await asyncio.sleep(0.2)  # the low ones queue first
