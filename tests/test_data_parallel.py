@@ -79,8 +79,9 @@ def test_replicas_give_the_single_engine_output_and_keep_a_shared_prefix_on_one_
             while engine.has_unfinished:
                 engine.step()
         assert len(set(ranks)) == 1, ranks
-        time.sleep(2 * REPORT_INTERVAL_S)
-        engine.step()  # the replicas' load reports
+        deadline = time.monotonic() + 40 * REPORT_INTERVAL_S  # until the replicas' load reports show the hits
+        while engine.pd.workers[ranks[0]].cache_hits < 2 * 4 and time.monotonic() < deadline:
+            engine.step()
         assert engine.pd.workers[ranks[0]].cache_hits >= 2 * 4  # the 2nd and 3rd found the 4 shared blocks
         embed = {}
         engine.add_request("embed", prompts[0], SamplingParams.for_embedding(Pooling()))  # a replica is a whole engine
@@ -120,7 +121,8 @@ def test_a_replica_killed_mid_load_fails_what_it_streamed_and_the_other_serves_o
     srv = ServerProcess(["--model", tiny_model, "--pool-blocks", "256", "--data-parallel", "2", "--threads", "1"],
                         str(tmp_path / "dp.log"), timeout_s=300)
     try:
-        body = {"prompt": [5, 6, 7, 8], "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+        # long enough to still stream after the client has read 5 tokens and asked /health (400 left ~0.2 s)
+        body = {"prompt": [5, 6, 7, 8], "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
         others: list[int] = []
 
         def side_request(i):  # traffic on the other replica meanwhile, which must all be served

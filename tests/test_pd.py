@@ -214,7 +214,8 @@ def test_a_decode_worker_killed_mid_stream_fails_its_requests_and_serving_goes_o
                          "--prefill-workers", "1", "--decode-workers", "2", "--threads", "1"],
                         str(tmp_path / "pd.log"), timeout_s=300)
     try:
-        body = {"prompt": [5, 6, 7, 8], "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+        # long enough to still stream after the client has read 5 tokens and asked /health (400 left ~0.2 s)
+        body = {"prompt": [5, 6, 7, 8], "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
         with httpx.Client(timeout=60) as client, client.stream("POST", srv.url + "/v1/completions", json=body) as r:
             lines = r.iter_lines()
             got = 0
@@ -271,9 +272,17 @@ def test_ttft_slo_with_disaggregation_predicts_from_the_prefill_workers(tiny_mod
 
         async def run():
             async with httpx.AsyncClient(timeout=120) as c:
-                warm = await c.post(srv.url + "/v1/completions", json=body())
-                assert warm.status_code == 200, warm.text
-                await asyncio.sleep(0.6)  # a load report with the worker's step costs comes in
+                # until a load report with the worker's step costs has come in (a request admitted with a
+                # prediction); a fixed wait beat the server's idle pipe reads by only ~0.1 s
+                deadline = time.monotonic() + 30
+                while True:
+                    warm = await c.post(srv.url + "/v1/completions", json=body())
+                    assert warm.status_code == 200, warm.text
+                    m = (await c.get(srv.url + "/metrics")).text
+                    if metric(m, "justapi_ttft_prediction_error_seconds_count") > 0:
+                        break
+                    assert time.monotonic() < deadline, "no step costs came from the prefill worker"
+                    await asyncio.sleep(0.3)
                 burst = await asyncio.gather(*(c.post(srv.url + "/v1/completions", json=body()) for _ in range(60)))
                 return burst, (await c.get(srv.url + "/metrics")).text
 

@@ -151,8 +151,8 @@ def test_shortest_serves_a_short_prompt_before_a_long_one_queued_first(tiny_mode
     try:
         finished: list[str] = []
 
-        async def one(c, name, prompt):
-            body = {"prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+        async def one(c, name, prompt, max_tokens=20):
+            body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
             r = await c.post(srv.url + "/v1/completions", json=body)
             assert r.status_code == 200, r.text
             finished.append(name)
@@ -160,7 +160,9 @@ def test_shortest_serves_a_short_prompt_before_a_long_one_queued_first(tiny_mode
 
         async def run():
             async with httpx.AsyncClient(timeout=60) as c:
-                filler = asyncio.create_task(one(c, "filler", "hold the slot"))
+                # 60 steps of >= 20 ms: still running when the short one comes at 0.4 s (with 20 it had ended by
+                # then less 40 ms, and a slow moment let the long one take the slot first)
+                filler = asyncio.create_task(one(c, "filler", "hold the slot", max_tokens=60))
                 await asyncio.sleep(0.2)
                 long = asyncio.create_task(one(c, "long", "a long prompt " * 60))
                 await asyncio.sleep(0.2)  # the long one queues first
@@ -178,7 +180,7 @@ def test_fair_shares_let_a_light_user_past_a_heavy_backlog(tiny_model, tmp_path)
     srv = InProcessServer(["--model", tiny_model, "--max-seqs", "2", "--pool-blocks", "200", "--threads", "1",
                            "--scheduling-policy", "fair"], str(tmp_path / "fair.log"), on_engine=slow_steps(0.01))
     try:
-        body = {"prompt": "share", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        body = {"prompt": "share", "max_tokens": 60, "temperature": 0, "ignore_eos": True}
         done: list[str] = []
 
         async def one(c, name, user):
@@ -189,8 +191,9 @@ def test_fair_shares_let_a_light_user_past_a_heavy_backlog(tiny_model, tmp_path)
         async def run():
             async with httpx.AsyncClient(timeout=120) as c:
                 heavy = [asyncio.create_task(one(c, f"heavy{i}", "heavy")) for i in range(12)]
-                # mid-way through the first pair (40 steps of at least 10 ms), never on a boundary between pairs
-                await asyncio.sleep(0.2)
+                # early in the first pair (60 steps of at least 10 ms), never on a boundary between pairs; coming
+                # before some heavy ones are queued would only help it
+                await asyncio.sleep(0.1)
                 done_before = len(done)
                 light = asyncio.create_task(one(c, "light", "light"))
                 await asyncio.gather(light, *heavy)
@@ -208,7 +211,7 @@ def test_fair_shares_let_a_light_user_past_a_heavy_backlog(tiny_model, tmp_path)
 def test_ttft_slo_refuses_with_retry_after_and_measures_its_error(tiny_model, tmp_path):
     gate = threading.Event()
     srv = InProcessServer(["--model", tiny_model, "--max-seqs", "4", "--pool-blocks", "400", "--threads", "1",
-                           "--chunk-size", "16", "--ttft-slo", "1.0"], str(tmp_path / "slo.log"),
+                           "--chunk-size", "16", "--ttft-slo", "1.8"], str(tmp_path / "slo.log"),
                           on_engine=slow_steps(0.05, gate))
     try:
         prompt = " ".join(f"w{i}" for i in range(60))  # a few chunks of 16 each at 50 ms a step
