@@ -114,9 +114,8 @@ def test_priority_serves_the_urgent_request_first_and_keys_are_users(priority_se
     body = {"prompt": "who goes first", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     finished: list[str] = []
 
-    async def one(c, name, priority, headers, max_tokens=8):
-        r = await c.post(srv.url + "/v1/completions", headers=headers,
-                         json=dict(body, priority=priority, max_tokens=max_tokens))
+    async def one(c, name, priority, headers, **more):
+        r = await c.post(srv.url + "/v1/completions", json=dict(body, priority=priority, **more), headers=headers)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["stop_reason"] != "timeout", name
         finished.append(name)
