@@ -83,8 +83,12 @@ def check_model_file(path: str, draft_path: str | None = None, tps: dict[str, in
 
 
 # asyncio's own loop and h11, whatever else is installed (the Ray extra pulls in uvloop and httptools, which uvicorn
-# would otherwise switch to): the measured stack, the same with and without extras
-UVICORN_STACK = {"loop": "asyncio", "http": "h11"}
+# would otherwise switch to): the measured stack, the same with and without extras; h11 with a deadline for each
+# request's head (server.http_guard), and idle kept-alive connections closed after 5 s (uvicorn's default, stated)
+def uvicorn_stack() -> dict:
+    from .server.http_guard import GuardedH11Protocol
+
+    return {"loop": "asyncio", "http": GuardedH11Protocol, "timeout_keep_alive": 5}
 
 
 def cmd_serve(args) -> int:
@@ -98,7 +102,7 @@ def cmd_serve(args) -> int:
     app, server_cfg = serve_app(args)
     server = _uvicorn_server_class()(uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port, access_log=False,
                                                     log_level=server_cfg.log_level.lower(),
-                                                    timeout_graceful_shutdown=5, **UVICORN_STACK))
+                                                    timeout_graceful_shutdown=5, **uvicorn_stack()))
     server.run()
     return 0 if server.started else 1
 

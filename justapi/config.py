@@ -42,6 +42,8 @@ DEFAULT_PORT = 8000
 DEFAULT_MAX_QUEUE = 1024
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_N = 16
+DEFAULT_MAX_PROMPTS = 2048  # prompts in one completions request, inputs in one embeddings request (OpenAI's limit)
+DEFAULT_MAX_CHOICES = 2048  # sequences one request may start (prompts x n): each is a request to the scheduler
 DEFAULT_SERVED_MODEL_NAME = None  # None: the model file's stem
 
 
@@ -388,6 +390,12 @@ class ServerConfig:
     max_queue: int = flag(DEFAULT_MAX_QUEUE, "requests waiting before the server answers 429")
     max_body_bytes: int = flag(DEFAULT_MAX_BODY_BYTES, "largest request body; larger ones get 413")
     max_n: int = flag(DEFAULT_MAX_N, "largest n (completions per request)")
+    max_prompts: int = flag(DEFAULT_MAX_PROMPTS, "most prompts in one completions request (and inputs in one "
+                            "embeddings request)")
+    max_choices: int = flag(DEFAULT_MAX_CHOICES, "most sequences one request may start (prompts x n)")
+    clamp_max_tokens: bool = flag(False, "cut a max_tokens beyond what fits (the context, the KV pool) to what "
+                                  "fits, as llama.cpp and Ollama do, instead of answering 400 (as vLLM)")
+    open_metrics: bool = flag(False, "serve /metrics without a key when --api-key is set")
     log_level: str = flag("info", "log level", choices=("critical", "error", "warning", "info", "debug"))
     stats_interval_s: float = flag(10.0, "seconds between the scheduler's stats lines in the log")
     request_timeout: float | None = flag(None, "seconds after which a request ends with what it has generated "
@@ -407,8 +415,9 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, not {self.port}")
-        if self.max_queue < 1:
-            raise ValueError(f"--max-queue must be a positive integer, not {self.max_queue}")
+        for name in ("max_queue", "max_n", "max_prompts", "max_choices", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, not {getattr(self, name)}")
         if self.api_key is not None and not all(self.api_keys):
             raise ValueError("--api-key: a key is empty")
         for name in ("request_timeout", "ttft_slo"):

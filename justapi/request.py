@@ -16,6 +16,7 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
     FINISHED_TIMEOUT = "timeout"  # its deadline passed; the client gets finish_reason "length" (output_processor)
+    FINISHED_ERROR = "error"  # its own sampling, grammar or text raised: it fails alone, its blocks freed
 
 
 @dataclass(eq=False)

@@ -3,12 +3,19 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from .structured.spec import StructuredOutput
 
 
 POOLING_KINDS = ("last", "mean")
+# temperatures below this are greedy (vLLM's rule): dividing logits by less overflows them to infinities, whose
+# softmax is NaN, and the argmax is what such a temperature samples anyway
+GREEDY_BELOW_TEMPERATURE = 1e-5
+MAX_STOP_STRINGS = 16  # stop strings per request (OpenAI allows 4); each is searched for in every new text
+MAX_STOP_CHARS = 512  # characters per stop string: the text held back from a stream is the longest one
+MAX_STOP_TOKEN_IDS = 256
 
 
 @dataclass(frozen=True)
@@ -66,8 +73,14 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if self.temperature < GREEDY_BELOW_TEMPERATURE:
+            self.temperature = 0.0
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == -1:
@@ -85,6 +98,10 @@ class SamplingParams:
             raise ValueError(f"n must be at least 1, got {self.n}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters each")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         if self.structured is not None and self.ignore_eos:
             raise ValueError("ignore_eos cannot be combined with structured output: the output ends where its "
                              "grammar does")

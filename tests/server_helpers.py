@@ -106,7 +106,7 @@ class InProcessServer:
         app, _ = cli.serve_app(parsed, on_engine=keep)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, access_log=False,
                                                     log_config=None, log_level="warning",
-                                                    timeout_graceful_shutdown=5, **cli.UVICORN_STACK))
+                                                    timeout_graceful_shutdown=5, **cli.uvicorn_stack()))
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._serve, name=f"justapi-serve-{self.port}", daemon=True)
         self.thread.start()

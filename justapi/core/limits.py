@@ -18,22 +18,25 @@ class RequestLimits:
     block_size: int
 
     def check(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
-        """Raise AdmissionError if such a request could never fit; return its max_tokens (by default, the rest of
-        the context)."""
+        """Raise AdmissionError if such a request could never fit; return its max_tokens (by default, as many as
+        fit: the rest of the context, capped by the pool, as llama.cpp and Ollama do)."""
         if num_prompt_tokens == 0:
             raise AdmissionError("the prompt is empty")
         limit, n = self.max_model_len, num_prompt_tokens
+        capacity = self.num_blocks * self.block_size
         if n >= limit:
             raise AdmissionError(
                 f"the prompt has {n} tokens; the maximum context length is {limit} tokens including the output"
             )
-        max_tokens = max_tokens if max_tokens is not None else limit - n
+        if n >= capacity:
+            raise AdmissionError(f"the prompt has {n} tokens; the KV cache pool holds {capacity} tokens "
+                                 f"({self.num_blocks} blocks of {self.block_size}) including the output")
+        max_tokens = max_tokens if max_tokens is not None else min(limit, capacity) - n
         if n + max_tokens > limit:
             raise AdmissionError(
                 f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds the maximum context length of "
                 f"{limit} tokens"
             )
-        capacity = self.num_blocks * self.block_size
         if n + max_tokens > capacity:
             raise AdmissionError(
                 f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds the KV cache pool of {capacity} "

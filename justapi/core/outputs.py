@@ -72,6 +72,7 @@ class RunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
     embeddings: dict[str, list[float]] = field(default_factory=dict)  # embedding requests whose prefill ended
+    failed: dict[str, str] = field(default_factory=dict)  # requests whose own sampling or grammar raised: why
 
 
 @dataclass
@@ -85,3 +86,4 @@ class EngineCoreOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     embedding: list[float] | None = None  # an embedding request's result, with its finish
+    error: str | None = None  # why a request failed alone (finish_reason "error")

@@ -129,6 +129,14 @@ class Scheduler:
         self.stats.num_timeouts += len(late)
         return [self._output(req, [], None, RequestStatus.FINISHED_TIMEOUT.value) for req in late]
 
+    def fail_request(self, request_id: str, error: str) -> EngineCoreOutput:
+        """End a request that failed alone (its sampling, grammar or text raised), freeing its blocks."""
+        req = self.requests[request_id]
+        self._finish(req, RequestStatus.FINISHED_ERROR)
+        out = self._output(req, [], None, RequestStatus.FINISHED_ERROR.value)
+        out.error = error
+        return out
+
     def finish_request(self, request_id: str, status: RequestStatus) -> None:
         """End a request for a reason found outside the scheduler (a stop string)."""
         req = self.requests.get(request_id)
@@ -336,6 +344,9 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            if rid in result.failed:
+                outputs.append(self.fail_request(rid, result.failed[rid]))
+                continue
             start = req.num_computed_tokens
             was_prefilling = start < req.num_prompt_tokens
             new_ids = result.sampled_token_ids.get(rid, [])

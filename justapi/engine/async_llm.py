@@ -49,6 +49,10 @@ class EngineDeadError(Exception):
     """The engine loop failed; no more requests can be served."""
 
 
+class RequestFailedError(Exception):
+    """One request failed alone (its sampling, grammar or text raised); the engine serves the others on."""
+
+
 @dataclass
 class RequestTiming:
     """When a request arrived, produced its first token, and finished (``time.monotonic`` seconds)."""
@@ -61,6 +65,7 @@ class RequestTiming:
     priority: int = 0
     user: str | None = None
     predicted_ttft: float | None = None  # what admission predicted (core.admission), where it could
+    group: str = ""  # the client request it is a choice of (the queue counts client requests)
 
 
 class AsyncLLM:
@@ -117,16 +122,21 @@ class AsyncLLM:
     def num_waiting(self) -> int:
         return self.engine.num_waiting + self._pending_adds
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; abandoning the iterator (client gone) aborts the request."""
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       group: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; abandoning the iterator (client gone) aborts the request. ``group``: the
+        client request this sequence is one choice of (its choices count once against the queue, which the caller
+        checked); None: a request of its own, checked against the queue here."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine stopped: {self._dead}")
         self.validate(prompt_token_ids, params)
-        self.check_queue()
+        if group is None:
+            self.check_queue()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         timing = RequestTiming(time.monotonic(), len(prompt_token_ids), priority=params.priority, user=params.user,
-                               predicted_ttft=self.predict_ttft(len(prompt_token_ids), params))
+                               predicted_ttft=self.predict_ttft(len(prompt_token_ids), params),
+                               group=group or request_id)
         self._streams[request_id] = (loop, queue, timing)
         with self._count_lock:
             self._pending_adds += 1
@@ -147,10 +157,17 @@ class AsyncLLM:
             if not finished:
                 self.abort(request_id)
 
+    @property
+    def num_waiting_requests(self) -> int:
+        """Client requests with a sequence that has not produced its first token: a request of n choices (or of
+        many prompts or embedding inputs) counts once."""
+        return len({timing.group for _, _, timing in list(self._streams.values()) if timing.first_token is None})
+
     def check_queue(self) -> None:
-        """Raise QueueFullError when ``max_queue`` requests are already waiting."""
-        if self.num_waiting >= self.max_queue:
-            raise QueueFullError(f"the server is busy: {self.num_waiting} requests are already waiting")
+        """Raise QueueFullError when ``max_queue`` client requests are already waiting for their first token."""
+        waiting = self.num_waiting_requests
+        if waiting >= self.max_queue:
+            raise QueueFullError(f"the server is busy: {waiting} requests are already waiting")
 
     def predict_ttft(self, num_prompt_tokens: int, params: SamplingParams) -> float | None:
         """Seconds to this request's first token if queued now (core.admission); None before the engine (or, with
@@ -191,9 +208,10 @@ class AsyncLLM:
         if predicted is not None and predicted > self.ttft_slo:
             raise SloRefusal(predicted, self.ttft_slo)
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise AdmissionError/ValueError now for a request that could never run (reads engine state only)."""
-        self.engine.check_request(prompt_token_ids, params)
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Raise AdmissionError/ValueError now for a request that could never run (reads engine state only); its
+        max_tokens (by default, as many as fit)."""
+        return self.engine.check_request(prompt_token_ids, params)
 
     def timing(self, request_id: str) -> RequestTiming | None:
         """A streaming request's timing (read by the dashboard; the engine thread updates it in place)."""
@@ -303,6 +321,9 @@ class AsyncLLM:
             del self._streams[out.request_id]
             if self.on_finish is not None:
                 self.on_finish(out.request_id, out, timing)
+            if out.error is not None:
+                loop.call_soon_threadsafe(queue.put_nowait, RequestFailedError(out.error))
+                return
         # wakes the event loop; the engine thread then waits for the GIL while the loop runs: 1.8-2.8% of a loaded
         # run's wall time, and no less with one wake-up a step (docs/benchmarks.md, benchmarks/wall_breakdown.py)
         loop.call_soon_threadsafe(queue.put_nowait, out)

@@ -26,6 +26,7 @@ class RequestOutput:
     num_cached_tokens: int
     logprobs: list[Logprob] | None = field(default=None)
     embedding: list[float] | None = None  # an embedding request's pooled vector, once finished
+    error: str | None = None  # finish_reason "error": why the request failed alone
 
 
 class _RequestText:
@@ -67,7 +68,7 @@ class OutputProcessor:
         st.detok.add(out.new_token_ids, final=finish_reason is not None)
         text = st.detok.text
         stopped_by_string = False
-        if st.params.stop and finish_reason != "abort" and stop_reason != "timeout":
+        if st.params.stop and finish_reason not in ("abort", "error") and stop_reason != "timeout":
             start = max(0, before - st.hold_back)
             hit = _find_stop(text, st.params.stop, start)
             if hit is not None:
@@ -93,6 +94,7 @@ class OutputProcessor:
             num_cached_tokens=out.num_cached_tokens,
             logprobs=st.logprobs,
             embedding=out.embedding,
+            error=out.error,
         )
         if finished:
             del self.requests[out.request_id]

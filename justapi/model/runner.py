@@ -7,6 +7,7 @@ sequences whose tokens are all computed after this step.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ from .attention import AttentionMetadata, SeqSpan
 from .llama import LlamaModel
 from .sampler import SampleRow, sample
 
+log = logging.getLogger("justapi.runner")
 
 @dataclass
 class _RequestState:
@@ -153,6 +155,7 @@ class ModelRunner:
         self.states: dict[str, _RequestState] = {}
         self.proposer = proposer
         self._grammars = grammars
+        self._failed: dict[str, str] = {}  # this step's requests that failed alone (RunnerOutput.failed)
 
     def _sync_states(self, sched: SchedulerOutput) -> dict[str, int]:
         for rid in sched.finished_request_ids:
@@ -164,7 +167,10 @@ class ModelRunner:
             st = _RequestState(list(new.token_ids), new.num_prompt_tokens, list(new.block_ids), new.sampling_params,
                                new.seed)
             if st.params.structured is not None:  # resumed or handed over: replay the output so far
-                st.matcher = self._grammars().matcher(st.params.structured, st.token_ids[st.num_prompt_tokens :])
+                try:
+                    st.matcher = self._grammars().matcher(st.params.structured, st.token_ids[st.num_prompt_tokens :])
+                except Exception as e:  # this request's grammar, not the step: it fails alone
+                    self._failed[new.request_id] = _failure("its grammar", e)
             self.states[new.request_id] = st
             starts[new.request_id] = new.num_computed_tokens
             if new.kv_import is not None:
@@ -195,10 +201,12 @@ class ModelRunner:
             v.index_copy_(1, idx, kv[layer, 1])
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        """Compute the scheduled tokens of every request and sample where a request caught up."""
+        """Compute the scheduled tokens of every request and sample where a request caught up. A request whose own
+        sampling, grammar or draft verification raises fails alone (``RunnerOutput.failed``); the others go on."""
+        self._failed = {}
         starts = self._sync_states(sched)
         if sched.empty:
-            return RunnerOutput()
+            return RunnerOutput(failed=self._failed)
         trees: dict[str, DraftTree] = {rid: DraftTree.chain(d) for rid, d in sched.spec_token_ids.items() if d}
         if sched.spec_depth and self.proposer is not None:
             trees.update(self.proposer.propose(
@@ -235,8 +243,9 @@ class ModelRunner:
                 if done:
                     sample_ids.append(rid)
         logits, hidden = batch.forward(self.model, self.kv_caches)
-        out = self._sample(logits, sample_ids, trees, starts) if sample_ids else RunnerOutput()
+        out = self._sample(logits, sample_ids, trees, starts)
         self._pool(hidden, pooled, out)
+        out.failed = self._failed
         return out
 
     def _pool(self, hidden: torch.Tensor | None, pooled: list[tuple[str, int, bool]], out: RunnerOutput) -> None:
@@ -266,22 +275,13 @@ class ModelRunner:
             st = self.states[rid]
             row = SampleRow(st.params, st.seed, st.token_ids[st.num_prompt_tokens :])
             tree = trees.get(rid)
+            if tree and rid not in self._failed:
+                try:
+                    out.sampled_token_ids[rid] = self._verify(logits[offset : offset + len(tree) + 1], rid, st, row,
+                                                              tree, starts[rid])
+                except Exception as e:
+                    self._failed[rid] = _failure("verifying its drafts", e)
             if tree:
-                rows_logits = logits[offset : offset + len(tree) + 1]
-                if st.matcher is not None:
-                    with torch.inference_mode():  # the forward pass's inference tensors, masked in place
-                        self._grammars().mask_tree(rows_logits, st.matcher, tree.parents, tree.tokens,
-                                                   self.model.kernels)
-                emitted, path = spec_decode_tree(rows_logits, tree, row)
-                start = starts[rid]
-                moves = [(start + a, start + b) for a, b in tree.path_moves(path)]
-                move_kv(self.kv_caches, st.block_ids, self.block_size, moves)
-                if self.proposer is not None and rid in self.proposer.positions:
-                    self.proposer.accepted(rid, st.block_ids, start, tree, path)
-                if st.matcher is not None:
-                    st.matcher.advance(emitted)
-                st.token_ids.extend(emitted)
-                out.sampled_token_ids[rid] = emitted
                 offset += len(tree) + 1
             else:
                 plain_rows.append(row)
@@ -291,21 +291,77 @@ class ModelRunner:
         if plain_rows:
             rows_logits = logits if len(plain_logits) == logits.shape[0] else logits[plain_logits]
             self._mask_by_grammar(rows_logits, plain_ids)
-            tokens, logprobs = sample(rows_logits, plain_rows, self.model.kernels)
-            for rid, tok, lp in zip(plain_ids, tokens, logprobs):
+            for i, (tok, lp) in self._sample_rows(rows_logits, plain_rows, plain_ids).items():
+                rid = plain_ids[i]
                 st = self.states[rid]
-                if st.matcher is not None:
-                    st.matcher.advance([tok])
+                try:
+                    if st.matcher is not None:
+                        st.matcher.advance([tok])
+                except Exception as e:
+                    self._failed[rid] = _failure("its grammar", e)
+                    continue
                 st.token_ids.append(tok)
                 out.sampled_token_ids[rid] = [tok]
                 if lp is not None:
                     out.logprobs[rid] = [lp]
         return out
 
+    def _verify(self, rows_logits: torch.Tensor, rid: str, st: _RequestState, row: SampleRow, tree: DraftTree,
+                start: int) -> list[int]:
+        """One request's draft tree checked against its logits: the tokens it emits, its accepted path's KV moved."""
+        if st.matcher is not None:
+            with torch.inference_mode():  # the forward pass's inference tensors, masked in place
+                self._grammars().mask_tree(rows_logits, st.matcher, tree.parents, tree.tokens, self.model.kernels)
+        emitted, path = spec_decode_tree(rows_logits, tree, row)
+        moves = [(start + a, start + b) for a, b in tree.path_moves(path)]
+        move_kv(self.kv_caches, st.block_ids, self.block_size, moves)
+        if self.proposer is not None and rid in self.proposer.positions:
+            self.proposer.accepted(rid, st.block_ids, start, tree, path)
+        if st.matcher is not None:
+            st.matcher.advance(emitted)
+        st.token_ids.extend(emitted)
+        return emitted
+
+    def _sample_rows(self, logits: torch.Tensor, rows: list[SampleRow], ids: list[str]) -> dict[int, tuple]:
+        """Row index -> (token, logprob) for every row that could be sampled. The batch is sampled at once; only if
+        that raises is each row sampled alone (the same tokens: a row's randomness is its own), so one row's failure
+        fails its request only. Rows already failed (their grammar) are left out."""
+        live = [i for i, rid in enumerate(ids) if rid not in self._failed]
+        if len(live) == len(rows):
+            try:
+                return dict(enumerate(zip(*sample(logits, rows, self.model.kernels))))
+            except Exception:
+                pass
+        picked = {}
+        for i in live:
+            try:
+                tokens, logprobs = sample(logits[i : i + 1], [rows[i]], self.model.kernels)
+                picked[i] = (tokens[0], logprobs[0])
+            except Exception as e:
+                self._failed[ids[i]] = _failure("sampling", e)
+        return picked
+
     def _mask_by_grammar(self, logits: torch.Tensor, ids: list[str]) -> None:
-        """Rows of requests with structured output: only the tokens their grammar allows next keep a logit."""
-        rows = [i for i, rid in enumerate(ids) if self.states[rid].matcher is not None]
-        if rows:
-            with torch.inference_mode():  # the logits are the forward pass's inference tensors
-                matchers = [self.states[ids[i]].matcher for i in rows]
-                self._grammars().mask(logits, rows, matchers, self.model.kernels)
+        """Rows of requests with structured output: only the tokens their grammar allows next keep a logit. If the
+        batch's masking raises, each row is masked alone and only the ones that raise fail."""
+        rows = [i for i, rid in enumerate(ids) if self.states[rid].matcher is not None and rid not in self._failed]
+        if not rows:
+            return
+        grammars = self._grammars()
+        with torch.inference_mode():  # the logits are the forward pass's inference tensors
+            try:
+                grammars.mask(logits, rows, [self.states[ids[i]].matcher for i in rows], self.model.kernels)
+                return
+            except Exception:
+                pass
+            for i in rows:
+                try:
+                    grammars.mask(logits, [i], [self.states[ids[i]].matcher], self.model.kernels)
+                except Exception as e:
+                    self._failed[ids[i]] = _failure("its grammar", e)
+
+
+def _failure(where: str, error: BaseException) -> str:
+    """The message a request that failed alone ends with (the traceback goes to the log)."""
+    log.exception("a request failed in %s", where, exc_info=error)
+    return f"the request failed in {where}: {type(error).__name__}: {error}"

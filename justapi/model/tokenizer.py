@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 
@@ -68,6 +70,20 @@ def _save(tok, target: str) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte pieces
+
+
+@functools.cache
+def _unicode_to_byte() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte: printable Latin-1 bytes stand for themselves, the others
+    for the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    others = [b for b in range(256) if b not in printable]
+    table = {chr(b): b for b in printable}
+    table.update({chr(256 + i): b for i, b in enumerate(others)})
+    return table
+
+
 class Tokenizer:
     """Encode/decode with the file's vocabulary; BOS and EOS as the file says."""
 
@@ -118,6 +134,27 @@ class Tokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for: part of a UTF-8 character where a character spans tokens (logprobs'
+        ``bytes``; decoding the token alone would give U+FFFD there)."""
+        piece = self._token_str(token_id)
+        if self._byte_level:
+            table = _unicode_to_byte()
+            if all(ch in table for ch in piece):
+                return bytes(table[ch] for ch in piece)
+            return piece.encode()
+        fallback = _BYTE_FALLBACK.fullmatch(piece)
+        if fallback:
+            return bytes([int(fallback.group(1), 16)])
+        return piece.replace("\u2581", " ").encode()
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        """GPT-2-style byte-level BPE (each byte a printable character), as against SentencePiece's pieces."""
+        decoder = json.loads(self._hf.backend_tokenizer.to_str()).get("decoder") or {}
+        kinds = [d.get("type") for d in decoder.get("decoders", [decoder])]
+        return "ByteLevel" in kinds
 
     @property
     def special_ids(self) -> set[int]:

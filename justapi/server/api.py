@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import dataclasses
 import logging
 import threading
@@ -16,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from ..config import ServerConfig
-from ..engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError, SloRefusal
+from ..engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError, RequestFailedError, SloRefusal
 from ..engine.protocol import Engine
 from ..model.chat_template import ChatTemplateError
 from ..sampling_params import Pooling, SamplingParams
@@ -24,7 +22,8 @@ from .chat_tools import ChatTools
 from .chunks import ChatChunks, CompletionChunks
 from .dashboard import DashboardFeed
 from .dashboard import install as install_dashboard
-from .errors import ApiError, BodyLimit, engine_error, error_response, install_error_handlers
+from .auth import ApiKeys
+from .errors import ApiError, BodyLimit, InternalErrors, engine_error, error_response, install_error_handlers
 from .metrics import Metrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeRequest,
                        message_dicts)
@@ -94,22 +93,8 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
     app.state.justapi = state
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
-
-    key_users = {key: f"key-{i}" for i, key in enumerate(config.api_keys, 1)}
-
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        path = request.url.path
-        if key_users and path.startswith(("/v1", "/tokenize", "/detokenize", "/engine", "/dashboard")):
-            user = key_users.get(_presented_key(request.headers.get("authorization", ""), path))
-            if user is None:
-                # a browser asks for the key (as a password) where the page says Basic, and resends it with the
-                # page's own requests: the dashboard works without a client of its own
-                headers = {"WWW-Authenticate": 'Basic realm="justapi dashboard"'} if path.startswith(
-                    "/dashboard") else None
-                return error_response(401, "invalid or missing API key", "authentication_error", headers=headers)
-            request.state.api_user = user  # the fair-share user: a key is a tenant, whatever its user field says
-        return await call_next(request)
+    app.add_middleware(ApiKeys, keys=config.api_keys, open_metrics=config.open_metrics)
+    app.add_middleware(InternalErrors)  # the outermost of ours: whatever the others raise is answered too
 
     def _params(req, raw: Request, max_tokens, logprobs) -> SamplingParams:
         """The engine's settings for a request: its sampling fields, its user (the API key's name where keys are
@@ -124,11 +109,17 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
         except ValueError as e:
             raise ApiError(400, str(e)) from None
 
-    def _validate(llm: AsyncLLM, choice: Choice) -> None:
+    def _validate(llm: AsyncLLM, choices: list[Choice]) -> None:
+        """Refuse now (4xx) a request that could never run or finds the queue full: before a stream starts, since
+        once it has, errors can only travel inside it. Its choices count once against the queue, as one request."""
         try:
-            llm.validate(choice.prompt_ids, choice.params)
-            llm.check_queue()  # before a stream starts: once it has, errors can only travel inside it
-            llm.check_slo(choice.prompt_ids, choice.params)
+            for c in choices:
+                if config.clamp_max_tokens and c.params.max_tokens is not None:
+                    room = llm.validate(c.prompt_ids, dataclasses.replace(c.params, max_tokens=None))
+                    c.params = dataclasses.replace(c.params, max_tokens=min(c.params.max_tokens, room))
+                llm.validate(c.prompt_ids, c.params)
+            llm.check_queue()
+            llm.check_slo(choices[0].prompt_ids, choices[0].params)
         except (QueueFullError, ValueError) as e:
             if isinstance(e, SloRefusal):
                 state.metrics.slo_refusals.inc()
@@ -179,9 +170,9 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
                 messages = message_dicts(req.messages)
             except ValueError as e:
                 raise ApiError(400, str(e), param="messages") from None
-            ids = _chat_prompt(state.engine, messages, req.add_generation_prompt)
+            ids = await _chat_prompt(state.engine, messages, req.add_generation_prompt)
         elif req.prompt is not None:
-            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await asyncio.to_thread(tok.encode, req.prompt, add_special_tokens=req.add_special_tokens)
         else:
             raise ApiError(400, "give prompt or messages", param="prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": state.engine.limits.max_model_len}
@@ -193,7 +184,8 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
         vocab = state.engine.limits.vocab_size
         if any(not 0 <= t < vocab for t in req.tokens):
             raise ApiError(400, f"token ids must be in 0..{vocab - 1}", param="tokens")
-        return {"prompt": state.engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+        text = await asyncio.to_thread(state.engine.tokenizer.decode, req.tokens, skip_special_tokens=False)
+        return {"prompt": text}
 
     def _check_model(name: str | None) -> None:
         if name is not None and name != model_name:
@@ -208,29 +200,39 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
         if req.n > config.max_n:
             raise ApiError(400, f"n must be at most {config.max_n}, got {req.n}", param="n")
 
+    def _check_fan_out(num_prompts: int, n: int, field: str) -> None:
+        """Bound what one request may start, before any of it is tokenized or queued."""
+        if num_prompts > config.max_prompts:
+            raise ApiError(400, f"{field} may hold at most {config.max_prompts} entries, got {num_prompts}",
+                           param=field)
+        if num_prompts * n > config.max_choices:
+            raise ApiError(400, f"{num_prompts} prompts x n={n} is {num_prompts * n} sequences; at most "
+                                f"{config.max_choices} per request", param="n")
+
+    def _check_token_ids(prompts: list, field: str) -> None:
+        vocab = state.engine.limits.vocab_size
+        if any(not isinstance(p, str) and any(not 0 <= t < vocab for t in p) for p in prompts):
+            raise ApiError(400, f"{field}: token ids must be in 0..{vocab - 1}", param=field)
+
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
         llm = state.ready_llm()
         _common_checks(req)
         tok = state.engine.tokenizer
         prompts = req.prompt if isinstance(req.prompt, list) and not isinstance(req.prompt[0], int) else [req.prompt]
-        ids_list = [tok.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        echo = [p if isinstance(p, str) else tok.decode(p) for p in prompts] if req.echo else None
+        _check_fan_out(len(prompts), req.n, "prompt")
+        _check_token_ids(prompts, "prompt")
         params = _params(req, raw, req.max_tokens, req.logprobs)
+        ids_list, echo = await asyncio.to_thread(_completion_prompts, tok, prompts, req.echo)
         await _prepare(state.engine, req, params)
         choices = make_choices(ids_list, params, echo)
-        for c in choices:
-            _validate(llm, c)
+        _validate(llm, choices)
         rid = new_id("cmpl")
         if req.stream:
             return _stream(raw, llm, rid, choices, req, CompletionChunks(rid, model_name, tok))
         await _collect(raw, llm, rid, choices)
         return {"id": rid, "object": "text_completion", "created": now(), "model": model_name,
-                "choices": [{"index": c.index, "text": c.prefix + c.final.text,
-                             "logprobs": completion_logprobs(tok, c.final.logprobs, len(c.prefix)),
-                             "finish_reason": c.final.finish_reason, "stop_reason": c.final.stop_reason}
-                            for c in choices],
-                "usage": usage(choices)}
+                "choices": await asyncio.to_thread(_completion_entries, tok, choices), "usage": usage(choices)}
 
     @app.post("/v1/embeddings")
     async def embeddings(req: EmbeddingRequest, raw: Request):
@@ -246,14 +248,16 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
         except ValueError as e:
             raise ApiError(400, f"this model cannot serve embeddings: {e}") from None
         tok = engine.tokenizer
+        inputs = req.inputs()
+        _check_fan_out(len(inputs), 1, "input")
+        _check_token_ids(inputs, "input")
         timeouts = [t for t in (req.timeout, config.request_timeout) if t is not None]
         params = dataclasses.replace(SamplingParams.for_embedding(pooling),
                                      user=getattr(raw.state, "api_user", None) or req.user,
                                      deadline=time.monotonic() + min(timeouts) if timeouts else None)
-        choices = [Choice(i, i, tok.encode(x) if isinstance(x, str) else list(x), params)
-                   for i, x in enumerate(req.inputs())]
-        for c in choices:
-            _validate(llm, c)
+        ids_list, _ = await asyncio.to_thread(_completion_prompts, tok, inputs, False)
+        choices = [Choice(i, i, ids, params) for i, ids in enumerate(ids_list)]
+        _validate(llm, choices)
         await _collect(raw, llm, new_id("embd"), choices)
         if any(c.final.embedding is None for c in choices):  # its deadline passed before it was computed
             raise ApiError(408, f"the embedding was not computed within its timeout ({min(timeouts):g} s)",
@@ -277,7 +281,7 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
             messages = req.message_dicts()
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
-        ids = _chat_prompt(engine, messages, req.add_generation_prompt, tool_req.rendered if tool_req else None)
+        ids = await _chat_prompt(engine, messages, req.add_generation_prompt, tool_req.rendered if tool_req else None)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
         params = _params(req, raw, max_tokens, top)
@@ -288,31 +292,17 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
             params = dataclasses.replace(params, structured=tools.request.spec())
         await _prepare(engine, req, params)
         choices = make_choices([ids], params)
-        for c in choices:
-            _validate(llm, c)
+        _validate(llm, choices)
         rid = new_id("chatcmpl")
         tok = engine.tokenizer
         if req.stream:
             return _stream(raw, llm, rid, choices, req, ChatChunks(rid, model_name, tok, tools))
         await _collect(raw, llm, rid, choices)
         return {"id": rid, "object": "chat.completion", "created": now(), "model": model_name,
-                "choices": [_chat_choice(c, tok, tools) for c in choices], "usage": usage(choices)}
+                "choices": await asyncio.to_thread(lambda: [_chat_choice(c, tok, tools) for c in choices]),
+                "usage": usage(choices)}
 
     return app
-
-
-def _presented_key(authorization: str, path: str) -> str | None:
-    """The API key in an Authorization header: ``Bearer KEY``, or on the dashboard's paths HTTP Basic with the key as
-    the password (any user name)."""
-    scheme, _, value = authorization.partition(" ")
-    if scheme == "Bearer":
-        return value
-    if scheme == "Basic" and path.startswith("/dashboard"):
-        try:
-            return base64.b64decode(value, validate=True).decode().partition(":")[2]
-        except (binascii.Error, UnicodeDecodeError):
-            return None
-    return None
 
 
 def _chat_choice(c: Choice, tok, tools: ChatTools | None) -> dict:
@@ -328,18 +318,34 @@ async def _prepare(engine: Engine, req, params) -> None:
     """Compile the request's grammar in a thread: neither the event loop nor the engine loop waits for it."""
     if params.structured is None:
         return
+    field = "structured_outputs" if req.structured_outputs is not None else "response_format"
     try:
         await asyncio.to_thread(engine.prepare, params)
     except ValueError as e:
-        field = "structured_outputs" if req.structured_outputs is not None else "response_format"
         raise ApiError(400, f"{field}: {e}", param=field) from None
+    except RecursionError:
+        raise ApiError(400, f"{field}: the constraint is nested too deeply to compile", param=field) from None
 
 
-def _chat_prompt(engine: Engine, messages: list[dict], add_generation_prompt: bool, tools=None) -> list[int]:
+async def _chat_prompt(engine: Engine, messages: list[dict], add_generation_prompt: bool, tools=None) -> list[int]:
+    """The chat's token ids, the template rendered and encoded in a thread (never on the event loop)."""
     try:
-        return engine.render_chat(messages, add_generation_prompt, tools)
+        return await asyncio.to_thread(engine.render_chat, messages, add_generation_prompt, tools)
     except ChatTemplateError as e:
         raise ApiError(400, str(e), param="messages") from None
+
+
+def _completion_prompts(tok, prompts: list, echo: bool) -> tuple[list[list[int]], list[str] | None]:
+    """Each prompt's token ids (text encoded), and the echoed texts where asked: run in a thread."""
+    ids_list = [tok.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    return ids_list, [p if isinstance(p, str) else tok.decode(p) for p in prompts] if echo else None
+
+
+def _completion_entries(tok, choices: list[Choice]) -> list[dict]:
+    """A finished completions response's choices, logprobs decoded (in a thread: a long answer's are many)."""
+    return [{"index": c.index, "text": c.prefix + c.final.text,
+             "logprobs": completion_logprobs(tok, c.final.logprobs, len(c.prefix)),
+             "finish_reason": c.final.finish_reason, "stop_reason": c.final.stop_reason} for c in choices]
 
 
 async def _collect(raw: Request, llm: AsyncLLM, rid: str, choices: list[Choice]) -> None:
@@ -386,7 +392,7 @@ def _stream(raw: Request, llm: AsyncLLM, rid: str, choices: list[Choice], req, c
             if include_usage:
                 yield sse(chunk.usage(usage(choices)))
             yield sse("[DONE]")
-        except (QueueFullError, ValueError, EngineDeadError) as e:
+        except (QueueFullError, ValueError, EngineDeadError, RequestFailedError) as e:
             err = engine_error(e)
             yield sse({"error": {"message": err.message, "type": err.type, "code": err.status}})
             yield sse("[DONE]")

@@ -3,12 +3,18 @@ engine refusals and over-large bodies. Nothing a client sends may end in a trace
 
 from __future__ import annotations
 
+import logging
+import uuid
+
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine.async_llm import EngineDeadError, QueueFullError
+from ..engine.async_llm import EngineDeadError, QueueFullError, RequestFailedError
+
+
+log = logging.getLogger("justapi.server")
 
 
 class ApiError(Exception):
@@ -31,7 +37,7 @@ def engine_error(exc: BaseException) -> ApiError | None:
     if isinstance(exc, QueueFullError):
         headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
         return ApiError(429, str(exc), "rate_limit_error", headers=headers)
-    if isinstance(exc, EngineDeadError):
+    if isinstance(exc, (EngineDeadError, RequestFailedError)):
         return ApiError(500, str(exc), "server_error")
     if isinstance(exc, ValueError):  # AdmissionError included
         return ApiError(400, str(exc), param="prompt")
@@ -74,6 +80,34 @@ class BodyLimit:
 
 class _BodyTooLarge(Exception):
     pass
+
+
+class InternalErrors:
+    """ASGI middleware, the last resort: an exception no route turned into an answer is logged with its traceback
+    under an error id, and answered as an OpenAI-style 500 naming that id (a stream already started just ends)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watched_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched_send)
+        except Exception:
+            error_id = uuid.uuid4().hex[:16]
+            log.exception("internal error %s on %s %s", error_id, scope.get("method"), scope.get("path"))
+            if not started:
+                response = error_response(500, f"internal server error {error_id} (the server's log has its details)",
+                                          "server_error")
+                await response(scope, receive, send)
 
 
 def install_error_handlers(app: FastAPI) -> None:

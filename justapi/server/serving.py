@@ -48,7 +48,8 @@ async def run_choices(llm: AsyncLLM, request_id: str, choices: list[Choice]) -> 
 
     async def pump(choice: Choice) -> None:
         try:
-            async for out in llm.generate(f"{request_id}-{choice.index}", choice.prompt_ids, choice.params):
+            async for out in llm.generate(f"{request_id}-{choice.index}", choice.prompt_ids, choice.params,
+                                          group=request_id):
                 await queue.put((choice, out))
         except BaseException as e:  # delivered to the consumer, which re-raises it
             await queue.put((choice, e))

@@ -87,8 +87,9 @@ def tool_request(tools, tool_choice, parallel_tool_calls) -> ToolRequest | None:
     if tool_choice in ("none", "required"):
         return ToolRequest(tuple(checked), tool_choice, parallel=parallel)
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
-        name = (tool_choice.get("function") or {}).get("name")
-        if name not in seen:
+        fn = tool_choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or name not in seen:
             raise ValueError(f"tool_choice names the function {name!r}, which is not among the tools "
                              f"({', '.join(sorted(seen))})")
         return ToolRequest(tuple(checked), "named", name, parallel)
