@@ -206,7 +206,13 @@ def test_tokenize_and_detokenize(server):
 
 
 def _metrics(server) -> str:
-    return httpx.get(server.url + "/metrics", timeout=10).text
+    return httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).text
+
+
+def test_metrics_need_the_key_where_keys_are_set(server):
+    r = httpx.get(server.url + "/metrics", timeout=10)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200  # probes need no key
 
 
 def test_metrics_parse_and_move(server, client):

@@ -66,6 +66,7 @@ class RequestTiming:
     user: str | None = None
     predicted_ttft: float | None = None  # what admission predicted (core.admission), where it could
     group: str = ""  # the client request it is a choice of (the queue counts client requests)
+    waiting: bool = True  # counted in AsyncLLM's waiting client requests (no first token yet, not ended)
 
 
 class AsyncLLM:
@@ -89,6 +90,7 @@ class AsyncLLM:
         self._pending_adds = 0  # adds queued for the engine thread, guarded by _count_lock
         self._pending_tokens = 0  # their prompt tokens (not in the stats snapshot yet), guarded by _count_lock
         self._count_lock = threading.Lock()
+        self._waiting_groups: dict[str, int] = {}  # client request -> its sequences still waiting, under _count_lock
         self._stats = engine.stats()  # replaced whole by the engine thread, never changed in place
         self._stats_taken = time.monotonic()
         self.step_log = StepLog()
@@ -123,14 +125,14 @@ class AsyncLLM:
         return self.engine.num_waiting + self._pending_adds
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       group: str | None = None) -> AsyncIterator[RequestOutput]:
+                       group: str | None = None, check_queue: bool = True) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; abandoning the iterator (client gone) aborts the request. ``group``: the
-        client request this sequence is one choice of (its choices count once against the queue, which the caller
-        checked); None: a request of its own, checked against the queue here."""
+        client request this sequence is one choice of (its choices count once against the queue: only the first is
+        checked, ``check_queue``); None: a request of its own."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine stopped: {self._dead}")
         self.validate(prompt_token_ids, params)
-        if group is None:
+        if check_queue:
             self.check_queue()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -139,6 +141,7 @@ class AsyncLLM:
                                group=group or request_id)
         self._streams[request_id] = (loop, queue, timing)
         with self._count_lock:
+            self._waiting_groups[timing.group] = self._waiting_groups.get(timing.group, 0) + 1
             self._pending_adds += 1
             self._pending_tokens += len(prompt_token_ids)
         self._commands.append(("add", request_id, prompt_token_ids, params))
@@ -159,9 +162,21 @@ class AsyncLLM:
 
     @property
     def num_waiting_requests(self) -> int:
-        """Client requests with a sequence that has not produced its first token: a request of n choices (or of
-        many prompts or embedding inputs) counts once."""
-        return len({timing.group for _, _, timing in list(self._streams.values()) if timing.first_token is None})
+        """Client requests with a sequence that has not produced its first token (nor ended): a request of n
+        choices (or of many prompts or embedding inputs) counts once."""
+        return len(self._waiting_groups)
+
+    def _left_queue(self, timing: RequestTiming) -> None:
+        """A sequence got its first token or ended: its client request waits no more once all its sequences have."""
+        if not timing.waiting:
+            return
+        timing.waiting = False
+        with self._count_lock:
+            left = self._waiting_groups[timing.group] - 1
+            if left:
+                self._waiting_groups[timing.group] = left
+            else:
+                del self._waiting_groups[timing.group]
 
     def check_queue(self) -> None:
         """Raise QueueFullError when ``max_queue`` client requests are already waiting for their first token."""
@@ -297,6 +312,8 @@ class AsyncLLM:
                 rid = cmd[1]
                 out = self.engine.abort_request(rid)
                 stream = self._streams.pop(rid, None)
+                if stream is not None:
+                    self._left_queue(stream[2])
                 if out is not None and stream is not None and self.on_finish is not None:
                     stream[2].finished = time.monotonic()
                     self.on_finish(rid, out, stream[2])
@@ -311,6 +328,8 @@ class AsyncLLM:
         if stream is None:
             return
         loop, queue, timing = stream
+        if out.new_token_ids or out.finished:
+            self._left_queue(timing)
         if out.new_token_ids:
             if timing.first_token is None:
                 timing.first_token = now
@@ -331,6 +350,7 @@ class AsyncLLM:
     def _fail(self, request_id: str, error: BaseException) -> None:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
+            self._left_queue(stream[2])
             stream[0].call_soon_threadsafe(stream[1].put_nowait, error)
 
     def _log_stats(self) -> None:

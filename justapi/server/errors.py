@@ -101,6 +101,9 @@ class InternalErrors:
 
         try:
             await self.app(scope, receive, watched_send)
+        except RecursionError:  # a body (or a schema in it) nested past what the parsers recurse through
+            if not started:
+                await error_response(400, "the request is nested too deeply")(scope, receive, send)
         except Exception:
             error_id = uuid.uuid4().hex[:16]
             log.exception("internal error %s on %s %s", error_id, scope.get("method"), scope.get("path"))

@@ -13,17 +13,19 @@ from ..engine.output_processor import RequestOutput
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _ERROR_BUCKETS = (-20.0, -10.0, -5.0, -2.5, -1.0, -0.5, -0.25, -0.1, 0.0, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0)
 MAX_CLASS_LABELS = 64  # distinct users (or priorities) with labels of their own; the rest share "other"
+MAX_LABEL_CHARS = 64  # a label value's length: a name's first characters (every scrape repeats it per series)
 
 
 class ClassLabels:
     """Label values for client-chosen names (users, priorities), bounded: a client must not grow /metrics without
-    end. The first MAX_CLASS_LABELS names seen keep their own; later ones are "other"."""
+    end. The first MAX_CLASS_LABELS names seen keep their own (their first MAX_LABEL_CHARS characters); later ones
+    are "other"."""
 
     def __init__(self) -> None:
         self._seen: set[str] = set()
 
     def __call__(self, name) -> str:
-        text = "anonymous" if name is None else str(name)
+        text = "anonymous" if name is None else str(name)[:MAX_LABEL_CHARS]
         if text in self._seen:
             return text
         if len(self._seen) < MAX_CLASS_LABELS:

@@ -11,6 +11,9 @@ from ..structured.spec import StructuredOutput, from_response_format, from_struc
 from ..structured.tools import ToolRequest, template_messages, tool_request
 
 
+MAX_USER_CHARS = 256  # a client's name for itself (fair shares, per-user metrics)
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
@@ -40,7 +43,7 @@ class _SamplingRequest(BaseModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     speculative: bool = True  # JustAPI extension: false turns speculative decoding off for this request
-    user: str | None = None
+    user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
     priority: int = 0  # vLLM's field: lower is more urgent (read under --scheduling-policy priority)
     timeout: float | None = Field(default=None, gt=0)  # JustAPI: seconds, then it ends with what it has
     logit_bias: dict[str, float] | None = None
@@ -167,7 +170,7 @@ class EmbeddingRequest(BaseModel):
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
-    user: str | None = None
+    user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
     timeout: float | None = Field(default=None, gt=0)  # JustAPI: seconds, then 408 if not computed yet
 
     @field_validator("input")

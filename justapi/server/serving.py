@@ -49,7 +49,7 @@ async def run_choices(llm: AsyncLLM, request_id: str, choices: list[Choice]) -> 
     async def pump(choice: Choice) -> None:
         try:
             async for out in llm.generate(f"{request_id}-{choice.index}", choice.prompt_ids, choice.params,
-                                          group=request_id):
+                                          group=request_id, check_queue=choice is choices[0]):
                 await queue.put((choice, out))
         except BaseException as e:  # delivered to the consumer, which re-raises it
             await queue.put((choice, e))
