@@ -71,6 +71,13 @@ def test_embeddings_under_tensor_parallelism_and_packed_weights_match(tmp_path):
     auto = LLM(path, show_progress=False).embed(PROMPTS)
     for a, b in zip(exact, auto):
         assert float(np.dot(a, b)) > 0.999  # cosine of unit vectors
+    tp = LLM(path, dtype="float32", tp=2, show_progress=False)
+    try:
+        for a, b in zip(exact, tp.embed(PROMPTS)):  # each rank's partial sums all-reduced: fp32 rounding apart
+            np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
+        assert tp.engine.model.comm.calls > 0  # two ranks computed them
+    finally:
+        tp.engine.close()
 
 
 def test_embeddings_endpoint_on_smollm2(real_model_path, tmp_path):

@@ -242,11 +242,14 @@ def test_stop_tokens_stop_strings_and_logprobs(engines):
 def test_eos_ends_a_request_unless_ignored(engines):
     llm = engines()
     eos = llm.tokenizer.eos_token_id
-    p = prompts_for(llm, 1, seed=4)[0]
-    ref = llm.generate([p], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
-    res = llm.generate([p], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[ref.token_ids[3]]))[0]
-    assert res.token_ids == ref.token_ids[:4]
     assert eos in llm.engine.tokenizer.eos_token_ids
+    p = prompts_for(llm, 1, seed=12)[0]  # the tiny model's greedy continuation of this prompt samples EOS third
+    ref = llm.generate([p], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    assert ref.finish_reason == "length" and len(ref.token_ids) == 12 and eos in ref.token_ids[:-1], ref.token_ids
+    at = ref.token_ids.index(eos)
+    res = llm.generate([p], SamplingParams(temperature=0, max_tokens=12))[0]
+    assert res.finish_reason == "stop" and res.token_ids == ref.token_ids[: at + 1]
+    assert res.text == llm.tokenizer.decode(ref.token_ids[:at], skip_special_tokens=True)  # EOS is not text
 
 
 def test_n_completions_and_token_prompts(engines):

@@ -93,6 +93,19 @@ def run_all(engine, prompts, params, timeout_s=240):
     return done, failed
 
 
+def settled(engine, timeout_s=30):
+    """The workers' integrity answers once none holds a request, a handoff or a transfer: a prefill worker's last
+    transfer reports (Sent) and releases come in after the outputs have. Polled: no fixed wait."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        answers = engine.check_integrity()  # (reads the messages that came before each answer)
+        if time.monotonic() > deadline or all(
+                h["running"] == h["handoffs"] == h["transfers"] == h["blocks_held_by_requests"] == 0
+                for _, h in answers.values()):
+            return answers
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("prefill,decode", [(1, 1), (1, 2)])
 def test_greedy_output_identical_to_the_colocated_engine_and_no_leaked_blocks(tiny_model, prefill, decode):
     from justapi.engine.pd_engine import PdEngine
@@ -111,12 +124,11 @@ def test_greedy_output_identical_to_the_colocated_engine_and_no_leaked_blocks(ti
         assert lp is not None and len(lp) == len(done["r5"].token_ids)
         st = engine.pd.stats
         handed_off = sum(1 for q in params if q.max_tokens > 1)  # a 1-token request ends on its prefill worker
-        time.sleep(0.5)
-        engine.step()  # collect the last transfer reports
+        answers = settled(engine)  # the last transfer reports collected
         assert st.kv_transfers == handed_off and st.kv_bytes > 0 and st.kv_blocks > 0
         if decode == 2:
             assert all(w.load == 0 for w in engine.pd.workers.values())
-        for rank, (problem, held) in engine.check_integrity().items():
+        for rank, (problem, held) in answers.items():
             assert problem is None, (rank, problem)
             assert held["running"] == held["handoffs"] == held["transfers"] == held["blocks_held_by_requests"] == 0
             assert held["free_blocks"] + held["cached_blocks"] == held["num_blocks"]
@@ -150,9 +162,7 @@ def test_workers_schedule_by_priority_and_end_requests_at_their_deadlines(tiny_m
         assert (late_out.finish_reason, late_out.stop_reason, late_out.token_ids) == ("length", "timeout", [])
         assert (long_out.finish_reason, long_out.stop_reason) == ("length", "timeout"), len(long_out.token_ids)
         assert 0 < len(long_out.token_ids) < 800
-        time.sleep(0.5)
-        engine.step()
-        for rank, (problem, held) in engine.check_integrity().items():
+        for rank, (problem, held) in settled(engine).items():
             assert problem is None, (rank, problem)
             assert held["running"] == held["handoffs"] == held["blocks_held_by_requests"] == 0
     finally:

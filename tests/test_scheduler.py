@@ -205,7 +205,9 @@ def test_abort_frees_blocks_mid_prefill_and_mid_decode():
     step(s)
     s.abort_request("prefilling")
     s.check_integrity()
-    for _ in range(3):
+    out, _ = step(s)
+    assert out.finished_request_ids == {"prefilling"}  # the next step tells the runner to drop its state
+    for _ in range(2):
         step(s)
     assert s.requests["decoding"].num_output_tokens > 0
     out = s.abort_request("decoding")
@@ -213,7 +215,7 @@ def test_abort_frees_blocks_mid_prefill_and_mid_decode():
     s.check_integrity()
     assert s.pool.num_free == 32
     out = s.schedule()
-    assert out.finished_request_ids == {"prefilling", "decoding"} or "decoding" in out.finished_request_ids
+    assert out.finished_request_ids == {"decoding"}
 
 
 def test_static_batching_runs_each_batch_to_the_end():

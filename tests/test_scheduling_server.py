@@ -43,6 +43,19 @@ async def wait_idle(c: httpx.AsyncClient, url: str, key: str | None = None) -> s
         await asyncio.sleep(0.05)
 
 
+async def until(c: httpx.AsyncClient, url: str, running: int, waiting: int = 0, at_least: bool = False) -> None:
+    """Wait (polling /metrics) until the engine holds ``running`` requests computing and ``waiting`` queued (with
+    ``at_least``: ``running`` or more of the ``running + waiting`` it holds are computing)."""
+    deadline = time.monotonic() + 30
+    while True:
+        m = (await c.get(url + "/metrics")).text
+        state = metric(m, "justapi_requests_running"), metric(m, "justapi_requests_waiting")
+        if state == (running, waiting) or at_least and state[0] >= running and sum(state) == running + waiting:
+            return
+        assert time.monotonic() < deadline, f"(running, waiting) never reached {(running, waiting)}: it is {state}"
+        await asyncio.sleep(0.01)
+
+
 async def read_stream(c: httpx.AsyncClient, url: str, body: dict, headers: dict) -> tuple[str, dict, float]:
     """A streamed completion: its text, its last chunk's choice, and its seconds."""
     t0 = time.monotonic()
@@ -61,7 +74,7 @@ async def read_stream(c: httpx.AsyncClient, url: str, body: dict, headers: dict)
 def priority_server(tiny_model, tmp_path_factory):
     srv = InProcessServer(["--model", tiny_model, "--max-seqs", "1", "--pool-blocks", "200", "--threads", "1",
                            "--scheduling-policy", "priority", "--request-timeout", "2.5",
-                           "--api-key", ",".join(KEYS)],
+                           "--api-key", ",".join(KEYS), "--open-metrics"],  # the tests read /metrics keyless
                           str(tmp_path_factory.mktemp("logs") / "priority.log"), on_engine=slow_steps(0.02))
     yield srv
     assert srv.stop() == 0
@@ -77,10 +90,10 @@ def test_timeouts_end_requests_behind_a_queue_with_what_they_have(priority_serve
     short = {"prompt": "queued behind it", "max_tokens": 20, "temperature": 0, "ignore_eos": True, "timeout": 1}
 
     async def run():
-        async with httpx.AsyncClient(timeout=60) as c:
+        async with httpx.AsyncClient(timeout=60, headers=auth) as c:  # (a key for /metrics too)
             before = (await c.get(srv.url + "/metrics")).text
             filler = asyncio.create_task(read_stream(c, srv.url, long_body, auth))
-            await asyncio.sleep(0.3)  # it runs (--max-seqs 1); the next two wait behind it
+            await until(c, srv.url, running=1)  # it runs (--max-seqs 1); the next two wait behind it
             t0 = time.monotonic()
             plain = asyncio.create_task(c.post(srv.url + "/v1/completions", json=short, headers=auth))
             streamed = asyncio.create_task(read_stream(c, srv.url, short, auth))
@@ -121,13 +134,13 @@ def test_priority_serves_the_urgent_request_first_and_keys_are_users(priority_se
         finished.append(name)
 
     async def run():
-        async with httpx.AsyncClient(timeout=60) as c:
+        async with httpx.AsyncClient(timeout=60, headers=basic) as c:  # (a key for /metrics too)
             # The filler is long enough (30 steps of >= 0.02 s) to still run when the urgent one comes; the others
             # are short, so that all five end well inside --request-timeout (2.5 s), served one at a time.
             filler = asyncio.create_task(one(c, "filler", 0, basic, max_tokens=30))
-            await asyncio.sleep(0.2)
+            await until(c, srv.url, running=1)
             tasks = [asyncio.create_task(one(c, f"low{i}", 5, basic)) for i in range(3)]
-            await asyncio.sleep(0.2)  # the low ones queue first
+            await until(c, srv.url, running=1, waiting=3)  # the low ones queue first
             tasks.append(asyncio.create_task(one(c, "urgent", -1, gold)))
             await asyncio.gather(filler, *tasks)
             bad = await c.post(srv.url + "/v1/completions", json=dict(body, priority="high"), headers=gold)
@@ -162,9 +175,9 @@ def test_shortest_serves_a_short_prompt_before_a_long_one_queued_first(tiny_mode
                 # 60 steps of >= 20 ms: still running when the short one comes at 0.4 s (with 20 it had ended by
                 # then less 40 ms, and a slow moment let the long one take the slot first)
                 filler = asyncio.create_task(one(c, "filler", "hold the slot", max_tokens=60))
-                await asyncio.sleep(0.2)
+                await until(c, srv.url, running=1)
                 long = asyncio.create_task(one(c, "long", "a long prompt " * 60))
-                await asyncio.sleep(0.2)  # the long one queues first
+                await until(c, srv.url, running=1, waiting=1)  # the long one queues first
                 short = asyncio.create_task(one(c, "short", "short"))
                 return await asyncio.gather(filler, long, short)
 
@@ -190,9 +203,9 @@ def test_fair_shares_let_a_light_user_past_a_heavy_backlog(tiny_model, tmp_path)
         async def run():
             async with httpx.AsyncClient(timeout=120) as c:
                 heavy = [asyncio.create_task(one(c, f"heavy{i}", "heavy")) for i in range(12)]
-                # early in the first pair (60 steps of at least 10 ms), never on a boundary between pairs; coming
-                # before some heavy ones are queued would only help it
-                await asyncio.sleep(0.1)
+                # early in the first pair (60 steps of at least 10 ms), never on a boundary between pairs, and
+                # after every heavy one is queued (coming before some would let it pass them by arrival)
+                await until(c, srv.url, running=2, waiting=10)
                 done_before = len(done)
                 light = asyncio.create_task(one(c, "light", "light"))
                 await asyncio.gather(light, *heavy)
@@ -221,7 +234,7 @@ def test_ttft_slo_refuses_with_retry_after_and_measures_its_error(tiny_model, tm
                 gate.set()
                 post = lambda: c.post(srv.url + "/v1/completions", json=body)  # noqa: E731
                 first = [asyncio.create_task(post()) for _ in range(4)]  # every slot; the engine measures steps
-                await asyncio.sleep(0.2)
+                await until(c, srv.url, running=1, waiting=3, at_least=True)  # all four in, and a step measured
                 waiting = await asyncio.gather(*(post() for _ in range(2)))  # a slot wait, nothing finished yet:
                 warm = await asyncio.gather(*first)  # no finish rate to predict by, so no refusal (it was a 500)
                 assert [r.status_code for r in warm + waiting] == [200] * 6, [r.text for r in warm + waiting]

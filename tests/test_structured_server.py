@@ -138,10 +138,6 @@ def client(server):
     return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
-def test_there_are_twenty_response_formats():
-    assert len(MODELS) == 20
-
-
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
 def test_parse_returns_an_object_for_every_pydantic_model(client, temperature):
     def ask(model):

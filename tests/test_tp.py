@@ -174,7 +174,10 @@ def test_a_dead_worker_fails_the_server_clearly(tiny_model, tmp_path):
         worker = _child_pids(srv.proc.pid)
         assert len(worker) == 1
         os.kill(worker[0], signal.SIGKILL)
-        time.sleep(0.5)
+        deadline = time.monotonic() + 10
+        while not _exited(worker[0]):  # its sockets closed: a step now finds the rank gone
+            assert time.monotonic() < deadline, "the killed worker is still running"
+            time.sleep(0.01)
         t0 = time.monotonic()
         r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 500 and "engine stopped" in r.json()["error"]["message"]
@@ -183,6 +186,15 @@ def test_a_dead_worker_fails_the_server_clearly(tiny_model, tmp_path):
         assert health.status_code == 503 and "engine stopped" in health.text
     finally:
         srv.stop()
+
+
+def _exited(pid: int) -> bool:
+    """The process has ended: gone, or a zombie its parent has not reaped yet (its files already closed)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
 
 
 def _child_pids(pid: int) -> list[int]:
