@@ -16,16 +16,19 @@ import functools
 import json
 import logging
 import threading
+import weakref
 from collections import OrderedDict
 
 import torch
 
+from .compile_workers import CompileError, CompileWorkers
 from .spec import StructuredOutput
 
 log = logging.getLogger(__name__)
 
-COMPILE_TIMEOUT_S = 10.0  # a grammar that takes longer is refused (its compile finishes in the background)
+COMPILE_TIMEOUT_S = 10.0  # a grammar that takes longer is refused, its compile ended (compile_workers)
 CACHE_ENTRIES = 256
+COMPILE_WORKERS = 2  # processes compiling at once: one slow grammar leaves the other free
 
 
 class GrammarError(ValueError):
@@ -40,25 +43,29 @@ class Grammars:
 
         self._xgr = xgr
         self.vocab_size = vocab_size
-        info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
-                                                   stop_token_ids=sorted(stop_token_ids))
-        self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
-        self._cache: OrderedDict[StructuredOutput, object] = OrderedDict()
+        self._info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
+                                                         stop_token_ids=sorted(stop_token_ids))
+        self._workers: CompileWorkers | None = None  # started on the first compile
+        self._cache: OrderedDict[StructuredOutput, _Compiled] = OrderedDict()
+        # every grammar a live matcher holds, evicted from the cache or not: a resumed request finds its own
+        self._live: weakref.WeakValueDictionary[StructuredOutput, _Compiled] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="justapi-grammar")
+        self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_WORKERS, thread_name_prefix="justapi-grammar")
         self._pending: dict[StructuredOutput, concurrent.futures.Future] = {}
 
     # --- compiling ------------------------------------------------------------------------------------------
-    def compile(self, spec: StructuredOutput):
-        """The compiled grammar of ``spec`` (cached); GrammarError if it cannot be compiled."""
+    def compile(self, spec: StructuredOutput) -> _Compiled:
+        """The compiled grammar of ``spec`` (cached, and kept while a matcher holds it); GrammarError if it cannot be
+        compiled."""
         with self._lock:
             hit = self._cache.get(spec)
             if hit is not None:
                 self._cache.move_to_end(spec)
                 return hit
-        compiled = self._compile(spec)
+            hit = self._live.get(spec)
+        compiled = hit if hit is not None else self._compile(spec)
         with self._lock:
-            self._cache[spec] = compiled
+            self._cache[spec] = self._live[spec] = compiled
             while len(self._cache) > CACHE_ENTRIES:
                 self._cache.popitem(last=False)
         return compiled
@@ -81,42 +88,26 @@ class Grammars:
         with self._lock:
             self._pending.pop(spec, None)
 
-    def check(self, spec: StructuredOutput, timeout_s: float = COMPILE_TIMEOUT_S) -> None:
-        """Compile ``spec`` or raise GrammarError naming the problem (also past ``timeout_s``)."""
-        try:
-            self.compile_async(spec).result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
-            raise GrammarError(f"the {spec.kind} constraint did not compile within {timeout_s:g} s") from None
+    def check(self, spec: StructuredOutput) -> None:
+        """Compile ``spec`` or raise GrammarError naming the problem (also past COMPILE_TIMEOUT_S)."""
+        self.compile_async(spec).result()
 
-    def _compile(self, spec: StructuredOutput):
-        c = self._compiler
+    def _compile(self, spec: StructuredOutput) -> _Compiled:
+        """``spec`` compiled by a worker process within COMPILE_TIMEOUT_S (compile_workers), read back here."""
+        with self._lock:
+            if self._workers is None:
+                self._workers = CompileWorkers(self._info.serialize_json(), COMPILE_WORKERS)
         try:
-            if spec.kind == "json":
-                return c.compile_grammar(self._schema_grammar(spec.source))
-            if spec.kind == "json_object":
-                return c.compile_builtin_json_grammar()
-            if spec.kind == "regex":
-                return c.compile_regex(spec.source)
-            if spec.kind == "choice":
-                return c.compile_grammar(choice_grammar(spec.options))
-            return c.compile_grammar(spec.source)
-        except Exception as e:  # xgrammar raises RuntimeError / ValueError with its parser's message
-            message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise GrammarError(f"invalid {_NAMES[spec.kind]}: {message}") from None
-
-    def _schema_grammar(self, schema: str):
-        """xgrammar's grammar of a JSON schema, with its strings kept valid JSON: a string with minLength or
-        maxLength becomes repetitions of ``[^"\\\r\n]`` there (xgrammar 0.2.8), which lets raw control characters
-        through (JSON forbids U+0000-U+001F unescaped; Python's and pydantic's parsers reject them). Whitespace
-        between tokens is capped so that a small model cannot pad forever."""
-        xgr = self._xgr
-        text = str(xgr.Grammar.from_json_schema(schema, any_whitespace=True, max_whitespace_cnt=2))
-        return xgr.Grammar.from_ebnf(text.replace(_LAX_STRING_CHAR, _JSON_STRING_CHAR))
+            serialized = self._workers.compile(spec, COMPILE_TIMEOUT_S)
+        except CompileError as e:
+            raise GrammarError(str(e)) from None
+        return _Compiled(self._xgr.CompiledGrammar.deserialize_json(serialized, self._info))
 
     # --- matching -------------------------------------------------------------------------------------------
     def matcher(self, spec: StructuredOutput, output_token_ids: list[int]) -> Matcher:
         """A matcher for ``spec`` that has accepted ``output_token_ids`` (a resumed or handed-over request)."""
-        m = Matcher(self._xgr.GrammarMatcher(self.compile(spec)))
+        compiled = self.compile(spec)
+        m = Matcher(self._xgr.GrammarMatcher(compiled.grammar), compiled)
         for tok in output_token_ids:
             if not m.accept(tok):
                 break
@@ -149,11 +140,19 @@ class Grammars:
             logits[rows] = view
 
 
+class _Compiled:
+    """A compiled grammar, held by the cache and by each matcher over it (what keeps it in ``Grammars._live``)."""
+
+    def __init__(self, grammar) -> None:
+        self.grammar = grammar
+
+
 class Matcher:
     """One request's place in its grammar."""
 
-    def __init__(self, matcher) -> None:
+    def __init__(self, matcher, compiled: _Compiled | None = None) -> None:
         self._m = matcher
+        self._compiled = compiled  # keeps its grammar findable while the request lives
 
     def accept(self, token_id: int) -> bool:
         """Advance by a sampled token; False if the grammar does not allow it (or has ended)."""
@@ -199,6 +198,32 @@ _LAX_STRING_CHAR = '[^\\"\\\\\\r\\n]'  # as xgrammar prints it: [^\"\\\r\n]
 _JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\]'  # no quote, no backslash, no control character
 _NAMES = {"json": "JSON schema", "json_object": "JSON", "regex": "regex", "choice": "choice",
           "grammar": "grammar"}
+
+
+def compile_spec(xgr, compiler, spec: StructuredOutput):
+    """``spec`` compiled by ``compiler`` (run in a compile worker); GrammarError with the parser's first line."""
+    try:
+        if spec.kind == "json":
+            return compiler.compile_grammar(_schema_grammar(xgr, spec.source))
+        if spec.kind == "json_object":
+            return compiler.compile_builtin_json_grammar()
+        if spec.kind == "regex":
+            return compiler.compile_regex(spec.source)
+        if spec.kind == "choice":
+            return compiler.compile_grammar(choice_grammar(spec.options))
+        return compiler.compile_grammar(spec.source)
+    except Exception as e:  # xgrammar raises RuntimeError / ValueError with its parser's message
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise GrammarError(f"invalid {_NAMES[spec.kind]}: {message}") from None
+
+
+def _schema_grammar(xgr, schema: str):
+    """xgrammar's grammar of a JSON schema, with its strings kept valid JSON: a string with minLength or maxLength
+    becomes repetitions of ``[^"\\\r\n]`` there (xgrammar 0.2.8), which lets raw control characters through (JSON
+    forbids U+0000-U+001F unescaped; Python's and pydantic's parsers reject them). Whitespace between tokens is
+    capped so that a small model cannot pad forever."""
+    text = str(xgr.Grammar.from_json_schema(schema, any_whitespace=True, max_whitespace_cnt=2))
+    return xgr.Grammar.from_ebnf(text.replace(_LAX_STRING_CHAR, _JSON_STRING_CHAR))
 
 
 def choice_grammar(options: list[str]) -> str:
