@@ -259,3 +259,35 @@ def test_a_silent_connection_is_closed_and_labels_are_short(server, monkeypatch)
     m = httpx.get(server.url + "/metrics", timeout=10).text
     assert "u" * 64 + '"' in m and "u" * 65 not in m
     assert_serving(server)
+
+
+@pytest.mark.parametrize("which", ["tiny", "gemma3"])
+def test_token_bytes_rebuild_split_characters(which, tiny_model, request):
+    """Each token's bytes (logprobs' ``bytes``) joined give the text's UTF-8, characters split across tokens
+    included: byte-level BPE (the tiny llama) and SentencePiece with byte fallback (Gemma 3)."""
+    from justapi.model.gguf_loader import open_gguf
+    from justapi.model.tokenizer import Tokenizer
+
+    path = tiny_model if which == "tiny" else request.getfixturevalue("gemma3_path")
+    tok = Tokenizer(path, open_gguf(path))
+    text = "naïve café — 東京 🙂 𓀀𒀀 done"  # the last two are rare enough for byte pieces in Gemma's vocabulary
+    ids = tok.encode(text, add_special_tokens=False)
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    pieces = [tok.decode([i]) for i in ids]
+    assert any("\ufffd" in p for p in pieces)  # some character is split across tokens here
+
+
+def test_chat_logprobs_bytes_of_a_split_character(server):
+    """A chat answer's logprobs carry each token's own bytes: joined, they are the answer's UTF-8 (a character
+    split across tokens gives no EF BF BD)."""
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "東京 🙂"}], "max_tokens": 24,
+                                              "temperature": 0, "ignore_eos": True, "logprobs": True,
+                                              "top_logprobs": 2, "skip_special_tokens": False})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    joined = bytes(b for entry in content for b in entry["bytes"])
+    assert joined.decode("utf-8", errors="replace") == choice["message"]["content"]
+    for entry in content:
+        for alt in entry["top_logprobs"]:
+            assert isinstance(alt["bytes"], list)

@@ -187,3 +187,30 @@ def test_a_draft_trees_masks_follow_each_path_and_leave_the_matcher_where_it_was
     assert allowed(2, a) and not allowed(2, dash)  # after "ab": a third [a-c] before the "-"
     assert bool((bitmask[3] == -1).all()) and bool((bitmask[4] == -1).all())  # below the refused "x"
     assert matcher.accept(a) and not matcher.accept(dash)  # rolled back to the start: "a" allowed, "-" not yet
+
+
+def test_a_slow_grammar_is_ended_and_never_holds_up_another(tiny_model, monkeypatch):
+    """A schema that compiles for longer than the limit is refused and its worker process replaced; a simple one sent
+    meanwhile compiles on the other worker before the slow one is given up."""
+    import concurrent.futures
+
+    from justapi.structured import grammars
+    from justapi.structured.spec import from_response_format
+
+    def schema(depth: int) -> dict:
+        s: dict = {}
+        for _ in range(depth):  # nested objects: xgrammar's schema conversion grows with the depth
+            s = {"type": "object", "properties": {"a": s, "b": {"type": "string", "minLength": 3}},
+                 "required": ["a", "b"]}
+        return {"type": "json_schema", "json_schema": {"name": "deep", "schema": s}}
+
+    g = grammars.for_model(tiny_model)
+    g.check(from_response_format({"type": "json_object"}))  # both workers started
+    monkeypatch.setattr(grammars, "COMPILE_TIMEOUT_S", 3.0)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(g.check, from_response_format(schema(400)))
+        g.check(from_response_format(schema(3)))
+        assert not slow.done()  # the simple one did not wait for it
+        with pytest.raises(grammars.GrammarError, match="did not compile within 3 s"):
+            slow.result()
+    g.check(from_response_format(schema(4)))  # the replaced worker compiles

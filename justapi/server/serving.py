@@ -107,7 +107,8 @@ def chat_logprobs(tokenizer: Tokenizer, out_logprobs) -> dict | None:
 
     def entry(token_id: int, logprob: float) -> dict:
         piece = tokenizer.decode([token_id], skip_special_tokens=False)
-        return {"token": piece, "logprob": logprob, "bytes": list(piece.encode("utf-8"))}
+        # the token's own bytes: where a character spans tokens, each carries its part (its text alone is U+FFFD)
+        return {"token": piece, "logprob": logprob, "bytes": list(tokenizer.token_bytes(token_id))}
 
     return {"content": [dict(entry(lp.token_id, lp.logprob), top_logprobs=[entry(t, v) for t, v in lp.top])
                         for lp in out_logprobs]}

@@ -4,50 +4,82 @@ each worker's memory is capped, so a schema that explodes kills its worker, not 
 
 from __future__ import annotations
 
-import logging
-import multiprocessing
 import queue
 import resource
+import socket
+import subprocess
+import sys
 import time
-
-log = logging.getLogger(__name__)
+from multiprocessing.connection import Connection
 
 WORKER_MEMORY_BYTES = 8 << 30  # address space a compile worker may map (xgrammar and its imports need ~1 GiB)
+WORKER_START_S = 120.0  # a new worker's start (Python, xgrammar, the vocabulary), not counted in a compile's time
 
 
 class CompileError(Exception):
     """The worker refused the grammar (its message), ran out of time, or died compiling it."""
 
 
+class _Worker:
+    """One compile process, ``python -m`` this module (neither a fork of a process running torch's threads, nor
+    multiprocessing's spawn, which would run the caller's main script again), on one end of a socket pair."""
+
+    def __init__(self, tokenizer_info_json: str) -> None:
+        parent, child = socket.socketpair()
+        self.proc = subprocess.Popen([sys.executable, "-m", __name__, str(child.fileno())],
+                                     pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
+        child.close()
+        self.conn = Connection(parent.detach())
+        self.conn.send(tokenizer_info_json)
+        self.ready = False
+
+    def wait_ready(self) -> None:
+        """Block until the worker has built its compiler (it says so once)."""
+        if not self.ready:
+            if not self.conn.poll(WORKER_START_S):
+                raise CompileError(f"the grammar compiler did not start within {WORKER_START_S:g} s")
+            self.conn.recv()
+            self.ready = True
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=5)
+        self.conn.close()
+
+
 class CompileWorkers:
-    """``num_workers`` processes, each with the vocabulary's compiler, compiling serialized specs on demand."""
+    """``num_workers`` processes, each with the vocabulary's compiler, compiling specs on demand."""
 
     def __init__(self, tokenizer_info_json: str, num_workers: int = 2) -> None:
         self._info = tokenizer_info_json
-        self._context = multiprocessing.get_context("spawn")  # never fork a process running torch's threads
-        self._idle: queue.Queue = queue.Queue()
+        self._idle: queue.Queue[_Worker] = queue.Queue()
         for _ in range(num_workers):
-            self._idle.put(self._start())
+            self._idle.put(_Worker(self._info))
 
     def compile(self, spec, timeout_s: float) -> str:
-        """``spec`` (a StructuredOutput) compiled within ``timeout_s`` seconds, waiting for a free worker included:
-        xgrammar's serialized CompiledGrammar. Raises CompileError."""
-        deadline = time.monotonic() + timeout_s
+        """``spec`` (a StructuredOutput) compiled within ``timeout_s`` seconds of a worker taking it (a free worker
+        awaited as long again): xgrammar's serialized CompiledGrammar. Raises CompileError."""
         try:
             worker = self._idle.get(timeout=timeout_s)
         except queue.Empty:
             raise CompileError(f"no grammar compiler was free within {timeout_s:g} s (the server is busy)") from None
         try:
-            worker = self._ready(worker)
-            worker[1].send(spec)
-            if not worker[1].poll(max(0.0, deadline - time.monotonic())):
-                self._stop(worker)
-                worker = self._start()
+            if not worker.alive():
+                worker.stop()
+                worker = _Worker(self._info)
+            worker.wait_ready()
+            worker.conn.send(spec)
+            if not worker.conn.poll(timeout_s):
+                worker.stop()
+                worker = _Worker(self._info)
                 raise CompileError(f"the constraint did not compile within {timeout_s:g} s")
-            ok, result = worker[1].recv()
-        except (EOFError, OSError, BrokenPipeError):
-            self._stop(worker)
-            worker = self._start()
+            ok, result = worker.conn.recv()
+        except (EOFError, OSError):
+            worker.stop()
+            worker = _Worker(self._info)
             raise CompileError("the constraint's compiler process died (out of memory?)") from None
         finally:
             self._idle.put(worker)
@@ -57,32 +89,13 @@ class CompileWorkers:
 
     def close(self) -> None:
         while not self._idle.empty():
-            self._stop(self._idle.get_nowait())
-
-    def _start(self):
-        parent, child = self._context.Pipe()
-        proc = self._context.Process(target=_serve, args=(child, self._info), name="justapi-grammar", daemon=True)
-        proc.start()
-        child.close()
-        return proc, parent
-
-    def _ready(self, worker):
-        """The worker, or a new one in its place where it has died since its last compile."""
-        if worker[0].is_alive():
-            return worker
-        self._stop(worker)
-        return self._start()
-
-    @staticmethod
-    def _stop(worker) -> None:
-        proc, conn = worker
-        proc.kill()
-        proc.join(timeout=5)
-        conn.close()
+            self._idle.get_nowait().stop()
 
 
-def _serve(conn, tokenizer_info_json: str) -> None:
-    """A worker: build the compiler once, then compile each spec sent until the pipe closes."""
+def _serve(conn: Connection) -> None:
+    """A worker: build the compiler from the vocabulary sent first, say so, then compile each spec sent until the
+    pipe closes."""
+    tokenizer_info_json = conn.recv()
     resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY_BYTES, WORKER_MEMORY_BYTES))
     import xgrammar as xgr
 
@@ -90,6 +103,7 @@ def _serve(conn, tokenizer_info_json: str) -> None:
 
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(tokenizer_info_json), max_threads=1,
                                    cache_enabled=False)
+    conn.send("ready")
     while True:
         try:
             spec = conn.recv()
@@ -99,3 +113,7 @@ def _serve(conn, tokenizer_info_json: str) -> None:
             conn.send((True, compile_spec(xgr, compiler, spec).serialize_json()))
         except Exception as e:  # the client's grammar: its message goes back
             conn.send((False, str(e)))
+
+
+if __name__ == "__main__":
+    _serve(Connection(int(sys.argv[1])))
