@@ -291,3 +291,38 @@ def test_chat_logprobs_bytes_of_a_split_character(server):
     for entry in content:
         for alt in entry["top_logprobs"]:
             assert isinstance(alt["bytes"], list)
+
+
+def test_the_worker_listener_survives_stray_connections(monkeypatch):
+    """Ray workers dial the server's listener: a peer that hangs up, one without the key, a silent one and one naming
+    no expected rank are dropped, and the real workers still connect; their connections keep no read timeout."""
+    import multiprocessing.connection as mp_connection
+    import os
+
+    from justapi.distributed import channel
+
+    monkeypatch.setattr(channel, "HANDSHAKE_S", 0.5)
+    key = os.urandom(16)
+    listener = channel.WorkerListener("127.0.0.1", key)
+    try:
+        for rank in (0, 1):
+            listener.expect(rank)
+        socket.create_connection(listener.address).close()
+        with pytest.raises(mp_connection.AuthenticationError):
+            mp_connection.Client(listener.address, authkey=b"not the key")
+        silent = socket.create_connection(listener.address)
+        channel.connect(listener.address, key, 7)
+        workers = [channel.connect(listener.address, key, rank) for rank in (0, 1)]
+        conns = listener.take({0, 1}, lambda rank: True, time.monotonic() + 30)
+        got = []
+        reader = threading.Thread(target=lambda: got.append(conns[1].recv()))
+        reader.start()
+        time.sleep(1.0)  # longer than the handshake's timeout: the accepted connection must not time out
+        workers[1].send("late")
+        reader.join(10)
+        assert got == ["late"]
+        conns[0].send("hello")
+        assert workers[0].recv() == "hello"
+        silent.close()
+    finally:
+        listener.close()

@@ -10,8 +10,12 @@ while the server must keep reading the workers' reports, or both would wait on f
 from __future__ import annotations
 
 import multiprocessing.connection as mp_connection
+import os
 import queue
+import socket
+import struct
 import threading
+import time
 
 _CLOSE = object()
 
@@ -58,6 +62,71 @@ class WorkerLink:
 
     def get_nowait(self):
         return self.get(0)
+
+
+HANDSHAKE_S = 10.0  # a dialing peer proves the key and names its rank within this, or is dropped
+
+
+class WorkerListener:
+    """Where workers on other hosts dial the server: each proves the key and says its rank. A stray peer (silent,
+    hanging up, without the key, naming no expected rank) is dropped on a thread of its own, holding up no other."""
+
+    def __init__(self, host: str, authkey: bytes) -> None:
+        self._sock = socket.create_server((host, 0))
+        self.address = self._sock.getsockname()[:2]
+        self._authkey = authkey
+        self._lock = threading.Lock()
+        self._accepted: dict[int, mp_connection.Connection] = {}
+        self._expected: set[int] = set()
+        threading.Thread(target=self._accept_loop, name="justapi-accept", daemon=True).start()
+
+    def expect(self, rank: int) -> None:
+        with self._lock:
+            self._expected.add(rank)
+
+    def take(self, ranks: set[int], alive, deadline: float) -> dict[int, mp_connection.Connection]:
+        """The connections of ``ranks`` once each has dialed; RuntimeError if one's process ends (``alive(rank)``
+        false) or ``deadline`` (time.monotonic) passes first."""
+        while True:
+            with self._lock:
+                if ranks <= self._accepted.keys():
+                    return {r: self._accepted.pop(r) for r in ranks}
+            dead = [r for r in ranks if not alive(r)]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(f"worker {dead[0]} ended before connecting" if dead
+                                   else "workers did not connect in time")
+            time.sleep(0.05)  # polling the workers' processes, which report no event
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._handshake, args=(sock,), name="justapi-handshake", daemon=True).start()
+
+    def _handshake(self, sock: socket.socket) -> None:
+        # a silent peer's reads fail after HANDSHAKE_S (the kernel's receive timeout: the fd stays blocking, as
+        # multiprocessing's Connection reads it), and the timeout is lifted for a worker that passes
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(HANDSHAKE_S), 0))
+        conn = mp_connection.Connection(sock.detach())
+        try:
+            mp_connection.deliver_challenge(conn, self._authkey)
+            mp_connection.answer_challenge(conn, self._authkey)
+            rank = conn.recv() if conn.poll(HANDSHAKE_S) else None
+        except (mp_connection.AuthenticationError, OSError, EOFError, ValueError):
+            rank = None
+        with self._lock:
+            if rank in self._expected and rank not in self._accepted:
+                self._expected.discard(rank)
+                socket.socket(fileno=os.dup(conn.fileno())).setsockopt(  # closing the dup leaves conn's fd open
+                    socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
+                self._accepted[rank] = conn
+                return
+        conn.close()
 
 
 def connect(address: tuple[str, int], authkey: bytes, rank: int):

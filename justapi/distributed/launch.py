@@ -16,16 +16,13 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import multiprocessing.connection as mp_connection
 import os
 import secrets
 import socket
-import threading
-import time
 
 from ..config import PLACEMENT_STRATEGIES
 from . import group
-from .channel import Channel
+from .channel import Channel, WorkerListener
 
 log = logging.getLogger("justapi.launch")
 
@@ -164,7 +161,8 @@ class RayActors:
         import ray
 
         if self._listener is None:
-            self._listener = mp_connection.Listener((ray.util.get_node_ip_address(), 0), authkey=self._authkey)
+            self._listener = WorkerListener(ray.util.get_node_ip_address(), self._authkey)
+        self._listener.expect(rank)
         self._expected.add(rank)
         return (self._listener.address, self._authkey, rank)
 
@@ -177,38 +175,8 @@ class RayActors:
 
     def channels(self, handles: dict, deadline: float) -> dict[int, Channel]:
         """Accept each linked worker's connection (a worker dials back as it starts)."""
-        got: dict[int, Channel] = {}
-        accepted: list = []
-
-        def accept() -> None:
-            while len(accepted) < len(self._expected):
-                try:
-                    conn = self._listener.accept()
-                except mp_connection.AuthenticationError:
-                    continue  # a stray connection without the key: not one of ours
-                except OSError:
-                    return  # the listener was closed
-                try:
-                    rank = conn.recv()
-                except (OSError, EOFError):
-                    conn.close()
-                    continue
-                if rank in self._expected and all(r != rank for r, _ in accepted):
-                    accepted.append((rank, conn))
-                else:
-                    conn.close()
-
-        t = threading.Thread(target=accept, name="justapi-accept", daemon=True)
-        t.start()
-        while len(accepted) < len(self._expected):
-            dead = [r for r in self._expected if not handles[r].is_alive()]
-            if dead or time.monotonic() > deadline:
-                raise RuntimeError(f"worker {dead[0]} ended before connecting" if dead
-                                   else "workers did not connect in time")
-            t.join(0.1)
-        for rank, conn in accepted:
-            got[rank] = Channel(conn, f"worker-{rank}")
-        return got
+        conns = self._listener.take(set(self._expected), lambda r: handles[r].is_alive(), deadline)
+        return {rank: Channel(conn, f"worker-{rank}") for rank, conn in conns.items()}
 
     def close(self) -> None:
         import ray

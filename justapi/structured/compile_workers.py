@@ -9,7 +9,6 @@ import resource
 import socket
 import subprocess
 import sys
-import time
 from multiprocessing.connection import Connection
 
 WORKER_MEMORY_BYTES = 8 << 30  # address space a compile worker may map (xgrammar and its imports need ~1 GiB)
