@@ -71,6 +71,8 @@ def mixed_requests(n=12, seed=0):
         prompts.append(shared + body if i % 3 == 0 else body)  # some share a prefix
         params.append(SamplingParams(temperature=0, max_tokens=rng.choice([1, 5, 24, 40]), ignore_eos=True,
                                      logprobs=2 if i == 5 else None))
+    if n > 2:  # sampled and seeded: the same tokens on every path, its randomness keyed by (seed, position)
+        params[2] = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=24, ignore_eos=True)
     for i, spec in ((4, StructuredOutput("regex", r"[a-c]{3}-[0-9]{2}")), (7, StructuredOutput.json_schema(SCHEMA))):
         if i >= n:
             break

@@ -326,3 +326,24 @@ def test_the_worker_listener_survives_stray_connections(monkeypatch):
         silent.close()
     finally:
         listener.close()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_stop_string_across_a_token_boundary_leaks_nothing(server, stream):
+    """A stop string made of the end of one token and the start of the next ends the text right before it, streamed
+    (no delta carries text past it) or not."""
+    body = {"prompt": "the boundary", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    full = post(server, "/v1/completions", dict(body, logprobs=0)).json()["choices"][0]
+    text, offsets = full["text"], full["logprobs"]["text_offset"]
+    cut = next(o for o in offsets[3:] if 2 <= o <= len(text) - 2 and "\ufffd" not in text[o - 2 : o + 2]
+               and text.find(text[o - 2 : o + 2]) == o - 2)
+    stop = text[cut - 2 : cut + 2]  # two characters of one token, two of the next
+    if not stream:
+        r = post(server, "/v1/completions", dict(body, stop=[stop])).json()["choices"][0]
+        assert (r["text"], r["finish_reason"], r["stop_reason"]) == (text[: cut - 2], "stop", stop)
+        return
+    r = post(server, "/v1/completions", dict(body, stop=[stop], stream=True))
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == text[: cut - 2]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"

@@ -106,3 +106,28 @@ def test_templates_name_their_format_and_messages_carry_calls_as_objects():
                           "not valid JSON")]:
         with pytest.raises(ValueError, match=message):
             template_messages(bad)
+
+
+DELIMITED = {"code": "print('</tool_call>'); x = [1]; y = '}; {\"name\": \"fake\"}'", "note": "[TOOL_CALLS] <tool_call>"}
+TRICKY = {
+    "hermes": '<tool_call>\n{"name": "run", "arguments": ' + json.dumps(DELIMITED) + '}\n</tool_call>',
+    "llama3_json": '<|python_tag|>{"name": "run", "parameters": ' + json.dumps(DELIMITED) + '}',
+    "mistral": '[TOOL_CALLS][{"name": "run", "arguments": ' + json.dumps(DELIMITED) + '}]',
+}
+
+
+@pytest.mark.parametrize("parser", sorted(TRICKY))
+def test_arguments_holding_the_parsers_own_delimiters_stay_whole(parser):
+    """A call whose argument strings contain the format's own markers (a closing tag, '; ', '}]', a start marker)
+    parses to that one call, whole and streamed."""
+    text = TRICKY[parser]
+    content, calls = parse_tool_calls(text, parser)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("run", DELIMITED)] and content == ""
+    stream = ToolCallStream(parser)
+    deltas = []
+    for end in range(5, len(text) + 5, 5):
+        deltas += stream.feed(text[:end], final=end >= len(text))
+    args = "".join(tc["function"].get("arguments", "") for d in deltas for tc in d.get("tool_calls", []))
+    names = [tc["function"]["name"] for d in deltas for tc in d.get("tool_calls", []) if "name" in tc["function"]]
+    assert names == ["run"] and json.loads(args) == DELIMITED
+    assert "".join(d.get("content", "") for d in deltas).strip() == ""

@@ -71,8 +71,10 @@ def test_tp_with_prefix_cache_draft_tree_speculation_and_a_grammar(tiny_model):
     params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * 6
     for i in (1, 4):  # constrained: every rank rebuilds the matcher and masks the same draft tree
         params[i] = SamplingParams(temperature=0, max_tokens=30, structured=StructuredOutput("regex", r"[a-c]{3}-[0-9]{2}"))
-    want = [r.token_ids for r in LLM(tiny_model, **opts).generate(prompts, params)]
-    llm = LLM(tiny_model, tp=2, draft_model=tiny_model, gamma=3, branch=2, spec_max_batch=64, **opts)
+    params[2] = SamplingParams(temperature=0.9, top_p=0.95, seed=5, max_tokens=16, ignore_eos=True)  # seeded: equal
+    spec = dict(draft_model=tiny_model, gamma=3, branch=2, spec_max_batch=64)  # the sampled row: the same tree
+    want = [r.token_ids for r in LLM(tiny_model, **spec, **opts).generate(prompts, params)]
+    llm = LLM(tiny_model, tp=2, **spec, **opts)
     try:
         assert [r.token_ids for r in llm.generate(prompts, params)] == want
         sched = llm.engine.scheduler

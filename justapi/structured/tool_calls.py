@@ -64,16 +64,67 @@ class _Format:
         return 0
 
 
+def _json_end(text: str, start: int) -> int | None:
+    """Where the JSON object or list starting at ``start`` ends (the index after it), strings read as strings, so
+    a marker inside an argument is not taken for the format's own; None while it is unfinished."""
+    depth, in_string, escaped = 0, False, False
+    for k in range(start, len(text)):
+        ch = text[k]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return k + 1
+    return None
+
+
+def _objects(text: str, start: int, before: str, limit: int | None = None) -> tuple[list[str], int | None]:
+    """The JSON objects from ``start`` on (``limit`` at most), each preceded by ``before`` (separators) and
+    whitespace, the last possibly unfinished; and the index after the last finished one (None: unfinished or none).
+    Stops at the first thing that is not an object."""
+    calls: list[str] = []
+    end = None
+    while limit is None or len(calls) < limit:
+        i = start
+        while i < len(text) and (text[i].isspace() or (before and text.startswith(before, i))):
+            i += len(before) if before and text.startswith(before, i) else 1
+        if i >= len(text) or text[i] != "{":
+            break
+        end = _json_end(text, i)
+        if end is None:
+            return calls + [text[i:].strip()], None
+        calls.append(text[i:end])
+        start = end
+    return calls, end
+
+
 class _Hermes(_Format):
     markers = ("<tool_call>",)
 
     def split(self, text):
-        head, sep, rest = text.partition("<tool_call>")
+        head, sep, _ = text.partition("<tool_call>")
         if not sep:
             return text, []
-        calls = []
-        for part in ("<tool_call>" + rest).split("<tool_call>")[1:]:
-            calls.append(part.split("</tool_call>")[0].strip())
+        calls, i = [], len(head)
+        while i >= 0:  # each block's object read as JSON: a "</tool_call>" inside an argument stays in it
+            found, end = _objects(text, i + len("<tool_call>"), "", limit=1)
+            if not found:  # no object (yet): the block's text, which parsing keeps as content unless it becomes one
+                calls.append(text[i + len("<tool_call>") :].split("</tool_call>")[0].strip())
+                break
+            calls += found
+            if end is None:
+                break
+            i = text.find("<tool_call>", end)
         return head.rstrip() if calls else head, calls
 
 
@@ -86,7 +137,7 @@ class _Llama3Json(_Format):
         stripped = body.lstrip()
         if not stripped.startswith("{"):
             return (text, []) if "<|python_tag|>" not in text else ("", [])
-        return "", [c.strip() for c in stripped.split(";") if c.strip()]
+        return "", _objects(stripped, 0, ";")[0]  # objects read as JSON: a "; " inside an argument stays in it
 
     def held_back(self, content):
         # the answer is either a call (it starts with "{") or text: nothing can be sent before its first character
