@@ -220,6 +220,17 @@ def test_an_internal_error_is_a_500_with_an_id_and_the_server_goes_on(server, mo
     error_id = err["message"].split()[3]
     assert f"internal error {error_id}" in server.read_log()
     monkeypatch.undo()
+
+    def broken_delta(self, choice, out):
+        raise KeyError("a bug while streaming")
+
+    monkeypatch.setattr(api.CompletionChunks, "delta", broken_delta)
+    r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, "stream": True})
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert r.status_code == 200 and events[-1] == "[DONE]"
+    message = json.loads(events[-2])["error"]["message"]
+    assert message.startswith("internal server error") and f"internal error {message.split()[3]}" in server.read_log()
+    monkeypatch.undo()
     assert_serving(server)
 
 

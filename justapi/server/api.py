@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from ..config import ServerConfig
-from ..engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError, RequestFailedError, SloRefusal
+from ..engine.async_llm import AsyncLLM, QueueFullError, SloRefusal
 from ..engine.protocol import Engine
 from ..model.chat_template import ChatTemplateError
 from ..sampling_params import Pooling, SamplingParams
@@ -23,7 +23,8 @@ from .chunks import ChatChunks, CompletionChunks
 from .dashboard import DashboardFeed
 from .dashboard import install as install_dashboard
 from .auth import ApiKeys
-from .errors import ApiError, BodyLimit, InternalErrors, engine_error, error_response, install_error_handlers
+from .errors import (ApiError, BodyLimit, InternalErrors, engine_error, error_response, install_error_handlers,
+                     internal_error_message)
 from .metrics import Metrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeRequest,
                        message_dicts)
@@ -392,8 +393,10 @@ def _stream(raw: Request, llm: AsyncLLM, rid: str, choices: list[Choice], req, c
             if include_usage:
                 yield sse(chunk.usage(usage(choices)))
             yield sse("[DONE]")
-        except (QueueFullError, ValueError, EngineDeadError, RequestFailedError) as e:
+        except Exception as e:  # once streaming, an error travels inside the stream, which still ends with [DONE]
             err = engine_error(e)
+            if err is None:  # not the engine's word on the request (a tool parser's bug, say): logged with an id
+                err = ApiError(500, internal_error_message(log, raw.url.path), "server_error")
             yield sse({"error": {"message": err.message, "type": err.type, "code": err.status}})
             yield sse("[DONE]")
         finally:

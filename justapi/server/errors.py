@@ -105,12 +105,16 @@ class InternalErrors:
             if not started:
                 await error_response(400, "the request is nested too deeply")(scope, receive, send)
         except Exception:
-            error_id = uuid.uuid4().hex[:16]
-            log.exception("internal error %s on %s %s", error_id, scope.get("method"), scope.get("path"))
+            message = internal_error_message(log, f"{scope.get('method')} {scope.get('path')}")
             if not started:
-                response = error_response(500, f"internal server error {error_id} (the server's log has its details)",
-                                          "server_error")
-                await response(scope, receive, send)
+                await error_response(500, message, "server_error")(scope, receive, send)
+
+
+def internal_error_message(logger, where: str) -> str:
+    """Log the exception being handled under a new error id; the message a client gets, naming only that id."""
+    error_id = uuid.uuid4().hex[:16]
+    logger.exception("internal error %s on %s", error_id, where)
+    return f"internal server error {error_id} (the server's log has its details)"
 
 
 def install_error_handlers(app: FastAPI) -> None:
