@@ -45,7 +45,8 @@ class Grammars:
         self.vocab_size = vocab_size
         self._info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
                                                          stop_token_ids=sorted(stop_token_ids))
-        self._workers: CompileWorkers | None = None  # started on the first compile
+        self._workers: CompileWorkers | None = None  # started on the first client's spec
+        self._compiler = None  # this process's own, for specs the front already compiled
         self._cache: OrderedDict[StructuredOutput, _Compiled] = OrderedDict()
         # every grammar a live matcher holds, evicted from the cache or not: a resumed request finds its own
         self._live: weakref.WeakValueDictionary[StructuredOutput, _Compiled] = weakref.WeakValueDictionary()
@@ -54,16 +55,18 @@ class Grammars:
         self._pending: dict[StructuredOutput, concurrent.futures.Future] = {}
 
     # --- compiling ------------------------------------------------------------------------------------------
-    def compile(self, spec: StructuredOutput) -> _Compiled:
+    def compile(self, spec: StructuredOutput, untrusted: bool = False) -> _Compiled:
         """The compiled grammar of ``spec`` (cached, and kept while a matcher holds it); GrammarError if it cannot be
-        compiled."""
+        compiled. ``untrusted``: a client's spec never compiled before, compiled by a worker process within the time
+        limit; otherwise (a spec the server's front already compiled: a runner replaying it, in this process or in a
+        tensor-parallel or disaggregated worker) compiled here, with no processes of its own."""
         with self._lock:
             hit = self._cache.get(spec)
             if hit is not None:
                 self._cache.move_to_end(spec)
                 return hit
             hit = self._live.get(spec)
-        compiled = hit if hit is not None else self._compile(spec)
+        compiled = hit if hit is not None else self._compile(spec) if untrusted else self._compile_here(spec)
         with self._lock:
             self._cache[spec] = self._live[spec] = compiled
             while len(self._cache) > CACHE_ENTRIES:
@@ -79,7 +82,7 @@ class Grammars:
                 return done
             fut = self._pending.get(spec)
             if fut is None:
-                fut = self._pool.submit(self.compile, spec)
+                fut = self._pool.submit(self.compile, spec, True)
                 self._pending[spec] = fut
                 fut.add_done_callback(lambda _: self._forget(spec))
             return fut
@@ -89,7 +92,7 @@ class Grammars:
             self._pending.pop(spec, None)
 
     def check(self, spec: StructuredOutput) -> None:
-        """Compile ``spec`` or raise GrammarError naming the problem (also past COMPILE_TIMEOUT_S)."""
+        """Compile a client's ``spec`` or raise GrammarError naming the problem (also past COMPILE_TIMEOUT_S)."""
         self.compile_async(spec).result()
 
     def _compile(self, spec: StructuredOutput) -> _Compiled:
@@ -102,6 +105,12 @@ class Grammars:
         except CompileError as e:
             raise GrammarError(str(e)) from None
         return _Compiled(self._xgr.CompiledGrammar.deserialize_json(serialized, self._info))
+
+    def _compile_here(self, spec: StructuredOutput) -> _Compiled:
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = self._xgr.GrammarCompiler(self._info, max_threads=1, cache_enabled=False)
+        return _Compiled(compile_spec(self._xgr, self._compiler, spec))
 
     # --- matching -------------------------------------------------------------------------------------------
     def matcher(self, spec: StructuredOutput, output_token_ids: list[int]) -> Matcher:
