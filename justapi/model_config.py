@@ -44,6 +44,31 @@ ARCHS = {
 SUPPORTED_ARCHS = tuple(ARCHS)
 
 
+ROPE_SCALING_KINDS = ("none", "linear", "yarn")  # rope.scaling.type values served (per-frequency factors: tensors)
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How the file stretches RoPE past its training context (none where it does not)."""
+
+    kind: str = "none"
+    factor: float = 1.0  # linear and YaRN: the context's stretch
+    original_context: int | None = None  # YaRN: the context the model was trained at
+    attn_factor: float = 1.0  # llama.cpp's extra multiplier of YaRN's attention scaling
+    beta_fast: float = 32.0  # YaRN: the frequencies kept (rotations within the original context) ...
+    beta_slow: float = 1.0  # ... and those interpolated, with a ramp between
+    freq_factors: tuple[float, ...] | None = None  # divisors of each frequency (Llama 3.x's rope_freqs)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROPE_SCALING_KINDS:
+            raise ValueError(f"RoPE scaling {self.kind!r} is not supported; supported: {', '.join(ROPE_SCALING_KINDS)} "
+                             "and per-frequency factors (rope_freqs)")
+        if self.kind == "yarn" and not self.original_context:
+            raise ValueError("YaRN RoPE scaling needs rope.scaling.original_context_length")
+        if self.factor <= 0:
+            raise ValueError(f"RoPE scaling factor must be positive, got {self.factor}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture facts read from a GGUF file's metadata (see ``model.gguf_loader.read_model_config``)."""
@@ -70,6 +95,7 @@ class ModelConfig:
     num_experts: int = 0  # a mixture of experts' experts per layer ({arch}.expert_count); 0: a dense MLP
     num_experts_used: int = 0  # experts per token ({arch}.expert_used_count)
     final_softcap: float | None = None  # logits likewise
+    rope_scaling: RopeScaling = RopeScaling()  # how the file stretches RoPE (model.rope); the global layers' only
 
     def __post_init__(self) -> None:
         assert self.arch in SUPPORTED_ARCHS, self.arch

@@ -128,3 +128,31 @@ def test_a_file_with_rope_factors_fails_in_one_line(tmp_path):
                        extra_tensors={"rope_factors_long.weight": np.ones(4, dtype=np.float32)})
     with pytest.raises(ModelLoadError, match="rope_factors_long"):
         read_model_config(open_gguf(bad), bad)
+
+
+ROPES = {  # transformers' rope_parameters; the tiny model was trained (so to speak) at 16 tokens, its prompt is 45
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16},
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ROPES))
+def test_scaled_rope_matches_transformers(tmp_path, kind):
+    """RoPE as the file says (issue 54 item 1): Llama 3's per-frequency divisors (a rope_freqs tensor), linear and
+    YaRN scaling (its attention factor included), written as llama.cpp's converter writes them: prefill logits
+    over a prompt past the original context within 1e-4 of transformers' with the same rope_parameters, chunked and
+    paged, and greedy text equal on the default engine; against plain RoPE the logits differ."""
+    rope = ROPES[kind]
+    path = write_tiny_model(str(tmp_path / f"{kind}.gguf"), "llama", context_length=64, seed=7, rope=rope)
+    model = load_model(path)
+    ref_model = hf_model(path, rope_parameters=dict(rope, rope_theta=10000.0), max_position_embeddings=64)
+    plain_model = hf_model(path)
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([IDS])).logits[0]
+        plain = plain_model(torch.tensor([IDS])).logits[0]
+    ours = paged_prefill_logits(model, IDS, block_size=4, chunk=6)
+    assert (ours - ref).abs().max().item() < 1e-4
+    assert (ours - plain).abs().max().item() > 1e-3  # the scaling matters on this prompt
+    assert _engine_greedy(path, IDS[:20], 16, dtype="float32") == _greedy_by_whole_passes(ref_model, IDS[:20], 16)

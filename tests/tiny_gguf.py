@@ -161,6 +161,30 @@ K_QUANTIZERS = {"Q2_K": quantize_q2_k, "Q3_K": quantize_q3_k, "Q4_K": quantize_q
                 "Q6_K": quantize_q6_k}  # gguf quantizes none of them
 
 
+def _write_rope_scaling(w, rope: dict, head_dim: int, theta: float) -> None:
+    """``rope`` (transformers' rope_parameters) as llama.cpp's converter writes it."""
+    kind = rope["rope_type"]
+    if kind == "llama3":  # the converter's rope_freqs: each frequency's divisor under Llama 3's scaling
+        factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+        old = rope["original_max_position_embeddings"]
+        divisors = []
+        for i in range(0, head_dim, 2):
+            wavelen = 2 * np.pi * theta ** (i / head_dim)
+            if wavelen < old / high:
+                divisors.append(1.0)
+            elif wavelen > old / low:
+                divisors.append(factor)
+            else:
+                smooth = (old / wavelen - low) / (high - low)
+                divisors.append(1 / ((1 - smooth) / factor + smooth))
+        w.add_tensor("rope_freqs.weight", np.array(divisors, dtype=np.float32))
+        return
+    w.add_rope_scaling_type(gguf.RopeScalingType(kind))
+    w.add_rope_scaling_factor(rope["factor"])
+    if "original_max_position_embeddings" in rope:
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+
+
 def write_tiny_model(
     path: str,
     arch: str = "llama",
@@ -184,6 +208,7 @@ def write_tiny_model(
     llama_window: int | None = None,
     num_experts: int = 4,
     experts_used: int = 2,
+    rope: dict | None = None,
 ) -> str:
     """A random model whose linear weights are stored as ``qtype`` and its token embedding as ``embd_qtype`` (F32
     or a type gguf quantizes, e.g. Q8_0 as SmolLM2's); returns ``path``. ``gemma3``: its extra norms, QK norm,
@@ -198,6 +223,10 @@ def write_tiny_model(
 
     ``vocab_from``: another GGUF file whose tokenizer (every ``tokenizer.*`` key) the model takes, e.g. a tiny
     random draft model for SmolLM2.
+
+    ``rope``: transformers' ``rope_parameters`` of a scaled RoPE (``rope_type`` llama3, linear or yarn), written as
+    llama.cpp's converter does: llama3 as a ``rope_freqs`` tensor of per-frequency divisors, the others as
+    ``rope.scaling.*`` keys.
     """
     rng = np.random.default_rng(seed)
     source = gguf.GGUFReader(vocab_from) if vocab_from else None
@@ -220,6 +249,8 @@ def write_tiny_model(
     w.add_head_count_kv(num_kv_heads)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(1e6 if arch == "gemma3" else 10000.0)
+    if rope is not None:
+        _write_rope_scaling(w, rope, head_dim or hidden // num_heads, 1e6 if arch == "gemma3" else 10000.0)
     w.add_vocab_size(vocab_size)
     if arch in ("qwen3", "qwen3moe", "gemma2", "gemma3"):
         w.add_key_length(head_dim)

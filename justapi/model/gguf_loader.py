@@ -11,7 +11,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from ..model_config import ARCHS, SUPPORTED_ARCHS, ModelConfig
+from ..model_config import ARCHS, ROPE_SCALING_KINDS, SUPPORTED_ARCHS, ModelConfig, RopeScaling
 from .unpack import (Q4Unpacked, Q8Unpacked, unpack_q2_k, unpack_q3_k, unpack_q4, unpack_q4_k, unpack_q5_0,
                      unpack_q5_1, unpack_q5_k, unpack_q6_k, unpack_q8_0)
 
@@ -109,12 +109,7 @@ def read_model_config(reader, path: str) -> ModelConfig:
             raise ModelLoadError(f"{path}: metadata key {arch}.{key} is missing")
         return value
 
-    scaling = field_value(reader, f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise ModelLoadError(f"{path}: RoPE scaling {scaling!r} is not supported yet")
-    factors = sorted(t.name for t in reader.tensors if t.name.startswith(("rope_freqs", "rope_factors")))
-    if factors:
-        raise ModelLoadError(f"{path}: per-frequency RoPE factors ({factors[0]}) are not supported yet")
+    rope_scaling = _rope_scaling(reader, arch, path)
     hidden = int(need("embedding_length"))
     num_heads = int(need("attention.head_count"))
     num_kv_heads = int(field_value(reader, f"{arch}.attention.head_count_kv", num_heads))
@@ -156,7 +151,29 @@ def read_model_config(reader, path: str) -> ModelConfig:
         final_softcap=_positive(field_value(reader, f"{arch}.final_logit_softcapping")),
         num_experts=experts,
         num_experts_used=used,
+        rope_scaling=rope_scaling,
     )
+
+
+def _rope_scaling(reader, arch: str, path: str) -> RopeScaling:
+    """How the file stretches RoPE: ``{arch}.rope.scaling.*`` and a ``rope_freqs`` tensor of per-frequency divisors
+    (what llama.cpp's converter writes for Llama 3.x's llama3 scaling); a clear refusal for what is not served."""
+    key = lambda name, default=None: field_value(reader, f"{arch}.rope.scaling.{name}", default)  # noqa: E731
+    factor_tensors = sorted(t.name for t in reader.tensors if t.name.startswith("rope_factors"))
+    if factor_tensors:
+        raise ModelLoadError(f"{path}: LongRoPE factors ({factor_tensors[0]}) are not supported yet; supported RoPE "
+                             f"scaling: {', '.join(ROPE_SCALING_KINDS)} and per-frequency factors (rope_freqs)")
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    try:
+        return RopeScaling(
+            kind=str(key("type", "none") or "none"), factor=float(key("factor", 1.0) or 1.0),
+            original_context=int(key("original_context_length", 0) or 0) or None,
+            attn_factor=float(key("attn_factor", 1.0) or 1.0),
+            beta_fast=float(key("yarn_beta_fast", 32.0) or 32.0), beta_slow=float(key("yarn_beta_slow", 1.0) or 1.0),
+            freq_factors=tuple(float(x) for x in np.asarray(freqs.data, dtype=np.float32).reshape(-1))
+            if freqs is not None else None)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
 
 
 def _positive(value) -> float | None:

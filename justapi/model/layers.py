@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..model_config import RopeScaling
 from .quant import Int4Weight, Int8RowWeight, Int8Weight
+from .rope import cos_sin
 
 # Rows of a matmul are computed in tiles of this many rows, each tile one GEMM of the same shape, so a row's
 # result never depends on how many other rows share the batch (BLAS picks different kernels and reduction
@@ -54,14 +56,12 @@ def linear(
 
 
 class RotaryEmbedding:
-    """Precomputed cos/sin tables; ``style`` "norm" rotates adjacent pairs (llama.cpp's llama layout), "neox" halves."""
+    """Precomputed cos/sin tables (model.rope: the file's scaling applied); ``style`` "norm" rotates adjacent pairs
+    (llama.cpp's llama layout), "neox" halves."""
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int, style: str, device: str) -> None:
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        pos = torch.arange(max_positions, dtype=torch.int64).float()
-        freqs = torch.outer(pos, inv_freq)  # [positions, head_dim/2]
-        self.cos = freqs.cos().to(device)
-        self.sin = freqs.sin().to(device)
+    def __init__(self, head_dim: int, theta: float, max_positions: int, style: str, device: str,
+                 scaling: RopeScaling = RopeScaling()) -> None:
+        self.cos, self.sin = cos_sin(head_dim, theta, scaling, max_positions, device)  # [positions, head_dim/2]
         self.style = style
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -151,7 +151,8 @@ class LlamaModel:
             self.lm_head = Int8RowWeight(self.lm_head, head_q8, policy)
             if head == "token_embd.weight" and not hasattr(self.lm_head, "dense"):
                 self.embed = None  # tied, and too large to keep twice: looked up in the head's Q8_0 form
-        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.context_length, config.rope_style, device)
+        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.context_length, config.rope_style,
+                                    device, config.rope_scaling)
         self.local_rope = None  # the sliding layers' own base (Gemma 3), else they share self.rope
         if traits.local_rope_theta is not None and any(layer.window for layer in self.layers):
             self.local_rope = RotaryEmbedding(config.head_dim, traits.local_rope_theta, config.context_length,
