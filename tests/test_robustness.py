@@ -358,3 +358,20 @@ def test_a_stop_string_across_a_token_boundary_leaks_nothing(server, stream):
               if line.startswith("data: ") and line != "data: [DONE]"]
     assert "".join(c["choices"][0]["text"] for c in chunks) == text[: cut - 2]
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_under_a_grammar_are_finite_json(server, stream):
+    """Tokens a grammar forbids have logprob -inf, reported as vLLM's floor (-9999.0): strict JSON, streamed or
+    not (found by the soak benchmark: a 500, or -Infinity in a stream)."""
+    body = {"messages": [{"role": "user", "content": "Is the sky blue?"}], "max_tokens": 8, "temperature": 0,
+            "logprobs": True, "top_logprobs": 3, "structured_outputs": {"choice": ["yes", "no", "maybe"]},
+            "stream": stream}
+    r = post(server, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    payloads = [line[6:] for line in r.text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+    docs = [json.loads(p, parse_constant=lambda c: pytest.fail(f"{c} in {p}")) for p in payloads or [r.text]]
+    alts = [a["logprob"] for d in docs for c in d["choices"] for e in ((c.get("logprobs") or {}).get("content") or [])
+            for a in e["top_logprobs"]]
+    assert alts and min(alts) >= -9999.0
+    assert -9999.0 in alts  # an alternative the grammar forbids

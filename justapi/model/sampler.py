@@ -14,6 +14,7 @@ from ..core.outputs import Logprob
 from ..sampling_params import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15
+MIN_LOGPROB = -9999.0  # reported for impossible tokens (-inf)
 
 
 @dataclass
@@ -88,7 +89,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], kernels=None) -> tuple[l
     logprobs: list[Logprob | None] = [None] * len(rows)
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     if want:
-        lp = torch.log_softmax(logits[want], dim=-1)
+        # a token a grammar masked has logprob -inf, which JSON cannot carry: the floor vLLM reports instead
+        lp = torch.log_softmax(logits[want], dim=-1).nan_to_num(nan=MIN_LOGPROB).clamp_min(MIN_LOGPROB)
         for j, i in enumerate(want):
             k = rows[i].params.logprobs
             top = []

@@ -133,7 +133,7 @@ def install_error_handlers(app: FastAPI) -> None:
                 problems.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
         param = None
         errs = exc.errors()
-        if errs:
+        if errs and errs[0].get("type") != "json_invalid":  # its location is a character offset, not a field
             loc = [str(x) for x in errs[0].get("loc", ()) if x != "body"]
             param = loc[0] if loc else None
         return error_response(400, "; ".join(problems[:5]), param=param)

@@ -31,6 +31,7 @@ class _Worker:
         self.conn = Connection(parent.detach())
         self.conn.send(tokenizer_info_json)
         self.ready = False
+        self.sent = 0  # specs sent: each answer carries its number
 
     def wait_ready(self) -> None:
         """Block until the worker has built its compiler (it says so once)."""
@@ -70,13 +71,16 @@ class CompileWorkers:
                 worker.stop()
                 worker = _Worker(self._info)
             worker.wait_ready()
-            worker.conn.send(spec)
+            worker.sent += 1
+            worker.conn.send((worker.sent, spec))
             if not worker.conn.poll(timeout_s):
                 worker.stop()
                 worker = _Worker(self._info)
                 raise CompileError(f"the constraint did not compile within {timeout_s:g} s")
-            ok, result = worker.conn.recv()
-        except (EOFError, OSError):
+            seq, ok, result = worker.conn.recv()
+            if seq != worker.sent:  # never seen; but an answer must never reach another request
+                raise OSError(f"the compile worker answered request {seq}, not {worker.sent}")
+        except (EOFError, OSError, ValueError, TypeError):
             worker.stop()
             worker = _Worker(self._info)
             raise CompileError("the constraint's compiler process died (out of memory?)") from None
@@ -105,13 +109,13 @@ def _serve(conn: Connection) -> None:
     conn.send("ready")
     while True:
         try:
-            spec = conn.recv()
+            seq, spec = conn.recv()
         except EOFError:
             return
         try:
-            conn.send((True, compile_spec(xgr, compiler, spec).serialize_json()))
+            conn.send((seq, True, compile_spec(xgr, compiler, spec).serialize_json()))
         except Exception as e:  # the client's grammar: its message goes back
-            conn.send((False, str(e)))
+            conn.send((seq, False, str(e)))
 
 
 if __name__ == "__main__":
