@@ -1,0 +1,25 @@
+"""The soak benchmark, shortened for CI (issue 53 item 7): half a minute of every kind of request (whole, streamed,
+cancelled, timed out, malformed, extreme, structured, slow readers, embeddings) against a real `justapi serve`
+process on the tiny model. Nothing may be lost and no KV block may stay owned by a request once it is idle."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+SOAK = pathlib.Path(__file__).parent.parent / "benchmarks" / "soak.py"
+
+
+def test_a_short_soak_loses_nothing_and_leaks_no_block(tiny_model, tmp_path):
+    out = tmp_path / "soak.json"
+    run = subprocess.run([sys.executable, str(SOAK), "--minutes", "0.5", "--concurrency", "6", "--sample-every", "5",
+                          "--json", str(out), "--", "--model", tiny_model, "--threads", "1"],
+                         capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert figures["lost"] == 0 and figures["kv_when_idle"]["owned_by_requests"] == 0
+    kinds = figures["by_kind"]
+    assert sum(k["ok"] for k in kinds.values()) > 20 and kinds["malformed"]["4xx"] > 0
+    assert kinds["cancel_stream"]["cancelled"] + kinds["cancel_timeout"]["cancelled"] > 0
