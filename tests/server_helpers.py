@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -154,6 +155,22 @@ class InProcessServer:
             self._logger.setLevel(self._level)
             torch.set_num_threads(self._threads)
         return 0 if not self.thread.is_alive() and self.error is None and self.server.started else 1
+
+
+def slow_steps(seconds: float, gate: threading.Event | None = None):
+    """An ``on_engine`` that makes each step take ``seconds`` more (while ``gate`` is set, if given)."""
+
+    def instrument(engine):
+        step = engine.step
+
+        def slowed():
+            if gate is None or gate.is_set():
+                time.sleep(seconds)
+            return step()
+
+        engine.step = slowed
+
+    return instrument
 
 
 def metric(text: str, name: str) -> float:

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from server_helpers import InProcessServer, metric
+from server_helpers import InProcessServer, metric, slow_steps
 
 NAME = "tiny"
 FAIL_TEMPERATURE = 0.777  # a request sampled at this temperature fails inside the engine (the server below)
@@ -39,23 +39,12 @@ def failing_sampling():
 SLOW = threading.Event()  # while set, each engine step of the module's server takes 10 ms more
 
 
-def slow_steps(engine):
-    step = engine.step
-
-    def slowed():
-        if SLOW.is_set():
-            time.sleep(0.01)
-        return step()
-
-    engine.step = slowed
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory, failing_sampling):
     # a pool (40 blocks = 640 tokens) smaller than the context (1024): requests without max_tokens are capped by it
     srv = InProcessServer(["--model", tiny_model, "--pool-blocks", "40", "--served-model-name", NAME, "--max-n", "4",
                            "--max-queue", "4", "--max-prompts", "64", "--max-choices", "128", "--threads", "1"],
-                          str(tmp_path_factory.mktemp("logs") / "robust.log"), on_engine=slow_steps)
+                          str(tmp_path_factory.mktemp("logs") / "robust.log"), on_engine=slow_steps(0.01, SLOW))
     yield srv
     assert srv.stop() == 0
 

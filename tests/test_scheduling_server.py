@@ -12,25 +12,9 @@ import time
 import httpx
 import pytest
 
-from server_helpers import InProcessServer, labelled, metric
+from server_helpers import InProcessServer, labelled, metric, slow_steps
 
 KEYS = ("k-one", "k-two")
-
-
-def slow_steps(seconds: float, gate: threading.Event | None = None):
-    """An ``on_engine`` that makes each step take ``seconds`` more (while ``gate`` is set, if given)."""
-
-    def instrument(engine):
-        step = engine.step
-
-        def slowed():
-            if gate is None or gate.is_set():
-                time.sleep(seconds)
-            return step()
-
-        engine.step = slowed
-
-    return instrument
 
 
 async def wait_idle(c: httpx.AsyncClient, url: str, key: str | None = None) -> str:

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from server_helpers import InProcessServer, metric
+from server_helpers import InProcessServer, metric, slow_steps
 
 KEY = "test-key"
 NAME = "tiny"
@@ -259,20 +259,10 @@ def test_step_log_accounts_for_every_scheduled_token(server, client):
 
 
 def test_full_queue_answers_429_then_recovers(tiny_model, tmp_path):
-    slow = threading.Event()
-
-    def slow_steps(engine):  # while ``slow`` is set each step takes 20 ms more: a full queue stays full meanwhile
-        step = engine.step
-
-        def slowed():
-            if slow.is_set():
-                time.sleep(0.02)
-            return step()
-
-        engine.step = slowed
+    slow = threading.Event()  # while set each step takes 20 ms more: a full queue stays full meanwhile
 
     srv = InProcessServer(["--model", tiny_model, "--max-seqs", "1", "--max-queue", "1",
-                           "--pool-blocks", "200"], str(tmp_path / "q.log"), on_engine=slow_steps)
+                           "--pool-blocks", "200"], str(tmp_path / "q.log"), on_engine=slow_steps(0.02, slow))
     try:
         async def burst():
             async with httpx.AsyncClient(timeout=120) as c:

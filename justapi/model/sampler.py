@@ -53,7 +53,8 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         cum = torch.cumsum(sorted_probs, dim=-1)
-        drop_sorted = cum - sorted_probs >= params.top_p  # keep the smallest prefix reaching top_p
+        drop_sorted = cum - sorted_probs >= params.top_p  # keep the smallest prefix reaching top_p ...
+        drop_sorted[0] = False  # ... the likeliest token at least (a top_p below fp32's least value rounds to 0)
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
     if params.min_p > 0.0:

@@ -70,6 +70,10 @@ def _save(tok, target: str) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+class TextError(ValueError):
+    """Text a client sent that cannot be tokenized."""
+
+
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte pieces
 
 
@@ -122,7 +126,13 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; special-token strings in it are parsed; BOS is prepended and EOS appended when the
-        file asks (an embedding model pools its last token, EOS, as llama.cpp does)."""
+        file asks (an embedding model pools its last token, EOS, as llama.cpp does). TextError for text that is not
+        Unicode (a lone surrogate, which JSON's escapes can carry)."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise TextError(f"the text holds a lone surrogate (U+{ord(text[e.start]):04X} at character {e.start}), "
+                            "which is not Unicode") from None
         ids = self._hf.encode(text, add_special_tokens=False)
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             if not ids or ids[0] != self.bos_token_id:
