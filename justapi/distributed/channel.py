@@ -117,10 +117,10 @@ class WorkerListener:
             mp_connection.deliver_challenge(conn, self._authkey)
             mp_connection.answer_challenge(conn, self._authkey)
             rank = conn.recv() if conn.poll(HANDSHAKE_S) else None
-        except (mp_connection.AuthenticationError, OSError, EOFError, ValueError):
+        except Exception:  # no key, a hang-up, a timeout, or a message that is no rank: not one of ours
             rank = None
         with self._lock:
-            if rank in self._expected and rank not in self._accepted:
+            if isinstance(rank, int) and rank in self._expected and rank not in self._accepted:
                 self._expected.discard(rank)
                 socket.socket(fileno=os.dup(conn.fileno())).setsockopt(  # closing the dup leaves conn's fd open
                     socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))

@@ -139,9 +139,10 @@ class AsyncLLM:
         timing = RequestTiming(time.monotonic(), len(prompt_token_ids), priority=params.priority, user=params.user,
                                predicted_ttft=self.predict_ttft(len(prompt_token_ids), params),
                                group=group or request_id)
+        with self._count_lock:  # counted before the engine thread can see the stream (and end it)
+            self._waiting_groups[timing.group] = self._waiting_groups.get(timing.group, 0) + 1
         self._streams[request_id] = (loop, queue, timing)
         with self._count_lock:
-            self._waiting_groups[timing.group] = self._waiting_groups.get(timing.group, 0) + 1
             self._pending_adds += 1
             self._pending_tokens += len(prompt_token_ids)
         self._commands.append(("add", request_id, prompt_token_ids, params))
@@ -172,11 +173,9 @@ class AsyncLLM:
             return
         timing.waiting = False
         with self._count_lock:
-            left = self._waiting_groups[timing.group] - 1
-            if left:
+            left = self._waiting_groups.pop(timing.group, 1) - 1
+            if left > 0:
                 self._waiting_groups[timing.group] = left
-            else:
-                del self._waiting_groups[timing.group]
 
     def check_queue(self) -> None:
         """Raise QueueFullError when ``max_queue`` client requests are already waiting for their first token."""

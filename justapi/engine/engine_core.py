@@ -162,25 +162,12 @@ class EngineCore(ModelFront):
         t0 = time.perf_counter()
         reports = []
         for core_out in core_outs:
-            try:
-                report, stopped = self.outputs.process(core_out)
-            except Exception as e:  # this request's text (its detokenizer, its stop strings): it fails alone
-                log.exception("request %s failed in its text", core_out.request_id)
-                report, stopped = self._fail_text(core_out, e), False
-            if stopped:
+            report, ended = self.outputs.process_safely(core_out)
+            if ended:  # a stop string, or its text failed: the scheduler frees it
                 self.scheduler.finish_request(core_out.request_id, RequestStatus.FINISHED_STOPPED)
             reports.append(report)
         self.last_step = self._step_work(time.perf_counter() - t0, reports)
         return reports
-
-    def _fail_text(self, core_out: EngineCoreOutput, error: Exception) -> RequestOutput:
-        """End a request whose text could not be made; its blocks freed if it still runs."""
-        if core_out.finish_reason is None:
-            self.scheduler.fail_request(core_out.request_id, "")
-        self.outputs.drop(core_out.request_id)
-        message = f"the request failed in its text: {type(error).__name__}: {error}"
-        return RequestOutput(core_out.request_id, [], "", None, [], "", True, "error", None,
-                             core_out.num_prompt_tokens, core_out.num_cached_tokens, error=message)
 
     def _step_work(self, detokenize_s: float, reports: list[RequestOutput]) -> StepWork:
         sched = self.scheduler

@@ -158,7 +158,9 @@ def follow(config: EngineConfig, model_config: ModelConfig, rank: int, group=Non
     while True:
         msg = broadcast(None, group)
         if isinstance(msg, ExecuteStep):
-            worker.execute(msg.sched)
+            failed = worker.execute(msg.sched).failed
+            if failed:  # rank 0 never hears of it, and the ranks' batches would part ways: stop loudly instead
+                raise RuntimeError(f"rank {rank}: requests failed on this rank alone: {failed}")
         elif isinstance(msg, ExportKv):
             comm.gather_kv(worker.export_kv(list(msg.block_ids)))
         elif isinstance(msg, Shutdown):

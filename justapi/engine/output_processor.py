@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from ..core.outputs import EngineCoreOutput, Logprob
 from ..model.tokenizer import IncrementalDetokenizer, Tokenizer
 from ..sampling_params import SamplingParams
+
+log = logging.getLogger("justapi.engine")
 
 
 @dataclass
@@ -99,6 +102,19 @@ class OutputProcessor:
         if finished:
             del self.requests[out.request_id]
         return report, stopped_by_string
+
+    def process_safely(self, out: EngineCoreOutput) -> tuple[RequestOutput, bool]:
+        """``process``, except that a request whose text raises (its detokenizer, its stop strings) fails alone: an
+        error report, its state dropped. The bool: whether the request ended here (a stop string or that failure)
+        while its engine may still run it."""
+        try:
+            return self.process(out)
+        except Exception as e:
+            log.exception("request %s failed in its text", out.request_id)
+            self.requests.pop(out.request_id, None)
+            error = f"the request failed in its text: {type(e).__name__}: {e}"
+            return RequestOutput(out.request_id, [], "", None, [], "", True, "error", None, out.num_prompt_tokens,
+                                 out.num_cached_tokens, error=error), out.finish_reason is None
 
     def drop(self, request_id: str) -> None:
         self.requests.pop(request_id, None)

@@ -320,7 +320,7 @@ class PdEngine(ModelFront):
             req.num_cached_tokens = out.num_cached_tokens
             prompt, _, params, seed = self._first[rid]
             self._first[rid] = (prompt, out.new_token_ids[0], params, seed)
-        report, stopped = self.outputs.process(dataclasses.replace(out, num_cached_tokens=req.num_cached_tokens))
+        report, stopped = self.outputs.process_safely(dataclasses.replace(out, num_cached_tokens=req.num_cached_tokens))
         reports.append(report)
         if report.finished:
             if stopped:

@@ -147,7 +147,7 @@ class ServeEngine(ModelFront):
                 self.routed[replica] = self.routed.get(replica, 0) + 1
             req.replica = replica
             for out in outs:
-                report, stopped = self.outputs.process(out)
+                report, stopped = self.outputs.process_safely(out)
                 reports.append(report)
                 if report.finished:
                     if stopped:  # a stop string: the replica does not know yet

@@ -14,7 +14,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from ..config import ServerConfig
-from ..engine.async_llm import AsyncLLM, QueueFullError, SloRefusal
+from ..core.limits import AdmissionError
+from ..engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError, RequestFailedError, SloRefusal
 from ..engine.protocol import Engine
 from ..model.chat_template import ChatTemplateError
 from ..model.tokenizer import TextError
@@ -33,6 +34,8 @@ from .serving import (Choice, chat_logprobs, completion_logprobs, embedding_data
                       run_choices, sse, usage)
 
 log = logging.getLogger("justapi.server")
+# what the engine front raises about a request once its stream has started: answered inside the stream as such
+ENGINE_ERRORS = (QueueFullError, AdmissionError, EngineDeadError, RequestFailedError)
 STEPS_A_PAGE = 1024  # step records one GET /engine/steps returns at most (each with a cell per running request)
 
 
@@ -405,7 +408,7 @@ def _stream(raw: Request, llm: AsyncLLM, rid: str, choices: list[Choice], req, c
                 yield sse(chunk.usage(usage(choices)))
             yield sse("[DONE]")
         except Exception as e:  # once streaming, an error travels inside the stream, which still ends with [DONE]
-            err = engine_error(e)
+            err = engine_error(e) if isinstance(e, ENGINE_ERRORS) else None
             if err is None:  # not the engine's word on the request (a tool parser's bug, say): logged with an id
                 err = ApiError(500, internal_error_message(log, raw.url.path), "server_error")
             yield sse({"error": {"message": err.message, "type": err.type, "code": err.status}})

@@ -25,11 +25,19 @@ class _Worker:
 
     def __init__(self, tokenizer_info_json: str) -> None:
         parent, child = socket.socketpair()
-        self.proc = subprocess.Popen([sys.executable, "-m", __name__, str(child.fileno())],
-                                     pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
-        child.close()
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", __name__, str(child.fileno())],
+                                         pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
+        except OSError as e:
+            parent.close()
+            raise CompileError(f"the grammar compiler could not start: {e}") from None
+        finally:
+            child.close()
         self.conn = Connection(parent.detach())
-        self.conn.send(tokenizer_info_json)
+        try:
+            self.conn.send(tokenizer_info_json)
+        except OSError:
+            pass  # it died at once: the first compile finds it dead and starts another
         self.ready = False
         self.sent = 0  # specs sent: each answer carries its number
 

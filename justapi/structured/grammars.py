@@ -97,9 +97,13 @@ class Grammars:
 
     def _compile(self, spec: StructuredOutput) -> _Compiled:
         """``spec`` compiled by a worker process within COMPILE_TIMEOUT_S (compile_workers), read back here."""
-        with self._lock:
-            if self._workers is None:
-                self._workers = CompileWorkers(self._info.serialize_json(), COMPILE_WORKERS)
+        if self._workers is None:  # started outside the lock, which the engine thread takes for every matcher
+            started = CompileWorkers(self._info.serialize_json(), COMPILE_WORKERS)
+            with self._lock:
+                if self._workers is None:
+                    self._workers, started = started, None
+            if started is not None:  # another thread's came first
+                started.close()
         try:
             serialized = self._workers.compile(spec, COMPILE_TIMEOUT_S)
         except CompileError as e:
