@@ -129,11 +129,13 @@ class Tokenizer:
         file asks (an embedding model pools its last token, EOS, as llama.cpp does). TextError for text that is not
         Unicode (a lone surrogate, which JSON's escapes can carry)."""
         try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise TextError(f"the text holds a lone surrogate (U+{ord(text[e.start]):04X} at character {e.start}), "
+            ids = self._hf.encode(text, add_special_tokens=False)
+        except TypeError:  # the tokenizers library takes only Unicode: the text is checked on this rare path only
+            bad = next((i for i, ch in enumerate(text) if "\ud800" <= ch <= "\udfff"), None)
+            if bad is None:
+                raise
+            raise TextError(f"the text holds a lone surrogate (U+{ord(text[bad]):04X} at character {bad}), "
                             "which is not Unicode") from None
-        ids = self._hf.encode(text, add_special_tokens=False)
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             if not ids or ids[0] != self.bos_token_id:
                 ids = [self.bos_token_id] + ids

@@ -14,8 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from ..config import ServerConfig
-from ..core.limits import AdmissionError
-from ..engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError, RequestFailedError, SloRefusal
+from ..engine.async_llm import AsyncLLM, QueueFullError, SloRefusal
 from ..engine.protocol import Engine
 from ..model.chat_template import ChatTemplateError
 from ..model.tokenizer import TextError
@@ -25,8 +24,8 @@ from .chunks import ChatChunks, CompletionChunks
 from .dashboard import DashboardFeed
 from .dashboard import install as install_dashboard
 from .auth import ApiKeys
-from .errors import (ApiError, BodyLimit, InternalErrors, engine_error, error_response, install_error_handlers,
-                     internal_error_message)
+from .errors import (ENGINE_ERRORS, ApiError, BodyLimit, InternalErrors, engine_error, error_response,
+                     install_error_handlers, internal_error_message)
 from .metrics import Metrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeRequest,
                        message_dicts)
@@ -34,8 +33,6 @@ from .serving import (Choice, chat_logprobs, completion_logprobs, embedding_data
                       run_choices, sse, usage)
 
 log = logging.getLogger("justapi.server")
-# what the engine front raises about a request once its stream has started: answered inside the stream as such
-ENGINE_ERRORS = (QueueFullError, AdmissionError, EngineDeadError, RequestFailedError)
 STEPS_A_PAGE = 1024  # step records one GET /engine/steps returns at most (each with a cell per running request)
 
 
@@ -215,9 +212,13 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
                                 f"{config.max_choices} per request", param="n")
 
     def _check_token_ids(prompts: list, field: str) -> None:
-        vocab = state.engine.limits.vocab_size
-        if any(not isinstance(p, str) and any(not 0 <= t < vocab for t in p) for p in prompts):
-            raise ApiError(400, f"{field}: token ids must be in 0..{vocab - 1}", param=field)
+        """Token-id prompts checked before anything decodes them (echo): the engine's own check, as a 400."""
+        try:
+            for p in prompts:
+                if not isinstance(p, str):
+                    state.engine.check_token_ids(p)
+        except ValueError as e:
+            raise ApiError(400, f"{field}: {e}", param=field) from None
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):

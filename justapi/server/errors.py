@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..core.limits import AdmissionError
 from ..engine.async_llm import EngineDeadError, QueueFullError, RequestFailedError
 
 
@@ -30,6 +31,10 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
                    headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}},
                         status_code=status, headers=headers)
+
+
+# what the engine front raises about a request once its stream has started: answered inside the stream as such
+ENGINE_ERRORS = (QueueFullError, AdmissionError, EngineDeadError, RequestFailedError)
 
 
 def engine_error(exc: BaseException) -> ApiError | None:
