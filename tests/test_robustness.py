@@ -202,7 +202,7 @@ def test_an_internal_error_is_a_500_with_an_id_and_the_server_goes_on(server, mo
     def broken(*args, **kwargs):
         raise KeyError("a bug")
 
-    monkeypatch.setattr(api, "_completion_prompts", broken)
+    monkeypatch.setattr(api, "completion_prompts", broken)
     r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2})
     err = assert_error(r, 500, "internal server error")
     assert err["type"] == "server_error" and "Traceback" not in r.text

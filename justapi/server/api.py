@@ -16,16 +16,15 @@ from fastapi.responses import Response, StreamingResponse
 from ..config import ServerConfig
 from ..engine.async_llm import AsyncLLM, QueueFullError, SloRefusal
 from ..engine.protocol import Engine
-from ..model.chat_template import ChatTemplateError
-from ..model.tokenizer import TextError
 from ..sampling_params import Pooling, SamplingParams
+from .auth import ApiKeys
 from .chat_tools import ChatTools
 from .chunks import ChatChunks, CompletionChunks
 from .dashboard import DashboardFeed
 from .dashboard import install as install_dashboard
-from .auth import ApiKeys
 from .errors import (ENGINE_ERRORS, ApiError, BodyLimit, InternalErrors, engine_error, error_response,
                      install_error_handlers, internal_error_message)
+from .inputs import chat_prompt, completion_prompts, encoded, prepare_grammar
 from .metrics import Metrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeRequest,
                        message_dicts)
@@ -172,9 +171,9 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
                 messages = message_dicts(req.messages)
             except ValueError as e:
                 raise ApiError(400, str(e), param="messages") from None
-            ids = await _chat_prompt(state.engine, messages, req.add_generation_prompt)
+            ids = await chat_prompt(state.engine, messages, req.add_generation_prompt)
         elif req.prompt is not None:
-            ids = await _encoded("prompt", tok.encode, req.prompt, req.add_special_tokens)
+            ids = await encoded("prompt", tok.encode, req.prompt, req.add_special_tokens)
         else:
             raise ApiError(400, "give prompt or messages", param="prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": state.engine.limits.max_model_len}
@@ -229,8 +228,8 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
         _check_fan_out(len(prompts), req.n, "prompt")
         _check_token_ids(prompts, "prompt")
         params = _params(req, raw, req.max_tokens, req.logprobs)
-        ids_list, echo = await _encoded("prompt", _completion_prompts, tok, prompts, req.echo)
-        await _prepare(state.engine, req, params)
+        ids_list, echo = await encoded("prompt", completion_prompts, tok, prompts, req.echo)
+        await prepare_grammar(state.engine, req, params)
         choices = make_choices(ids_list, params, echo)
         _validate(llm, choices)
         rid = new_id("cmpl")
@@ -261,7 +260,7 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
         params = dataclasses.replace(SamplingParams.for_embedding(pooling),
                                      user=getattr(raw.state, "api_user", None) or req.user,
                                      deadline=time.monotonic() + min(timeouts) if timeouts else None)
-        ids_list, _ = await _encoded("input", _completion_prompts, tok, inputs, False)
+        ids_list, _ = await encoded("input", completion_prompts, tok, inputs, False)
         choices = [Choice(i, i, ids, params) for i, ids in enumerate(ids_list)]
         _validate(llm, choices)
         await _collect(raw, llm, new_id("embd"), choices)
@@ -287,7 +286,7 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
             messages = req.message_dicts()
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
-        ids = await _chat_prompt(engine, messages, req.add_generation_prompt, tool_req.rendered if tool_req else None)
+        ids = await chat_prompt(engine, messages, req.add_generation_prompt, tool_req.rendered if tool_req else None)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
         params = _params(req, raw, max_tokens, top)
@@ -296,7 +295,7 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
                 raise ApiError(400, "tool_choice required or a named function cannot be combined with "
                                     "response_format or structured_outputs", param="tool_choice")
             params = dataclasses.replace(params, structured=tools.request.spec())
-        await _prepare(engine, req, params, forced_tool=tools is not None and tools.request.forced)
+        await prepare_grammar(engine, req, params, forced_tool=tools is not None and tools.request.forced)
         choices = make_choices([ids], params)
         _validate(llm, choices)
         rid = new_id("chatcmpl")
@@ -318,43 +317,6 @@ def _chat_choice(c: Choice, tok, tools: ChatTools | None) -> dict:
         message, reason = tools.message(c.final.text, reason)
     return {"index": c.index, "message": message, "logprobs": chat_logprobs(tok, c.final.logprobs),
             "finish_reason": reason, "stop_reason": c.final.stop_reason}
-
-
-async def _prepare(engine: Engine, req, params, forced_tool: bool = False) -> None:
-    """Compile the request's grammar in a thread: neither the event loop nor the engine loop waits for it. An error
-    names where the constraint came from: a forced tool's parameters, structured_outputs or response_format."""
-    if params.structured is None:
-        return
-    field = "tools" if forced_tool else "structured_outputs" if req.structured_outputs is not None else \
-        "response_format"
-    try:
-        await asyncio.to_thread(engine.prepare, params)
-    except ValueError as e:
-        raise ApiError(400, f"{field}: {e}", param=field) from None
-    except RecursionError:
-        raise ApiError(400, f"{field}: the constraint is nested too deeply to compile", param=field) from None
-
-
-async def _chat_prompt(engine: Engine, messages: list[dict], add_generation_prompt: bool, tools=None) -> list[int]:
-    """The chat's token ids, the template rendered and encoded in a thread (never on the event loop)."""
-    try:
-        return await asyncio.to_thread(engine.render_chat, messages, add_generation_prompt, tools)
-    except (ChatTemplateError, TextError) as e:
-        raise ApiError(400, str(e), param="messages") from None
-
-
-async def _encoded(field: str, encode, *args):
-    """``encode(*args)`` in a thread (never on the event loop); text that is not Unicode is a 400 naming ``field``."""
-    try:
-        return await asyncio.to_thread(encode, *args)
-    except TextError as e:
-        raise ApiError(400, f"{field}: {e}", param=field) from None
-
-
-def _completion_prompts(tok, prompts: list, echo: bool) -> tuple[list[list[int]], list[str] | None]:
-    """Each prompt's token ids (text encoded), and the echoed texts where asked: run in a thread."""
-    ids_list = [tok.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-    return ids_list, [p if isinstance(p, str) else tok.decode(p) for p in prompts] if echo else None
 
 
 def _completion_entries(tok, choices: list[Choice]) -> list[dict]:
