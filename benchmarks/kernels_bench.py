@@ -71,7 +71,7 @@ def use_kernels(model, kernels) -> None:
     """Every C++ call of ``model`` (layer ops, attention, each packed weight's matmul, the head's) through the module
     ``kernels``: another revision's build (``build_at``) swapped in, or the model's own put back."""
     model.kernels = kernels
-    for w in [w for layer in model.layers for w in vars(layer).values()] + [model.lm_head]:
+    for w in [w for layer in model.layers for w in layer.linears()] + [model.lm_head]:
         if getattr(w, "kernels", None) is not None:
             w.kernels = kernels
 
@@ -80,7 +80,7 @@ def one_pass(model, xs: dict[int, torch.Tensor], kernels) -> tuple[float, float]
     """Seconds for all the layers' projections, and for the head, at the rows of ``xs`` (by input width), through the
     C++ ``kernels`` module given."""
     use_kernels(model, kernels)
-    linears = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    linears = [w for layer in model.layers for w in layer.linears()]
     t = time.perf_counter()
     for w in linears:
         w.matmul(xs[w.shape[1]])
@@ -121,12 +121,12 @@ def weights(args) -> None:
         print("\n".join(lines[1:]))
     width = max(len(n) for n in models) + 2
     layer_weights = sum(w.shape[0] * w.shape[1] for layer in models["default"].layers
-                        for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+                        for w in layer.linears())
     print(f"\n{'rows':>5}" + "".join(f"{n + ' layers':>{width + 7}}{'head':>8}" for n in models))
     for rows in args.rows:
         g = torch.Generator().manual_seed(rows)
         widths = {w.shape[1] for layer in models["default"].layers
-                  for w in (layer.qkv, layer.o, layer.gate_up, layer.down)}
+                  for w in layer.linears()}
         xs = {k: torch.randn(rows, k, generator=g).to(policy.dtype) for k in widths}
         best = {n: [1e9, 1e9] for n in models}
         for rep in range(args.reps):

@@ -20,6 +20,7 @@ class ArchTraits:
     global_every: int = 0  # with a sliding window: every Nth layer attends globally (Gemma 3: 6); 0: every layer
     local_rope_theta: float | None = None  # the sliding layers' RoPE base where it differs (Gemma 3: 10,000)
     moe_norm_top_k: bool = False  # mixture of experts: the top-k routing weights renormalized to sum to 1
+    nope_every: int = 0  # every Nth layer attends without RoPE (SmolLM3: 4); 0: every layer has it
 
 
 ARCHS = {
@@ -96,6 +97,12 @@ class ModelConfig:
     num_experts_used: int = 0  # experts per token ({arch}.expert_used_count)
     final_softcap: float | None = None  # logits likewise
     rope_scaling: RopeScaling = RopeScaling()  # how the file stretches RoPE (model.rope); the global layers' only
+    rope_dim: int | None = None  # dimensions of each head that RoPE rotates ({arch}.rope.dimension_count); None: all
+    # Granite's multipliers ({arch}.embedding_scale, residual_scale, attention.scale, logit_scale); None: absent
+    embedding_scale: float | None = None  # token embeddings times this
+    residual_scale: float | None = None  # each sublayer's output times this before its residual add
+    attention_scale: float | None = None  # the attention scores' scale, in place of head_dim ** -0.5
+    logit_scale: float | None = None  # logits divided by this
 
     def __post_init__(self) -> None:
         assert self.arch in SUPPORTED_ARCHS, self.arch

@@ -88,9 +88,9 @@ def test_batch_invariance_takes_the_float32_path(tmp_path):
     from tiny_gguf import write_tiny_model
 
     path = write_tiny_model(str(tmp_path / "q4.gguf"), "llama", hidden=128, intermediate=256, qtype="Q4_1")
-    assert isinstance(LLM(path, show_progress=False).engine.model.layers[0].down, Int4Weight)  # auto: 4-bit
+    assert isinstance(LLM(path, show_progress=False).engine.model.layers[0].mlp.down, Int4Weight)  # auto: 4-bit
     llm = LLM(path, batch_invariant=True, show_progress=False)
-    assert llm.engine.model.dtype == torch.float32 and isinstance(llm.engine.model.layers[0].down, torch.Tensor)
+    assert llm.engine.model.dtype == torch.float32 and isinstance(llm.engine.model.layers[0].mlp.down, torch.Tensor)
     with pytest.raises(ValueError, match="--batch-invariant runs the float32 path"):
         EngineConfig(model=path, dtype="bfloat16", batch_invariant=True)
 

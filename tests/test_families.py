@@ -37,7 +37,7 @@ def test_tiny_phi3_matches_transformers(tmp_path, tied):
     transformers' Phi3ForCausalLM, and greedy text equal on the default (packed-weight, C++ kernel) engine too."""
     path = write_tiny_model(str(tmp_path / "phi3.gguf"), "phi3", tied=tied, seed=5)
     model = load_model(path)
-    assert model.config.arch == "phi3" and model.layers[0].gate_up.shape[0] == 2 * model.config.intermediate_size
+    assert model.config.arch == "phi3" and model.layers[0].mlp.gate_up.shape[0] == 2 * model.config.intermediate_size
     ref_model = hf_model(path, pad_token_id=0)  # Phi3Config's default pad id (32000) is past the tiny vocabulary
     assert type(ref_model).__name__ == "Phi3ForCausalLM"
     with torch.no_grad():
@@ -53,7 +53,7 @@ def test_tiny_gemma2_matches_transformers_with_soft_caps(tmp_path):
     path = write_tiny_model(str(tmp_path / "gemma2.gguf"), "gemma2", tokenizer="llama", num_layers=6, seed=3,
                             weight_scale=0.6)
     model = load_model(path)
-    assert [layer.window for layer in model.layers] == [8, None] * 3
+    assert [layer.attn.window for layer in model.layers] == [8, None] * 3
     assert (model.config.attn_softcap, model.config.final_softcap) == (50.0, 30.0)
     ref_model = hf_model(path, query_pre_attn_scalar=model.config.head_dim, attn_implementation="eager")
     with torch.no_grad():
@@ -76,7 +76,7 @@ def test_a_llama_file_with_a_sliding_window_attends_like_mistral(tmp_path):
 
     path = write_tiny_model(str(tmp_path / "mistral.gguf"), "llama", llama_window=8, seed=7)
     model = load_model(path)
-    assert [layer.window for layer in model.layers] == [8, 8]
+    assert [layer.attn.window for layer in model.layers] == [8, 8]
     llama = hf_model(path)
     fields = {k: v for k, v in llama.config.to_dict().items() if k not in ("architectures", "model_type")}
     ref_model = MistralForCausalLM(MistralConfig(**{**fields, "sliding_window": 8})).eval()
@@ -110,8 +110,8 @@ def test_phi3_under_tensor_parallelism_gives_one_ranks_text(tmp_path):
     the stored tensors: greedy text equals one rank's."""
     def check(model, cfg):
         layer = model.layers[0]
-        assert layer.qkv.shape[0] == (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim // 2
-        assert layer.gate_up.shape[0] == cfg.intermediate_size
+        assert layer.attn.qkv.shape[0] == (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim // 2
+        assert layer.mlp.gate_up.shape[0] == cfg.intermediate_size
 
     assert_tp2_gives_one_ranks_text(write_tiny_model(str(tmp_path / "phi3.gguf"), "phi3", seed=5), check)
 

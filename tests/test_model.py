@@ -51,7 +51,7 @@ def test_tiny_gemma3_matches_transformers(tmp_path):
 
     path = write_tiny_model(str(tmp_path / "gemma3.gguf"), "gemma3", tokenizer="llama", num_layers=6, seed=3)
     model = load_model(path)
-    assert [layer.window for layer in model.layers] == [8] * 5 + [None]
+    assert [layer.attn.window for layer in model.layers] == [8] * 5 + [None]
     # transformers takes the attention scale from query_pre_attn_scalar (default 256), which a GGUF does not
     # carry; llama.cpp, and JustAPI, use head_dim
     ref_model = hf_model(path, query_pre_attn_scalar=model.config.head_dim)
@@ -223,7 +223,7 @@ def test_q4_weights_stay_4bit_and_match_the_dequantized_weights(tmp_path, qtype)
         torch.testing.assert_close(got, ref, atol=0.05, rtol=0.02)  # bf16 output rounding; measured max ~0.01
 
     q4, kl = _packed_model_and_kl_to_exact(path)
-    assert isinstance(q4.layers[0].gate_up, Int4Weight) and isinstance(q4.layers[0].qkv, Int4Weight)
+    assert isinstance(q4.layers[0].mlp.gate_up, Int4Weight) and isinstance(q4.layers[0].attn.qkv, Int4Weight)
     assert kl < 0.01
 
 
@@ -287,7 +287,7 @@ def test_8bit_weights_stay_8bit_and_multiply_exactly(tmp_path, qtype):
                 assert (got - ref).abs().max().item() <= tol, (dtype, weight.routes, rows)
 
     q8, kl = _packed_model_and_kl_to_exact(path)
-    assert isinstance(q8.layers[0].gate_up, Int8Weight) and isinstance(q8.layers[0].qkv, Int8Weight)
+    assert isinstance(q8.layers[0].mlp.gate_up, Int8Weight) and isinstance(q8.layers[0].attn.qkv, Int8Weight)
     assert kl < 0.01
 
 
@@ -367,7 +367,7 @@ def test_without_a_bf16_matmul_auto_computes_in_fp32_and_batches_equal_the_float
     auto = LLM(path, kv_cache_dtype="float32", show_progress=False).engine.model
     exact = LLM(path, dtype="float32", show_progress=False).engine.model
     assert auto.dtype == torch.float32 and auto.kv_dtype == torch.float32
-    down, head = auto.layers[0].down, auto.lm_head
+    down, head = auto.layers[0].mlp.down, auto.lm_head
     assert isinstance(down, Int4Weight) and not hasattr(down, "units")
     assert isinstance(head, Int8RowWeight) and not hasattr(head, "units")
     small = TORCH_SMALL_MAX_ROWS + 1  # a chunk past torch's small-batch kernels
@@ -384,14 +384,14 @@ def test_without_a_bf16_matmul_auto_computes_in_fp32_and_batches_equal_the_float
     assert down.matmul(few).dtype == torch.float32 and head.matmul(few).dtype == torch.float32
 
     dense = LLM(path, kv_cache_dtype="float32", disabled_kernels=("q_matmul",), show_progress=False).engine.model
-    down, head = dense.layers[0].down, dense.lm_head
+    down, head = dense.layers[0].mlp.down, dense.lm_head
     assert not hasattr(down, "q_bytes") and not hasattr(head, "q_bytes") and down.dense.dtype == torch.float32
     assert down.dense.is_mkldnn == head.dense.is_mkldnn == torch.backends.mkldnn.is_available()
     want = paged_prefill_logits(exact, ids, 4, small)
     torch.testing.assert_close(paged_prefill_logits(dense, ids, 4, small), want, atol=1e-4, rtol=1e-5)
     plain = LLM(path, kv_cache_dtype="float32", disabled_kernels=("q_matmul", "prepack"),
                 show_progress=False).engine.model
-    assert not plain.layers[0].down.dense.is_mkldnn
+    assert not plain.layers[0].mlp.down.dense.is_mkldnn
     assert torch.equal(paged_prefill_logits(plain, ids, 4, small), want)
     one = torch.log_softmax(paged_prefill_logits(plain, ids, 4, 1), -1)  # one row at a time: torch's kernels
     full = torch.log_softmax(paged_prefill_logits(exact, ids, 4, 1), -1)
@@ -493,7 +493,7 @@ def test_smollm2_int4_weights_stay_close_to_fp32(real_llm, real_model_path):
     from justapi.model.quant import Int4Weight, Int8RowWeight
 
     q4 = LLM(real_model_path, pool_blocks=64, dtype="auto", show_progress=False)
-    assert all(isinstance(layer.down, Int4Weight) for layer in q4.engine.model.layers)
+    assert all(isinstance(layer.mlp.down, Int4Weight) for layer in q4.engine.model.layers)
     assert isinstance(q4.engine.model.lm_head, Int8RowWeight)
     assert q4.engine.model.kv_dtype == torch.bfloat16 and q4.engine.runner.kv_caches[0][0].dtype == torch.bfloat16
     for text in ["The quick brown fox jumps over the lazy dog. " * 3, "def fibonacci(n):\n    if n < 2:\n"]:
@@ -533,10 +533,10 @@ def test_smollm2_greedy_output_is_the_same_with_and_without_onednn_prepacked_wei
     off = ("q_matmul", "amx", "dpbf16")  # the kernels that would take these batches from the dense copy
     packed = LLM(real_model_path, pool_blocks=128, dtype="auto", kv_cache_dtype=kv, disabled_kernels=off,
                  show_progress=False)
-    assert packed.engine.model.layers[0].down.dense.is_mkldnn and packed.engine.model.lm_head.dense.is_mkldnn
+    assert packed.engine.model.layers[0].mlp.down.dense.is_mkldnn and packed.engine.model.lm_head.dense.is_mkldnn
     plain = LLM(real_model_path, pool_blocks=128, dtype="auto", kv_cache_dtype=kv, disabled_kernels=(*off, "prepack"),
                 show_progress=False)
-    assert not plain.engine.model.layers[0].down.dense.is_mkldnn
+    assert not plain.engine.model.layers[0].mlp.down.dense.is_mkldnn
     assert [r.token_ids for r in packed.generate(chats, params)] == [r.token_ids for r in plain.generate(chats, params)]
 
 
@@ -563,11 +563,11 @@ def test_smollm2_output_is_the_same_with_and_without_the_units_kernels(real_mode
     # no prefix cache: the second run's prefills must have the first's shapes
     opts = dict(pool_blocks=128, dtype="auto", prefix_cache=False, chunk_size=16, show_progress=False)
     llm = LLM(real_model_path, **opts, disabled_kernels=("q8_small", "q4_small"))
-    if not hasattr(llm.engine.model.layers[0].down, "units"):
+    if not hasattr(llm.engine.model.layers[0].mlp.down, "units"):
         pytest.skip("the C++ kernels have neither AMX nor AVX-512 BF16 here")
     assert hasattr(llm.engine.model.lm_head, "units")
     onednn = LLM(real_model_path, disabled_kernels=("amx", "dpbf16", "q8_small"), **opts)
-    down = onednn.engine.model.layers[0].down
+    down = onednn.engine.model.layers[0].mlp.down
     assert not hasattr(down, "units") and down.dense.is_mkldnn
     if amx:
         chats = [f"Question {i}: name {i + 2} rivers of Europe, and say where they flow." for i in range(8)]
@@ -624,10 +624,10 @@ def test_smollm2_with_q4_small_agrees_with_torchs_int4_kernel(real_model_path, s
 
     opts = dict(pool_blocks=256, dtype="auto", show_progress=False)
     llm = LLM(real_model_path, **opts)
-    if llm.engine.model.layers[0].down.routes[0].kernel != "q4_small":
+    if llm.engine.model.layers[0].mlp.down.routes[0].kernel != "q4_small":
         pytest.skip("no q4_small here (it needs AVX-512 BF16 without AMX and a bf16 model)")
     int4 = LLM(real_model_path, disabled_kernels=("q4_small",), **opts)
-    assert int4.engine.model.layers[0].down.routes[0].kernel == "torch_int4"
+    assert int4.engine.model.layers[0].mlp.down.routes[0].kernel == "torch_int4"
     ids = llm.engine.tokenizer.encode("The rivers of Europe, and where each of them flows: the Danube flows from the "
                                       "Black Forest to the Black Sea, the Rhine from the Alps to the North Sea.")
 
@@ -814,7 +814,7 @@ def test_smollm2_weights_and_kv_cache_on_huge_pages_keep_greedy_output(real_mode
     if hugepages.available():
         model, k_cache = huge.engine.model, huge.engine.runner.kv_caches[0][0]
         assert model.huge_pages and "hg" in _vm_flags(k_cache.data_ptr())
-        down = model.layers[0].down
+        down = model.layers[0].mlp.down
         # torch's int4 layout, q_matmul's, or the units (where q4_small and dpbf16 take every batch)
         four_bit = next(getattr(down, form) for form in ("packed", "q_bytes", "units") if hasattr(down, form))
         # a tied head's packed form: the units, or q_matmul's bytes (AVX2)

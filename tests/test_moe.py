@@ -31,8 +31,8 @@ def test_tiny_moe_matches_transformers(tmp_path, arch):
     path = _tiny(tmp_path, arch)
     model = load_model(path)
     cfg = model.config
-    assert (cfg.num_experts, cfg.num_experts_used) == (8, 2) and model.layers[0].moe is not None
-    assert (model.layers[0].moe.shared_gate_up is not None) == (arch == "qwen2moe")
+    assert (cfg.num_experts, cfg.num_experts_used) == (8, 2) and model.layers[0].mlp.weights is not None
+    assert (model.layers[0].mlp.weights.shared_gate_up is not None) == (arch == "qwen2moe")
     overrides = dict(moe_intermediate_size=32)
     if arch == "qwen2moe":
         overrides["shared_expert_intermediate_size"] = 32
@@ -85,7 +85,7 @@ def test_moe_experts_split_across_two_ranks_give_one_ranks_text(tmp_path):
     from test_families import assert_tp2_gives_one_ranks_text
 
     def check(model, cfg):
-        moe = model.layers[0].moe
+        moe = model.layers[0].mlp.weights
         assert len(moe.gate_up) == 4 and moe.first_expert == 0 and moe.shared_gate_up is not None
 
     assert_tp2_gives_one_ranks_text(_tiny(tmp_path, "qwen2moe"), check)
@@ -104,7 +104,7 @@ def test_quantized_experts_stay_packed_one_weight_per_expert(tmp_path, qtype):
     opts = dict(pool_blocks=64, show_progress=False)
     exact = LLM(path, dtype="float32", **opts)
     auto = LLM(path, **opts)
-    moe = auto.engine.model.layers[0].moe
+    moe = auto.engine.model.layers[0].mlp.weights
     kind = Int4Weight if qtype == "Q4_K" else Int8Weight
     assert len(moe.gate_up) == 4 and all(isinstance(w, kind) for w in moe.gate_up + moe.down)
     assert moe.gate_up[0].shape == (512, 256) and moe.down[0].shape == (256, 256)
@@ -119,7 +119,7 @@ def test_quantized_experts_stay_packed_one_weight_per_expert(tmp_path, qtype):
     want = auto.generate([ids], params)[0].outputs[0].logprobs[0].top
     tp = LLM(path, tp=2, **opts)
     try:
-        half = tp.engine.model.layers[0].moe
+        half = tp.engine.model.layers[0].mlp.weights
         assert len(half.gate_up) == 2 and all(isinstance(w, kind) for w in half.gate_up)
         got = tp.generate([ids], params)[0].outputs[0].logprobs[0].top
         assert [t for t, _ in got][:2] == [t for t, _ in want][:2]

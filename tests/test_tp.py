@@ -133,8 +133,8 @@ def test_4bit_weights_stay_4bit_under_tp(tmp_path):
     llm = LLM(path, tp=2, **opts)
     try:
         layer = llm.engine.model.layers[0]
-        assert isinstance(layer.qkv, Int4Weight) and isinstance(layer.down, Int4Weight)
-        assert layer.qkv.shape == (2 * 32 + 2 * 32, 128) and layer.down.shape == (128, 128)  # heads 0-1, KV head 0
+        assert isinstance(layer.attn.qkv, Int4Weight) and isinstance(layer.mlp.down, Int4Weight)
+        assert layer.attn.qkv.shape == (2 * 32 + 2 * 32, 128) and layer.mlp.down.shape == (128, 128)  # heads 0-1, KV head 0
         got = llm.generate(prompts, params)
         for g, w in zip(got, want):
             a, b = dict(g.outputs[0].logprobs[0].top), dict(w.outputs[0].logprobs[0].top)

@@ -60,8 +60,12 @@ class RotaryEmbedding:
     (llama.cpp's llama layout), "neox" halves."""
 
     def __init__(self, head_dim: int, theta: float, max_positions: int, style: str, device: str,
-                 scaling: RopeScaling = RopeScaling()) -> None:
-        self.cos, self.sin = cos_sin(head_dim, theta, scaling, max_positions, device)  # [positions, head_dim/2]
+                 scaling: RopeScaling = RopeScaling(), rot_dim: int | None = None) -> None:
+        """``rot_dim``: the leading dimensions of each head rotated (partial rotary, Phi-4-mini's 3/4); the rest
+        pass through. None: all of them."""
+        self.rot_dim = rot_dim or head_dim
+        self.whole = self.rot_dim == head_dim
+        self.cos, self.sin = cos_sin(self.rot_dim, theta, scaling, max_positions, device)  # [positions, rot_dim/2]
         self.style = style
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,6 +74,11 @@ class RotaryEmbedding:
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x`` [tokens, heads, head_dim] rotated with ``tables``' cos and sin (in ``x``'s dtype)."""
+        if not self.whole:
+            return torch.cat([self._rotate_all(x[..., : self.rot_dim], cos, sin), x[..., self.rot_dim :]], dim=-1)
+        return self._rotate_all(x, cos, sin)
+
+    def _rotate_all(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         if self.style == "neox":
             x1, x2 = x.chunk(2, dim=-1)

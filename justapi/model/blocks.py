@@ -1,0 +1,171 @@
+"""The parts a decoder layer is assembled from, each chosen once at load (model.llama ``LlamaModel``): self-attention
+over the paged cache (with its RoPE table, or none, its QK norm, window and soft-cap), a dense MLP or a mixture of
+experts, and the layer around them (pre-norms, optional post-norms, a residual multiplier). A family differs by
+which parts it takes (model_config.ARCHS and what the file states), never by a branch inside the layer loop.
+
+Under tensor parallelism each part holds its rank's heads or MLP rows (``shard_selection`` below cuts them out of
+the file) and sums the ranks' partial outputs itself (``ForwardPass.all_reduce``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .attention import AttentionMetadata, paged_attention, write_kv
+from .layers import RotaryEmbedding, linear, rms_norm
+from .moe import MoeWeights, moe_mlp
+
+
+class ForwardPass:
+    """What every layer of one forward call shares: the batch's attention metadata, each RoPE table's rows looked
+    up once, the kernel routes (the C++ layer ops where the policy has them: x += residual and the norm in one call,
+    rotary and the K/V store in another, silu(gate) * up in a third; the torch path computes the same, rotary and
+    silu bit-identical, the norm's sum of squares in another order) and the tensor-parallel reduction."""
+
+    def __init__(self, model, positions: torch.Tensor, meta: AttentionMetadata, on_cpu: bool) -> None:
+        self.positions = positions
+        self.meta = meta
+        self.kernels = model.kernels
+        self.batch_invariant = model.batch_invariant
+        self.eps = model.config.rms_norm_eps
+        self.fused = model.policy.layer_ops and on_cpu
+        self.fused_silu = self.fused and model.policy.uses("fused_silu")
+        self.prefill_kernel = model.policy.uses("prefill_attention") and on_cpu
+        self.comm = model.comm
+        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def tables(self, rope: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of this batch's positions in ``rope``'s table: once per table, not once per layer."""
+        if id(rope) not in self._tables:
+            self._tables[id(rope)] = rope.tables(self.positions)
+        return self._tables[id(rope)]
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor):
+        """(x + residual, its RMSNorm): the residual stream advanced and the next sublayer's input."""
+        if self.fused:
+            return self.kernels.add_rms_norm(x, residual, weight, self.eps)
+        x = x if residual is None else x + residual
+        return x, rms_norm(x, weight, self.eps)
+
+    def norm(self, t: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm with no residual add. Fused, through the C++ add_rms_norm: torch's composite norm takes ~20 us a
+        call on one decode row (Gemma 3: 72 calls a token, the QK norms and the post-norms), the kernel ~1 us; it
+        rounds once, as the fused norms of the residual stream do."""
+        if not self.fused:
+            return rms_norm(t, weight, self.eps)
+        rows = t.reshape(-1, t.shape[-1]).contiguous()
+        return self.kernels.add_rms_norm(rows, None, weight, self.eps)[1].view(t.shape)
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's partial ``t`` (itself without tensor parallelism)."""
+        return t if self.comm is None else self.comm.all_reduce(t)
+
+
+@dataclass
+class Attention:
+    """Self-attention over the paged KV cache: fused Q/K/V, optional biases and per-head QK norm, RoPE (None: the
+    layer sees no positions, SmolLM3's NoPE layers), an optional sliding window and score soft-cap."""
+
+    qkv: object  # [q_size + 2 * kv_size, hidden], dense or packed (model.quant)
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: object
+    heads: int  # this rank's
+    kv_heads: int
+    head_dim: int
+    scale: float
+    rope: RotaryEmbedding | None
+    window: int | None = None  # sliding-window attention (attention.py); None: the whole context
+    softcap: float | None = None  # scores s -> c·tanh(s / c) (Gemma 2)
+
+    def __call__(self, h: torch.Tensor, fp: ForwardPass, k_cache: torch.Tensor, v_cache: torch.Tensor):
+        n, d = h.shape[0], self.head_dim
+        q_size, kv_size = self.heads * d, self.kv_heads * d
+        qkv = linear(h, self.qkv, self.qkv_bias, fp.batch_invariant)
+        # the queries are fp32 whatever the weights' dtype; the cache stores K/V in its own dtype (write_kv), and
+        # attention reads them in fp32, except prefill chunks over a bf16 cache of a bf16 model (paged_attention)
+        rope = self.rope
+        if fp.fused and self.q_norm is None and rope is not None and rope.whole:
+            cos, sin = fp.tables(rope)
+            q = fp.kernels.rope_write_kv(qkv, cos, sin, rope.style == "neox", self.heads, self.kv_heads, d,
+                                         k_cache, v_cache, fp.meta.slot_mapping)
+        else:
+            q = qkv[:, :q_size].view(n, self.heads, d)
+            k = qkv[:, q_size : q_size + kv_size].view(n, self.kv_heads, d)
+            v = qkv[:, q_size + kv_size :].view(n, self.kv_heads, d)
+            if self.q_norm is not None:
+                q, k = fp.norm(q, self.q_norm), fp.norm(k, self.k_norm)
+            q, k = q.float(), k.float()
+            if rope is not None:
+                cos, sin = fp.tables(rope)
+                q, k = rope.rotate(q, cos, sin), rope.rotate(k, cos, sin)
+            write_kv(k_cache, v_cache, k, v, fp.meta.slot_mapping)
+        attn = paged_attention(q, k_cache, v_cache, fp.meta, self.scale, fp.kernels, fp.batch_invariant, h.dtype,
+                               self.window, self.softcap, fp.prefill_kernel).to(h.dtype)
+        return fp.all_reduce(linear(attn.reshape(n, q_size), self.o, None, fp.batch_invariant))
+
+
+@dataclass
+class DenseMlp:
+    """act(gate) * up, then down: gate and up fused into one matmul."""
+
+    gate_up: object  # [2 * intermediate, hidden], dense or packed
+    down: object
+    act: str  # "silu" or "gelu_tanh"
+
+    def __call__(self, h: torch.Tensor, fp: ForwardPass) -> torch.Tensor:
+        gate_up = linear(h, self.gate_up, None, fp.batch_invariant)
+        if self.act == "silu" and fp.fused_silu and gate_up.shape[1] % 32 == 0:  # bit-identical to the torch ops
+            act = fp.kernels.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = activation(self.act)(gate) * up
+        return fp.all_reduce(linear(act, self.down, None, fp.batch_invariant))
+
+
+@dataclass
+class MoeMlp:
+    """A mixture of experts (model.moe) in place of the dense MLP."""
+
+    weights: MoeWeights
+    act: str
+
+    def __call__(self, h: torch.Tensor, fp: ForwardPass) -> torch.Tensor:
+        return fp.all_reduce(moe_mlp(h, self.weights, activation(self.act)).to(h.dtype))
+
+
+def activation(name: str):
+    return (lambda t: F.gelu(t, approximate="tanh")) if name == "gelu_tanh" else F.silu
+
+
+@dataclass
+class DecoderLayer:
+    """Pre-norm attention and MLP on the residual stream; Gemma's norms on each sublayer's output before its add
+    (``post_*_norm``), Granite's multiplier of each sublayer's output (``residual_scale``)."""
+
+    attn_norm: torch.Tensor  # fp32, as the C++ add_rms_norm takes them
+    attn: Attention
+    ffn_norm: torch.Tensor
+    mlp: DenseMlp | MoeMlp
+    post_attn_norm: torch.Tensor | None = None
+    post_ffn_norm: torch.Tensor | None = None
+    residual_scale: float | None = None
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, fp: ForwardPass, kv) -> tuple:
+        """(x, residual): the stream and this layer's MLP output, not yet added to it (the next norm adds it)."""
+        x, h = fp.add_norm(x, residual, self.attn_norm)
+        x, h = fp.add_norm(x, self._output(self.attn(h, fp, *kv), self.post_attn_norm, fp), self.ffn_norm)
+        return x, self._output(self.mlp(h, fp), self.post_ffn_norm, fp)
+
+    def linears(self) -> list:
+        """The layer's projection weights (a mixture of experts' aside)."""
+        mlp = [self.mlp.gate_up, self.mlp.down] if isinstance(self.mlp, DenseMlp) else []
+        return [self.attn.qkv, self.attn.o] + mlp
+
+    def _output(self, out: torch.Tensor, post_norm: torch.Tensor | None, fp: ForwardPass) -> torch.Tensor:
+        out = out if post_norm is None else fp.norm(out, post_norm)
+        return out if self.residual_scale is None else out * self.residual_scale
