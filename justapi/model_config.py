@@ -41,11 +41,19 @@ ARCHS = {
     "gemma2": ArchTraits(mlp_act="gelu_tanh", embed_scale=True, post_norms=True, sliding_window=True, global_every=2),
     "gemma3": ArchTraits(mlp_act="gelu_tanh", embed_scale=True, post_norms=True, sliding_window=True, global_every=6,
                          local_rope_theta=10000.0),
+    # SmolLM3: Llama with no RoPE on every fourth layer (3, 7, ...: llama.cpp's n_no_rope_layer_step, which the
+    # file does not state)
+    "smollm3": ArchTraits(rope_style="norm", nope_every=4),
+    # Granite 3.x (dense): Llama with the multipliers its file states (ModelConfig: embedding_scale, residual_scale,
+    # attention_scale, logit_scale)
+    "granite": ArchTraits(rope_style="norm"),
 }
 SUPPORTED_ARCHS = tuple(ARCHS)
 
 
-ROPE_SCALING_KINDS = ("none", "linear", "yarn")  # rope.scaling.type values served (per-frequency factors: tensors)
+# rope.scaling.type values served; per-frequency factors come as tensors (rope_freqs: llama3's; rope_factors_long
+# and _short: LongRoPE's)
+ROPE_SCALING_KINDS = ("none", "linear", "yarn", "longrope")
 
 
 @dataclass(frozen=True)
@@ -54,20 +62,33 @@ class RopeScaling:
 
     kind: str = "none"
     factor: float = 1.0  # linear and YaRN: the context's stretch
-    original_context: int | None = None  # YaRN: the context the model was trained at
-    attn_factor: float = 1.0  # llama.cpp's extra multiplier of YaRN's attention scaling
+    original_context: int | None = None  # YaRN and LongRoPE: the context the model was trained at
+    attn_factor: float = 1.0  # YaRN: llama.cpp's extra multiplier of its attention scaling; LongRoPE: the whole one
     beta_fast: float = 32.0  # YaRN: the frequencies kept (rotations within the original context) ...
     beta_slow: float = 1.0  # ... and those interpolated, with a ramp between
     freq_factors: tuple[float, ...] | None = None  # divisors of each frequency (Llama 3.x's rope_freqs)
+    # LongRoPE (Phi-3.5, Phi-4-mini): divisors for a served context up to the original one, and past it
+    short_factors: tuple[float, ...] | None = None
+    long_factors: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ROPE_SCALING_KINDS:
             raise ValueError(f"RoPE scaling {self.kind!r} is not supported; supported: {', '.join(ROPE_SCALING_KINDS)} "
                              "and per-frequency factors (rope_freqs)")
-        if self.kind == "yarn" and not self.original_context:
-            raise ValueError("YaRN RoPE scaling needs rope.scaling.original_context_length")
+        if self.kind in ("yarn", "longrope") and not self.original_context:
+            raise ValueError(f"{self.kind} RoPE scaling needs rope.scaling.original_context_length")
+        if self.kind == "longrope" and not (self.short_factors and self.long_factors):
+            raise ValueError("LongRoPE needs both rope_factors_short and rope_factors_long")
         if self.factor <= 0:
             raise ValueError(f"RoPE scaling factor must be positive, got {self.factor}")
+
+    def divisors(self, context: int) -> tuple[float, ...] | None:
+        """Each frequency's divisor for a model serving ``context`` tokens: LongRoPE's long factors past the
+        original context, its short ones within it (chosen per served context, as llama.cpp and vLLM do: one table
+        keeps every cached key valid), else the file's per-frequency factors, if any."""
+        if self.kind == "longrope":
+            return self.long_factors if context > self.original_context else self.short_factors
+        return self.freq_factors
 
 
 @dataclass(frozen=True)

@@ -84,14 +84,23 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     assert_clean_error(cli_in_process("serve", "--model", path), "unsupported architecture 'gpt2'", "llama, qwen2, qwen3")
 
 
-def rewrite_gguf(src: str, dst: str, drop_keys=(), drop_tensors=(), replace=None, extra_tensors=None) -> str:
+def rewrite_gguf(src: str, dst: str, drop_keys=(), drop_tensors=(), replace=None, extra_tensors=None,
+                 replace_keys=None) -> str:
     """``src`` written again as ``dst`` without the metadata keys starting with any of ``drop_keys``, without the
-    tensors ``drop_tensors``, with ``replace(tensor) -> (raw array, raw dtype)`` for the tensors it names, and with
-    ``extra_tensors`` (name -> fp32 array) added."""
+    tensors ``drop_tensors``, with ``replace(tensor) -> (raw array, raw dtype)`` for the tensors it names, with
+    ``extra_tensors`` (name -> fp32 array) added, and with ``replace_keys`` (key -> a str or int value) set (the
+    architecture's keys keep their prefix)."""
     reader = open_gguf(src)
-    w = gguf.GGUFWriter(dst, reader.fields["general.architecture"].contents())
+    keys = dict(replace_keys or {})
+    w = gguf.GGUFWriter(dst, keys.pop("general.architecture", reader.fields["general.architecture"].contents()))
+    for key, value in keys.items():
+        if isinstance(value, str):
+            w.add_string(key, value)
+        else:
+            w.add_uint32(key, value)
     for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture" or key.startswith(tuple(drop_keys)):
+        if (key.startswith("GGUF.") or key == "general.architecture" or key.startswith(tuple(drop_keys))
+                or key in keys):
             continue
         if field.types[0] == gguf.GGUFValueType.ARRAY:
             w.add_array(key, field.contents())

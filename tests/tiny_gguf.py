@@ -161,9 +161,17 @@ K_QUANTIZERS = {"Q2_K": quantize_q2_k, "Q3_K": quantize_q3_k, "Q4_K": quantize_q
                 "Q6_K": quantize_q6_k}  # gguf quantizes none of them
 
 
-def _write_rope_scaling(w, rope: dict, head_dim: int, theta: float) -> None:
+def _write_rope_scaling(w, rope: dict, head_dim: int, theta: float, context_length: int) -> None:
     """``rope`` (transformers' rope_parameters) as llama.cpp's converter writes it."""
     kind = rope["rope_type"]
+    if kind == "longrope":  # Phi-3's: the two factor sets as tensors, the attention factor precomputed, no type key
+        old = rope["original_max_position_embeddings"]
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        w.add_rope_scaling_orig_ctx_len(old)
+        scale = context_length / old
+        w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(scale) / np.log(old))) if scale > 1 else 1.0)
+        return
     if kind == "llama3":  # the converter's rope_freqs: each frequency's divisor under Llama 3's scaling
         factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
         old = rope["original_max_position_embeddings"]
@@ -183,6 +191,9 @@ def _write_rope_scaling(w, rope: dict, head_dim: int, theta: float) -> None:
     w.add_rope_scaling_factor(rope["factor"])
     if "original_max_position_embeddings" in rope:
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+
+
+GRANITE_SCALES = {"embedding": 12.0, "residual": 0.22, "attention": 0.0078125 * 8, "logits": 8.0}
 
 
 def write_tiny_model(
@@ -209,6 +220,8 @@ def write_tiny_model(
     num_experts: int = 4,
     experts_used: int = 2,
     rope: dict | None = None,
+    rope_dim: int | None = None,
+    granite: dict | None = None,
 ) -> str:
     """A random model whose linear weights are stored as ``qtype`` and its token embedding as ``embd_qtype`` (F32
     or a type gguf quantizes, e.g. Q8_0 as SmolLM2's); returns ``path``. ``gemma3``: its extra norms, QK norm,
@@ -225,9 +238,15 @@ def write_tiny_model(
     random draft model for SmolLM2.
 
     ``rope``: transformers' ``rope_parameters`` of a scaled RoPE (``rope_type`` llama3, linear or yarn), written as
-    llama.cpp's converter does: llama3 as a ``rope_freqs`` tensor of per-frequency divisors, the others as
-    ``rope.scaling.*`` keys.
+    llama.cpp's converter does: llama3 as a ``rope_freqs`` tensor of per-frequency divisors, longrope as
+    ``rope_factors_short`` and ``_long`` tensors, the others as ``rope.scaling.*`` keys. ``rope_dim``: the
+    dimensions of each head rotated, where fewer than all (Phi-4-mini's partial rotary).
+
+    ``smollm3`` and ``granite`` hold llama's tensors, drawn in the same order (the same seed gives the same weights
+    as a llama file); ``granite``'s multipliers (``embedding``, ``residual``, ``attention``, ``logits``) go in its
+    metadata.
     """
+    granite = granite or GRANITE_SCALES
     rng = np.random.default_rng(seed)
     source = gguf.GGUFReader(vocab_from) if vocab_from else None
     if source is not None:
@@ -250,7 +269,14 @@ def write_tiny_model(
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(1e6 if arch == "gemma3" else 10000.0)
     if rope is not None:
-        _write_rope_scaling(w, rope, head_dim or hidden // num_heads, 1e6 if arch == "gemma3" else 10000.0)
+        _write_rope_scaling(w, rope, rope_dim or head_dim, 1e6 if arch == "gemma3" else 10000.0, context_length)
+    if rope_dim is not None:
+        w.add_rope_dimension_count(rope_dim)
+    if arch == "granite":  # its multipliers (Granite 3's are of these magnitudes)
+        w.add_embedding_scale(granite["embedding"])
+        w.add_residual_scale(granite["residual"])
+        w.add_attention_scale(granite["attention"])
+        w.add_logit_scale(granite["logits"])
     w.add_vocab_size(vocab_size)
     if arch in ("qwen3", "qwen3moe", "gemma2", "gemma3"):
         w.add_key_length(head_dim)

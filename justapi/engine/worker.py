@@ -30,6 +30,9 @@ class Worker:
         """``plan``, ``comm``: this rank's distributed.tp TpPlan and TpComm, or None for the whole model."""
         self.config = config
         self.lead = plan is None or plan.rank == 0  # logs and shows progress for the engine
+        # the context served, not the file's: the RoPE tables' length, and LongRoPE's choice of factors
+        model_config = dataclasses.replace(model_config,
+                                           context_length=config.max_model_len or model_config.context_length)
         self.draft_model = self._load_draft(model_config) if config.draft_model else None
         select = None
         if plan is not None:
@@ -65,10 +68,9 @@ class Worker:
         if draft_config.vocab_size != target.vocab_size:
             raise ModelLoadError(f"--draft-model {path}: its embedding has {draft_config.vocab_size} rows, the "
                                  f"target's {target.vocab_size}")
-        # the draft sees the target's positions: give its rotary table room for them (a draft trained on a
-        # shorter context only drafts worse there; verification keeps the output exact)
-        draft_config = dataclasses.replace(draft_config,
-                                           context_length=max(draft_config.context_length, target.context_length))
+        # the draft sees the target's positions: its rotary table serves the target's context (a draft trained on a
+        # shorter one only drafts worse there; verification keeps the output exact)
+        draft_config = dataclasses.replace(draft_config, context_length=target.context_length)
         log.info("draft model %s: %d layers, hidden %d", path, draft_config.num_layers, draft_config.hidden_size)
         return self._load(reader, path, draft_config, lead=False)
 

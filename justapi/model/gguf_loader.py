@@ -11,7 +11,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from ..model_config import ARCHS, ROPE_SCALING_KINDS, SUPPORTED_ARCHS, ModelConfig, RopeScaling
+from ..model_config import ARCHS, SUPPORTED_ARCHS, ModelConfig, RopeScaling
 from .unpack import (Q4Unpacked, Q8Unpacked, unpack_q2_k, unpack_q3_k, unpack_q4, unpack_q4_k, unpack_q5_0,
                      unpack_q5_1, unpack_q5_k, unpack_q6_k, unpack_q8_0)
 
@@ -152,28 +152,55 @@ def read_model_config(reader, path: str) -> ModelConfig:
         num_experts=experts,
         num_experts_used=used,
         rope_scaling=rope_scaling,
+        rope_dim=_rope_dim(reader, arch, head_dim, path),
+        embedding_scale=_positive(field_value(reader, f"{arch}.embedding_scale")),
+        residual_scale=_positive(field_value(reader, f"{arch}.residual_scale")),
+        attention_scale=_attention_scale(reader, arch, hidden, num_heads),
+        logit_scale=_positive(field_value(reader, f"{arch}.logit_scale")),
     )
+
+
+def _rope_dim(reader, arch: str, head_dim: int, path: str) -> int | None:
+    """The dimensions of each head RoPE rotates where fewer than all (Phi-4-mini: 96 of 128); None: all."""
+    dim = int(field_value(reader, f"{arch}.rope.dimension_count", head_dim) or head_dim)
+    if not 0 < dim <= head_dim or dim % 2:
+        raise ModelLoadError(f"{path}: {arch}.rope.dimension_count is {dim}, not an even number up to the head size "
+                             f"{head_dim}")
+    return None if dim == head_dim else dim
+
+
+def _attention_scale(reader, arch: str, hidden: int, num_heads: int) -> float | None:
+    """The attention scores' scale where it is not head_dim ** -0.5: the file's {arch}.attention.scale (Granite),
+    or Gemma 3 27B's query_pre_attn_scalar (hidden / heads), which its file does not state: llama.cpp, too, knows
+    that size by its 62 layers."""
+    if arch == "gemma3" and field_value(reader, f"{arch}.block_count") == 62:
+        return (hidden / num_heads) ** -0.5
+    return _positive(field_value(reader, f"{arch}.attention.scale"))
 
 
 def _rope_scaling(reader, arch: str, path: str) -> RopeScaling:
     """How the file stretches RoPE: ``{arch}.rope.scaling.*`` and a ``rope_freqs`` tensor of per-frequency divisors
     (what llama.cpp's converter writes for Llama 3.x's llama3 scaling); a clear refusal for what is not served."""
     key = lambda name, default=None: field_value(reader, f"{arch}.rope.scaling.{name}", default)  # noqa: E731
-    factor_tensors = sorted(t.name for t in reader.tensors if t.name.startswith("rope_factors"))
-    if factor_tensors:
-        raise ModelLoadError(f"{path}: LongRoPE factors ({factor_tensors[0]}) are not supported yet; supported RoPE "
-                             f"scaling: {', '.join(ROPE_SCALING_KINDS)} and per-frequency factors (rope_freqs)")
-    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    freqs, short, long = (_vector(reader, name) for name in ("rope_freqs", "rope_factors_short", "rope_factors_long"))
+    kind = str(key("type", "none") or "none")
+    if short is not None or long is not None:  # LongRoPE: the converter writes no type key for it
+        kind = "longrope"
     try:
         return RopeScaling(
-            kind=str(key("type", "none") or "none"), factor=float(key("factor", 1.0) or 1.0),
+            kind=kind, factor=float(key("factor", 1.0) or 1.0),
             original_context=int(key("original_context_length", 0) or 0) or None,
             attn_factor=float(key("attn_factor", 1.0) or 1.0),
             beta_fast=float(key("yarn_beta_fast", 32.0) or 32.0), beta_slow=float(key("yarn_beta_slow", 1.0) or 1.0),
-            freq_factors=tuple(float(x) for x in np.asarray(freqs.data, dtype=np.float32).reshape(-1))
-            if freqs is not None else None)
+            freq_factors=freqs, short_factors=short, long_factors=long)
     except ValueError as e:
         raise ModelLoadError(f"{path}: {e}") from None
+
+
+def _vector(reader, name: str) -> tuple[float, ...] | None:
+    """The values of the 1-D tensor ``name``.weight (RoPE's per-frequency factors), or None if absent."""
+    t = next((t for t in reader.tensors if t.name == name + ".weight"), None)
+    return None if t is None else tuple(float(x) for x in np.asarray(t.data, dtype=np.float32).reshape(-1))
 
 
 def _positive(value) -> float | None:

@@ -1,6 +1,6 @@
 """RoPE as a GGUF file states it: the rotary frequencies (the base, stretched linearly, by YaRN, or by per-frequency
-factors such as the ``rope_freqs`` tensor of Llama 3.x files) and the attention factor that scales cos and sin
-(YaRN's). Every route (the torch path, the C++ ``rope_write_kv``, draft trees) reads the same cos/sin tables, built
+factors: the ``rope_freqs`` tensor of Llama 3.x files, LongRoPE's short and long factors of Phi-3.5 and Phi-4-mini)
+and the attention factor that scales cos and sin (YaRN's, LongRoPE's). Every route (the torch path, the C++ ``rope_write_kv``, draft trees) reads the same cos/sin tables, built
 once per model here."""
 
 from __future__ import annotations
@@ -11,11 +11,13 @@ import torch
 
 from ..model_config import RopeScaling
 
-def inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
-    """The rotary frequencies, [head_dim / 2] fp32, as transformers computes them for the same scaling."""
+def inv_freq(head_dim: int, theta: float, scaling: RopeScaling, context: int) -> torch.Tensor:
+    """The rotary frequencies, [head_dim / 2] fp32, as transformers computes them for the same scaling, for a model
+    serving ``context`` tokens (LongRoPE's choice of factors: RopeScaling.divisors)."""
     base = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if scaling.freq_factors is not None:
-        factors = torch.tensor(scaling.freq_factors, dtype=torch.float32)
+    divisors = scaling.divisors(context)
+    if divisors is not None:
+        factors = torch.tensor(divisors, dtype=torch.float32)
         if factors.numel() != base.numel():
             raise ValueError(f"the file's RoPE frequency factors hold {factors.numel()} values for "
                              f"{base.numel()} frequencies")
@@ -28,7 +30,10 @@ def inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
 
 
 def attention_factor(scaling: RopeScaling) -> float:
-    """What cos and sin are multiplied by: YaRN's 0.1 ln(factor) + 1 (times the file's attn_factor), else 1."""
+    """What cos and sin are multiplied by: YaRN's 0.1 ln(factor) + 1 (times the file's attn_factor), LongRoPE's
+    attn_factor (the file's), else 1."""
+    if scaling.kind == "longrope":
+        return scaling.attn_factor
     if scaling.kind != "yarn":
         return 1.0
     return scaling.attn_factor * (0.1 * math.log(scaling.factor) + 1.0 if scaling.factor > 1 else 1.0)
@@ -49,7 +54,9 @@ def _yarn(base: torch.Tensor, head_dim: int, theta: float, s: RopeScaling) -> to
 
 
 def cos_sin(head_dim: int, theta: float, scaling: RopeScaling, max_positions: int, device: str):
-    """The cos and sin tables, [max_positions, head_dim / 2] fp32, attention factor applied."""
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.int64).float(), inv_freq(head_dim, theta, scaling))
+    """The cos and sin tables, [max_positions, head_dim / 2] fp32, attention factor applied; ``max_positions`` is
+    the context the model serves."""
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.int64).float(),
+                        inv_freq(head_dim, theta, scaling, max_positions))
     scale = attention_factor(scaling)
     return (freqs.cos() * scale).to(device), (freqs.sin() * scale).to(device)
