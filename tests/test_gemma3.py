@@ -11,6 +11,7 @@ import torch
 
 from justapi import LLM, SamplingParams
 from hf_reference import hf_greedy, hf_model, hf_tokenizer
+from feature_matrix import assert_every_engine_feature_gives_the_same_tokens
 from paged_helpers import paged_prefill_logits
 from test_model import PROMPTS as SMOLLM2_PROMPTS
 
@@ -60,44 +61,8 @@ def tiny_gemma3(tmp_path_factory) -> str:
 
 
 def test_gemma3_greedy_output_is_the_same_with_every_engine_feature(tiny_gemma3):
-    """Sliding-window layers through continuous batching with a shared prefix in the cache, 3-token chunks in a pool
-    small enough to preempt, draft trees with the model as its own draft, prompt lookup, --tp 2 and prefill/decode
-    disaggregation: every engine gives each request's tokens alone on the exact path (contexts reach 3-5x the
-    window)."""
-    import random
-
-    from justapi.config import EngineConfig
-    from justapi.engine.pd_engine import PdEngine
-    from test_pd import run_all
-
-    exact = dict(pool_blocks=256, block_size=4, batch_invariant=True, show_progress=False)
-    rng = random.Random(2)
-    shared = [rng.randrange(3, 280) for _ in range(12)]
-    prompts = [shared + [rng.randrange(3, 280) for _ in range(rng.randint(1, 20))] for _ in range(6)]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    base = LLM(tiny_gemma3, **exact)
-    alone = [base.generate([p], params)[0].token_ids for p in prompts]
-    engines = {
-        "batched": LLM(tiny_gemma3, **exact),
-        "chunked, preempted": LLM(tiny_gemma3, **{**exact, "pool_blocks": 14, "chunk_size": 3}),
-        "draft tree": LLM(tiny_gemma3, draft_model=tiny_gemma3, gamma=3, branch=2, spec_max_batch=64, **exact),
-        "ngram": LLM(tiny_gemma3, spec_method="ngram", gamma=3, spec_max_batch=64, **exact),
-        "tp 2": LLM(tiny_gemma3, tp=2, **exact),
-    }
-    try:
-        for name, llm in engines.items():
-            assert [r.token_ids for r in llm.generate(prompts, params)] == alone, name
-        assert engines["batched"].engine.scheduler.cache.hits > 0
-        assert engines["chunked, preempted"].engine.scheduler.stats.num_preemptions > 0
-        assert engines["draft tree"].engine.scheduler.stats.spec_accepted_tokens > 0
-    finally:
-        engines["tp 2"].engine.close()
-    pd = PdEngine(EngineConfig(tiny_gemma3, disaggregate=True, num_threads=1, **{**exact, "show_progress": False}))
-    try:
-        done, failed = run_all(pd, prompts, [params] * len(prompts))
-        assert not failed and [done[f"r{i}"].token_ids for i in range(len(prompts))] == alone
-    finally:
-        pd.close()
+    """Sliding-window layers through every engine feature (feature_matrix): contexts reach 3-5x the window."""
+    assert_every_engine_feature_gives_the_same_tokens(tiny_gemma3)
 
 
 def test_gemma3_served_with_dtype_auto_stays_close_to_the_exact_path(gemma3_path, gemma3_exact, tmp_path):
