@@ -287,3 +287,25 @@ def test_what_is_out_of_reach_is_refused_in_one_line_naming_what_is_served(tmp_p
                            num_heads=4, head_dim=32)
     cfg = read_model_config(open_gguf(big), big)
     assert cfg.attention_scale == pytest.approx(16 ** -0.5)  # hidden / heads, not the head size 32
+
+
+FEATURE_FAMILIES = {  # issue 54's new families, each a tiny file with two KV heads (--tp 2 splits them)
+    "llama3-rope-freqs": dict(arch="llama", rope=ROPES["llama3"], context_length=64),
+    "phi3-longrope-partial": dict(arch="phi3", rope=_longrope(8), rope_dim=8, context_length=64),
+    "smollm3": dict(arch="smollm3", num_layers=4),
+    "granite": dict(arch="granite"),
+    "gemma3-4b-linear": dict(arch="gemma3", tokenizer="llama", num_layers=6, head_dim=256, num_heads=2,
+                             context_length=64, rope={"rope_type": "linear", "factor": 4.0}),
+    "qwen2-yarn": dict(arch="qwen2", context_length=64, rope=ROPES["yarn"]),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FEATURE_FAMILIES))
+def test_every_engine_feature_gives_the_same_tokens_on_each_new_family(tmp_path, family):
+    """Item 5: the prefix cache, preemption, chunked prefill, draft trees and prompt lookup, --tp 2,
+    disaggregation and structured output each give every request its tokens alone (feature_matrix)."""
+    from feature_matrix import assert_every_engine_feature_gives_the_same_tokens
+
+    options = dict(FEATURE_FAMILIES[family])
+    path = write_tiny_model(str(tmp_path / f"{family}.gguf"), options.pop("arch"), seed=5, **options)
+    assert_every_engine_feature_gives_the_same_tokens(path, vocab=265)
