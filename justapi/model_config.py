@@ -113,6 +113,8 @@ class ModelConfig:
     # per layer, the attention window in tokens (each token sees itself and the window - 1 before it), None: all
     layer_windows: tuple[int | None, ...] = ()
     pooling: str = "last"  # what /v1/embeddings pools: the file's {arch}.pooling_type, else the last token
+    # a reranker's (pooling "rank") classifier labels ({arch}.classifier.output_labels; Qwen3-Reranker: yes, no)
+    classifier_labels: tuple[str, ...] = ()
     attn_softcap: float | None = None  # attention scores s -> c·tanh(s / c) before the softmax (Gemma 2)
     num_experts: int = 0  # a mixture of experts' experts per layer ({arch}.expert_count); 0: a dense MLP
     num_experts_used: int = 0  # experts per token ({arch}.expert_used_count)

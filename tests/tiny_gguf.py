@@ -193,6 +193,7 @@ def _write_rope_scaling(w, rope: dict, head_dim: int, theta: float, context_leng
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
 
 
+RERANK_TEMPLATE = "<|im_start|>user\n<Query>: {query}\n<Document>: {document}<|im_end|>\n<|im_start|>assistant\n"
 GRANITE_SCALES = {"embedding": 12.0, "residual": 0.22, "attention": 0.0078125 * 8, "logits": 8.0}
 
 
@@ -222,6 +223,7 @@ def write_tiny_model(
     rope: dict | None = None,
     rope_dim: int | None = None,
     granite: dict | None = None,
+    rerank: tuple[int, int] | None = None,
 ) -> str:
     """A random model whose linear weights are stored as ``qtype`` and its token embedding as ``embd_qtype`` (F32
     or a type gguf quantizes, e.g. Q8_0 as SmolLM2's); returns ``path``. ``gemma3``: its extra norms, QK norm,
@@ -245,6 +247,9 @@ def write_tiny_model(
     ``smollm3`` and ``granite`` hold llama's tensors, drawn in the same order (the same seed gives the same weights
     as a llama file); ``granite``'s multipliers (``embedding``, ``residual``, ``attention``, ``logits``) go in its
     metadata.
+
+    ``rerank``: a Qwen3-Reranker as llama.cpp's converter writes one, for the (yes, no) token ids given: pooling
+    rank, ``cls.output.weight`` the head's rows of those tokens, its labels and ``RERANK_TEMPLATE``.
     """
     granite = granite or GRANITE_SCALES
     rng = np.random.default_rng(seed)
@@ -260,7 +265,11 @@ def write_tiny_model(
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(num_layers)
     w.add_context_length(context_length)
-    if pooling is not None:  # an embedding model's {arch}.pooling_type: "mean" or "last"
+    if rerank is not None:
+        pooling = "rank"
+        w.add_classifier_output_labels(["yes", "no"])
+        w.add_string("tokenizer.chat_template.rerank", RERANK_TEMPLATE)
+    if pooling is not None:  # an embedding model's {arch}.pooling_type: "mean" or "last"; a reranker's "rank"
         w.add_pooling_type(gguf.PoolingType[pooling.upper()])
     w.add_embedding_length(hidden)
     w.add_feed_forward_length(intermediate)
@@ -393,8 +402,11 @@ def write_tiny_model(
             w.add_tensor(p + "post_attention_norm.weight", (1 + rand(hidden, scale=0.1)))
             w.add_tensor(p + "post_ffw_norm.weight", (1 + rand(hidden, scale=0.1)))
     w.add_tensor("output_norm.weight", (1 + rand(hidden, scale=0.1)))
+    head = embd if tied else rand(vocab_size, hidden)
     if not tied:
-        w.add_tensor("output.weight", rand(vocab_size, hidden))
+        w.add_tensor("output.weight", head)
+    if rerank is not None:
+        w.add_tensor("cls.output.weight", head[list(rerank)])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -106,6 +106,14 @@ class LLM:
         results = self.generate(prompts, SamplingParams.for_embedding(pooling))
         return [r.outputs[0].embedding for r in results]
 
+    def score(self, query: str, documents: list[str]) -> list[float]:
+        """Each document's relevance to ``query``: a reranker's score (pooling rank), in one batch."""
+        if self.engine.model_config.pooling != "rank":
+            raise ValueError(f"{self.engine.config.model} is not a reranker (its pooling is "
+                             f"{self.engine.model_config.pooling!r}, not 'rank')")
+        prompts = [self.engine.pair_prompt(query, d) for d in documents]
+        return [v[0] for v in self.embed(prompts, normalize=False)]
+
     def chat(
         self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None
     ) -> list[GenerationResult]:

@@ -9,6 +9,7 @@ import random
 from ..config import EngineConfig
 from ..model.chat_template import ChatTemplate
 from ..model.gguf_loader import ModelLoadError, open_gguf, read_model_config
+from ..model.pairs import PairFormat
 from ..model.tokenizer import Tokenizer
 from ..sampling_params import SamplingParams
 from ..structured.grammars import for_model as grammars_for
@@ -22,6 +23,7 @@ class ModelFront:
         reader = open_gguf(config.model)
         self.model_config = read_model_config(reader, config.model)
         self.tokenizer = Tokenizer(config.model, reader)
+        self._pairs = PairFormat(reader, self.tokenizer)
         self.chat_template = ChatTemplate(_template_source(config.chat_template) or self.tokenizer.chat_template)
         self.tool_parser = config.tool_call_parser or parser_for_template(self.chat_template.source)
         ctx = self.model_config.context_length
@@ -38,6 +40,10 @@ class ModelFront:
         """Token ids of a conversation in the chat template, with ``tools`` offered (ChatTemplateError for a bad
         template or one that renders no tools)."""
         return self.chat_template.encode(self.tokenizer, messages, add_generation_prompt, tools)
+
+    def pair_prompt(self, query: str, document: str) -> list[int]:
+        """Token ids of a (query, document) pair as the reranker reads it (model.pairs)."""
+        return self._pairs.ids(query, document)
 
     def prepare(self, params: SamplingParams) -> None:
         """Do the slow part of admitting a request before it reaches the engine loop: compile its grammar (or

@@ -40,6 +40,9 @@ class Engine(Protocol):
     def render_chat(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
         """Token ids of a conversation in the model's chat template (ChatTemplateError for a bad one)."""
 
+    def pair_prompt(self, query: str, document: str) -> list[int]:
+        """Token ids of a (query, document) pair as the model scores it (a reranker's template or pair layout)."""
+
     def prepare(self, params: SamplingParams) -> None:
         """Compile what the request needs (its grammar) or raise ValueError; slow: call it off the event loop."""
 

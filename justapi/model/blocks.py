@@ -138,6 +138,24 @@ class MoeMlp:
         return fp.all_reduce(moe_mlp(h, self.weights, activation(self.act)).to(h.dtype))
 
 
+@dataclass
+class Classifier:
+    """A reranker's head on its pooled state (llama.cpp's cls tensors): tanh(dense) where the file has one (BERT
+    cross-encoders), then the output rows. Two or more labels give the first label's softmax probability
+    (Qwen3-Reranker: P(yes) against no); one gives its logit's sigmoid (as vLLM and sentence-transformers score a
+    one-label cross-encoder: the order of llama.cpp's raw logit, in 0..1)."""
+
+    out: torch.Tensor  # [labels, hidden] fp32
+    out_bias: torch.Tensor | None = None
+    dense: torch.Tensor | None = None  # [hidden, hidden]
+    dense_bias: torch.Tensor | None = None
+
+    def score(self, h: torch.Tensor) -> float:
+        x = h if self.dense is None else torch.tanh(F.linear(h, self.dense, self.dense_bias))
+        logits = F.linear(x, self.out, self.out_bias)
+        return float(torch.softmax(logits, -1)[0] if len(logits) > 1 else torch.sigmoid(logits[0]))
+
+
 def activation(name: str):
     return (lambda t: F.gelu(t, approximate="tanh")) if name == "gelu_tanh" else F.silu
 

@@ -146,7 +146,8 @@ def read_model_config(reader, path: str) -> ModelConfig:
         qkv_bias="blk.0.attn_q.bias" in names or "blk.0.attn_qkv.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
         layer_windows=_layer_windows(reader, arch, int(need("block_count"))),
-        pooling=POOLING_TYPES.get(field_value(reader, f"{arch}.pooling_type"), "last"),
+        pooling=_pooling(reader, arch, names, path),
+        classifier_labels=tuple(field_value(reader, f"{arch}.classifier.output_labels", ()) or ()),
         attn_softcap=_positive(field_value(reader, f"{arch}.attn_logit_softcapping")),
         final_softcap=_positive(field_value(reader, f"{arch}.final_logit_softcapping")),
         num_experts=experts,
@@ -208,8 +209,18 @@ def _positive(value) -> float | None:
 
 
 # llama.cpp's {arch}.pooling_type values; absent or "none" (0): a decoder's embedding is its last token's, as
-# llama.cpp and vLLM default for decoder-only models; "cls" and "rank" are named so requests can be refused clearly
+# llama.cpp and vLLM default for decoder-only models; "cls" is named so requests can be refused clearly; "rank": a
+# reranker, its pooled state through the file's classifier (cls.*) to a relevance score
 POOLING_TYPES = {0: "last", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
+
+
+def _pooling(reader, arch: str, names: set[str], path: str) -> str:
+    pooling = POOLING_TYPES.get(field_value(reader, f"{arch}.pooling_type"), "last")
+    if pooling == "rank" and "cls.output.weight" not in names:
+        # llama.cpp would score with no head (or a dense layer's first output): numbers that mean nothing
+        raise ModelLoadError(f"{path}: a reranker (pooling rank) needs its classifier: tensor cls.output.weight is "
+                             "missing")
+    return pooling
 
 
 def _layer_windows(reader, arch: str, num_layers: int) -> tuple[int | None, ...]:

@@ -250,7 +250,7 @@ class ModelRunner:
 
     def _pool(self, hidden: torch.Tensor | None, pooled: list[tuple[str, int, bool]], out: RunnerOutput) -> None:
         """Fold each embedding request's hidden rows into its pooled state; a request whose prompt is done gets its
-        vector (Pooling: the mean or the last row, cut to ``dimensions``, L2-normalized)."""
+        vector (Pooling: the mean or the last row, cut to ``dimensions``, L2-normalized; a reranker's score)."""
         offset = 0
         for rid, rows, done in pooled:
             st = self.states[rid]
@@ -259,12 +259,17 @@ class ModelRunner:
             if part is not None:
                 st.pooled = part if st.pooled is None else st.pooled + part
             if done:
-                pooling = st.params.pooling
-                vec = st.pooled / st.num_prompt_tokens if pooling.kind == "mean" else st.pooled
-                vec = vec[: pooling.dimensions] if pooling.dimensions else vec
-                if pooling.normalize:
-                    vec = vec / vec.norm().clamp_min(1e-12)
-                out.embeddings[rid] = vec.float().tolist()
+                out.embeddings[rid] = self._pooled_vector(st)
+
+    def _pooled_vector(self, st: _RequestState) -> list[float]:
+        pooling = st.params.pooling
+        if pooling.kind == "rank":  # a reranker's relevance score
+            return [self.model.classifier.score(st.pooled.float())]
+        vec = st.pooled / st.num_prompt_tokens if pooling.kind == "mean" else st.pooled
+        vec = vec[: pooling.dimensions] if pooling.dimensions else vec
+        if pooling.normalize:
+            vec = vec / vec.norm().clamp_min(1e-12)
+        return vec.float().tolist()
 
     def _sample(self, logits: torch.Tensor, sample_ids: list[str], trees: dict[str, DraftTree],
                 starts: dict[str, int]) -> RunnerOutput:

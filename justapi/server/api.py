@@ -26,6 +26,7 @@ from .errors import (ENGINE_ERRORS, ApiError, BodyLimit, InternalErrors, engine_
                      install_error_handlers, internal_error_message)
 from .inputs import chat_prompt, completion_prompts, encoded, prepare_grammar
 from .metrics import Metrics
+from .scoring import install_scoring
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeRequest,
                        message_dicts)
 from .serving import (Choice, chat_logprobs, completion_logprobs, embedding_data, make_choices, new_id, now,
@@ -248,29 +249,37 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
         if req.dimensions is not None and not 1 <= req.dimensions <= hidden:
             raise ApiError(400, f"dimensions must be in 1..{hidden} for this model, got {req.dimensions}",
                            param="dimensions")
+        if engine.model_config.pooling == "rank":
+            raise ApiError(400, "this model is a reranker: it scores (query, document) pairs at /v1/rerank and "
+                                "/v1/score, it has no embeddings")
         try:
             pooling = Pooling(engine.model_config.pooling, dimensions=req.dimensions)
         except ValueError as e:
             raise ApiError(400, f"this model cannot serve embeddings: {e}") from None
-        tok = engine.tokenizer
         inputs = req.inputs()
         _check_fan_out(len(inputs), 1, "input")
         _check_token_ids(inputs, "input")
+        ids_list, _ = await encoded("input", completion_prompts, engine.tokenizer, inputs, False)
+        vectors, tokens = await _pooled(raw, llm, ids_list, pooling, req)
+        return {"object": "list", "model": model_name,
+                "data": [embedding_data(i, v, req.encoding_format) for i, v in enumerate(vectors)],
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    async def _pooled(raw: Request, llm: AsyncLLM, ids_list: list[list[int]], pooling: Pooling, req):
+        """(each prompt's pooled vector, the prompts' tokens): embeddings, or a reranker's scores; ``req`` gives
+        the user and the timeout."""
         timeouts = [t for t in (req.timeout, config.request_timeout) if t is not None]
         params = dataclasses.replace(SamplingParams.for_embedding(pooling),
                                      user=getattr(raw.state, "api_user", None) or req.user,
                                      deadline=time.monotonic() + min(timeouts) if timeouts else None)
-        ids_list, _ = await encoded("input", completion_prompts, tok, inputs, False)
         choices = [Choice(i, i, ids, params) for i, ids in enumerate(ids_list)]
         _validate(llm, choices)
         await _collect(raw, llm, new_id("embd"), choices)
         if any(c.final.embedding is None for c in choices):  # its deadline passed before it was computed
-            raise ApiError(408, f"the embedding was not computed within its timeout ({min(timeouts):g} s)",
-                           "timeout")
-        tokens = sum(len(c.prompt_ids) for c in choices)
-        return {"object": "list", "model": model_name,
-                "data": [embedding_data(c.index, c.final.embedding, req.encoding_format) for c in choices],
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+            raise ApiError(408, f"the request was not computed within its timeout ({min(timeouts):g} s)", "timeout")
+        return [c.final.embedding for c in choices], sum(len(c.prompt_ids) for c in choices)
+
+    install_scoring(app, state, _pooled, _check_model, _check_fan_out)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
