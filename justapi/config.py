@@ -362,6 +362,7 @@ class SchedulerConfig:
     chunk_size: int = DEFAULT_CHUNK_SIZE
     max_model_len: int = 8192
     prefix_cache: bool = True
+    whole_prompts: bool = False  # an encoder's: each prompt in one step, never in chunks (bidirectional attention)
     spec_method: str | None = None  # "ngram": drafts by prompt lookup; "draft": a draft model's tree, built by the runner
     gamma: int = DEFAULT_GAMMA  # draft tokens per step at most (a tree's depth)
     branch: int = DEFAULT_BRANCH  # children per draft-tree node

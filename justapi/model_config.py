@@ -21,6 +21,9 @@ class ArchTraits:
     local_rope_theta: float | None = None  # the sliding layers' RoPE base where it differs (Gemma 3: 10,000)
     moe_norm_top_k: bool = False  # mixture of experts: the top-k routing weights renormalized to sum to 1
     nope_every: int = 0  # every Nth layer attends without RoPE (SmolLM3: 4); 0: every layer has it
+    # an encoder (model.encoder): bidirectional attention over each whole prompt, post-norm LayerNorm layers,
+    # pooled states out, no LM head; RoPE where the file has no position embeddings (nomic-bert)
+    encoder: bool = False
 
 
 ARCHS = {
@@ -47,6 +50,9 @@ ARCHS = {
     # Granite 3.x (dense): Llama with the multipliers its file states (ModelConfig: embedding_scale, residual_scale,
     # attention_scale, logit_scale)
     "granite": ArchTraits(rope_style="norm"),
+    # BERT-family encoders for embeddings and reranking: bert (learned positions, GELU), nomic-bert (RoPE, SwiGLU)
+    "bert": ArchTraits(encoder=True, mlp_act="gelu"),
+    "nomic-bert": ArchTraits(encoder=True, mlp_act="silu"),
 }
 SUPPORTED_ARCHS = tuple(ARCHS)
 
@@ -135,6 +141,10 @@ class ModelConfig:
     @property
     def traits(self) -> ArchTraits:
         return ARCHS[self.arch]
+
+    @property
+    def is_encoder(self) -> bool:
+        return self.traits.encoder
 
     @property
     def rope_style(self) -> str:

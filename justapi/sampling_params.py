@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from .structured.spec import StructuredOutput
 
 
-POOLING_KINDS = ("last", "mean", "rank")
+POOLING_KINDS = ("last", "mean", "cls", "rank")
 # temperatures below this are greedy (vLLM's rule): dividing logits by less overflows them to infinities, whose
 # softmax is NaN, and the argmax is what such a temperature samples anyway
 GREEDY_BELOW_TEMPERATURE = 1e-5
@@ -21,7 +21,7 @@ MAX_STOP_TOKEN_IDS = 256
 @dataclass(frozen=True)
 class Pooling:
     """An embedding request: nothing is sampled; the prompt's final hidden states (after the last norm) are pooled,
-    the last token's or the mean of all, L2-normalized unless told not to, and cut to ``dimensions`` first (then
+    the last token's, the first's ("cls") or the mean of all, L2-normalized unless told not to, and cut to ``dimensions`` first (then
     normalized) where given. "rank": a reranker's score, the last token's state through the model's classifier
     (model.blocks.Classifier): one number, never normalized."""
 

@@ -121,18 +121,18 @@ def test_embeddings_endpoint_on_smollm2(real_model_path, tmp_path):
         assert srv.stop() == 0
 
 
-def test_a_model_whose_file_pools_by_cls_is_refused_clearly(tmp_path):
-    """A pooling type the engine does not compute (cls, rank) is a 400 naming it, not a wrong vector."""
-    import httpx
-
-    from server_helpers import InProcessServer
+def test_cls_pooling_takes_the_first_state_and_an_unknown_pooling_type_is_refused(tmp_path):
+    """A file pooling by cls gets its first token's final state (as llama.cpp pools it, whatever the model),
+    normalized, equal to transformers'; a pooling type llama.cpp does not define is refused at start-up, naming it
+    and the ones it knows."""
+    from justapi.model.gguf_loader import ModelLoadError
+    from test_cli_and_inputs import rewrite_gguf
 
     path = write_tiny_model(str(tmp_path / "cls.gguf"), "llama", pooling="cls")
-    with pytest.raises(ValueError, match="cls"):
-        LLM(path, show_progress=False, pool_blocks=32).embed(["hi"])
-    srv = InProcessServer(["--model", path, "--pool-blocks", "32"], str(tmp_path / "cls.log"))
-    try:
-        r = httpx.post(srv.url + "/v1/embeddings", json={"input": "hi"})
-        assert r.status_code == 400 and "cls" in r.json()["error"]["message"], r.text
-    finally:
-        assert srv.stop() == 0
+    got = LLM(path, dtype="float32", show_progress=False, pool_blocks=32).embed([PROMPTS[1]])[0]
+    with torch.no_grad():
+        h = hf_model(path).model(torch.tensor([PROMPTS[1]])).last_hidden_state[0, 0].double()
+    assert (torch.tensor(got).double() - h / h.norm()).abs().max().item() < 1e-5
+    bad = rewrite_gguf(path, str(tmp_path / "bad.gguf"), replace_keys={"llama.pooling_type": 9})
+    with pytest.raises(ModelLoadError, match=r"pooling_type 9 is not one of llama.cpp's: 0 \(none\), 1 \(mean\)"):
+        LLM(bad, show_progress=False, pool_blocks=32)

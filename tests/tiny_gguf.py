@@ -412,3 +412,89 @@ def write_tiny_model(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+WORDPIECE = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "on", "mat", "hello", "world", "a",
+             "##s", "##at", "##e", "##r", "c", "s", "m", "t", "h", "e", "##t", "##h", ".", ",", "!", "what", "is",
+             "paris", "capital", "of", "france", "dog", "##og", "d", "o", "g", "##o", "##g", "##d"]
+
+
+def write_tiny_encoder(path: str, arch: str = "bert", *, num_layers: int = 2, hidden: int = 32, num_heads: int = 4,
+                       intermediate: int = 64, context_length: int = 64, pooling: str | None = "mean",
+                       seed: int = 0, rerank: bool = False) -> str:
+    """A random BERT-family encoder in llama.cpp's converter layout: ``bert`` (separate Q/K/V with biases, learned
+    positions, GELU MLP with biases) or ``nomic-bert`` (fused Q/K/V, RoPE, SwiGLU, no biases); post-norm layers;
+    the WordPiece vocabulary ``WORDPIECE`` rewritten as the converter does (U+2581 before a word-initial piece,
+    ``##`` dropped). ``rerank``: a cross-encoder's head (cls, cls.output of one label) and pooling rank."""
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(num_layers)
+    w.add_context_length(context_length)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(intermediate)
+    w.add_head_count(num_heads)
+    w.add_layer_norm_eps(1e-12)
+    w.add_causal_attention(False)
+    if arch == "nomic-bert":
+        w.add_rope_freq_base(1000.0)
+    if rerank:
+        pooling = "rank"
+    if pooling is not None:
+        w.add_pooling_type(gguf.PoolingType[pooling.upper()])
+    control = {t for t in WORDPIECE if t.startswith("[")}
+    tokens = [t if t in control else t[2:] if t.startswith("##") else "\u2581" + t for t in WORDPIECE]
+    w.add_tokenizer_model("bert")
+    w.add_token_list(tokens)
+    w.add_token_types([int(gguf.TokenType.CONTROL if t in control else gguf.TokenType.NORMAL) for t in WORDPIECE])
+    w.add_token_type_count(2)
+    w.add_bos_token_id(WORDPIECE.index("[CLS]"))
+    w.add_eos_token_id(WORDPIECE.index("[SEP]"))
+    w.add_sep_token_id(WORDPIECE.index("[SEP]"))
+    w.add_unk_token_id(WORDPIECE.index("[UNK]"))
+    w.add_pad_token_id(WORDPIECE.index("[PAD]"))
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(True)
+
+    def rand(*shape, scale=0.2):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    nomic = arch == "nomic-bert"
+    w.add_tensor("token_embd.weight", rand(len(WORDPIECE), hidden, scale=1.0))
+    w.add_tensor("token_types.weight", rand(2, hidden, scale=0.5))
+    if not nomic:
+        w.add_tensor("position_embd.weight", rand(context_length, hidden, scale=0.5))
+    w.add_tensor("token_embd_norm.weight", 1 + rand(hidden, scale=0.1))
+    w.add_tensor("token_embd_norm.bias", rand(hidden, scale=0.1))
+    for i in range(num_layers):
+        p = f"blk.{i}."
+        if nomic:
+            w.add_tensor(p + "attn_qkv.weight", rand(3 * hidden, hidden))
+        else:
+            for name in ("attn_q", "attn_k", "attn_v"):
+                w.add_tensor(p + name + ".weight", rand(hidden, hidden))
+                w.add_tensor(p + name + ".bias", rand(hidden, scale=0.1))
+        w.add_tensor(p + "attn_output.weight", rand(hidden, hidden))
+        if not nomic:
+            w.add_tensor(p + "attn_output.bias", rand(hidden, scale=0.1))
+        w.add_tensor(p + "attn_output_norm.weight", 1 + rand(hidden, scale=0.1))
+        w.add_tensor(p + "attn_output_norm.bias", rand(hidden, scale=0.1))
+        w.add_tensor(p + "ffn_up.weight", rand(intermediate, hidden))
+        if nomic:
+            w.add_tensor(p + "ffn_gate.weight", rand(intermediate, hidden))
+        else:
+            w.add_tensor(p + "ffn_up.bias", rand(intermediate, scale=0.1))
+        w.add_tensor(p + "ffn_down.weight", rand(hidden, intermediate))
+        if not nomic:
+            w.add_tensor(p + "ffn_down.bias", rand(hidden, scale=0.1))
+        w.add_tensor(p + "layer_output_norm.weight", 1 + rand(hidden, scale=0.1))
+        w.add_tensor(p + "layer_output_norm.bias", rand(hidden, scale=0.1))
+    if rerank:
+        w.add_tensor("cls.weight", rand(hidden, hidden))
+        w.add_tensor("cls.bias", rand(hidden, scale=0.1))
+        w.add_tensor("cls.output.weight", rand(1, hidden, scale=1.0))
+        w.add_tensor("cls.output.bias", rand(1, scale=0.1))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

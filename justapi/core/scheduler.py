@@ -284,8 +284,11 @@ class Scheduler:
                 new_blocks = None
             elif not is_decode and (counts["prefill"] >= self.config.max_prefill or budget[0] == 0):
                 new_blocks = None
+            elif not is_decode and self.config.whole_prompts and remaining > budget[0] and counts["prefill"]:
+                new_blocks = None  # a whole prompt over what this step has left waits for a step of its own
             else:
-                n = 1 if is_decode else min(remaining, budget[0])
+                # a whole prompt takes a step's budget or more: the first prefill of its step, bounded by the context
+                n = 1 if is_decode else remaining if self.config.whole_prompts else min(remaining, budget[0])
                 new_blocks = self.kv.grow(req, req.num_computed_tokens + n)
                 self._short_of_blocks = new_blocks is None
             if new_blocks is None:
@@ -299,7 +302,7 @@ class Scheduler:
             self._admit(req)
             counts["decode" if is_decode else "prefill"] += 1
             if not is_decode:
-                budget[0] -= n
+                budget[0] = max(0, budget[0] - n)
             self._add_to_output(out, req, n, new_blocks)
 
     def _admit(self, req: Request) -> None:

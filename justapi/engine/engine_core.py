@@ -77,7 +77,9 @@ class EngineCore(ModelFront):
             max_decode=config.max_decode,
             chunk_size=config.chunk_size,
             max_model_len=self.max_model_len,
-            prefix_cache=config.prefix_cache,
+            # an encoder's states depend on the tokens after them: no prefix of one prompt is another's
+            prefix_cache=config.prefix_cache and not self.model_config.is_encoder,
+            whole_prompts=self.model_config.is_encoder,
             spec_method=config.speculation,
             gamma=config.gamma or DEFAULT_GAMMA,
             branch=config.branch or DEFAULT_BRANCH,
@@ -91,18 +93,21 @@ class EngineCore(ModelFront):
         if self.config.pool_blocks is not None:
             return self.config.pool_blocks
         per_block = self.executor.worker.kv_bytes_per_block()
+        cap = DEFAULT_MAX_POOL_TOKENS // self.config.block_size
+        if per_block == 0:  # an encoder: its blocks hold nothing, only count tokens
+            return cap
         if self.config.gpu:
             free, _ = torch.cuda.mem_get_info()
             budget = int(free * 0.8)
         else:
             # tensor-parallel ranks on one host share its memory: each takes its part of the fraction
             budget = int(available_memory_bytes() * self.config.kv_memory_fraction / self.config.tp)
-        cap = DEFAULT_MAX_POOL_TOKENS // self.config.block_size
         return max(1, min(budget // per_block, cap))
 
     # --- requests ---------------------------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Raise ValueError (AdmissionError) for a request that can never be served; its max_tokens. Reads state only."""
+        self.check_task(params)
         self.check_token_ids(prompt_token_ids)
         return self.scheduler.limits.check(len(prompt_token_ids), params.max_tokens)
 

@@ -30,6 +30,8 @@ class ModelFront:
         if config.max_model_len is not None and config.max_model_len > ctx:
             raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's context length {ctx}")
         self.max_model_len = config.max_model_len or ctx
+        if self.model_config.is_encoder:
+            _check_encoder_flags(config, self.model_config.arch)
         self._seeds = random.Random(config.seed)
 
     @property
@@ -54,11 +56,27 @@ class ModelFront:
     def new_seed(self) -> int:
         return self._seeds.getrandbits(62)
 
+    def check_task(self, params: SamplingParams) -> None:
+        """An encoder serves embeddings and scores only (ValueError for a request to generate)."""
+        if self.model_config.is_encoder and params.pooling is None:
+            raise ValueError(f"this model is an encoder ({self.model_config.arch}): it serves embeddings and "
+                             "scores (/v1/embeddings, /v1/rerank, /v1/score), not generated text")
+
     def check_token_ids(self, token_ids: list[int]) -> None:
         vocab = self.model_config.vocab_size
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+
+
+def _check_encoder_flags(config: EngineConfig, arch: str) -> None:
+    """The flags an encoder cannot take, refused at start-up, each by name."""
+    refused = {"--tp": config.tp > 1, "--disaggregate": config.disaggregate,
+               "--draft-model / --spec-method": config.speculation is not None}
+    named = [flag for flag, given in refused.items() if given]
+    if named:
+        raise ValueError(f"{', '.join(named)} cannot serve an encoder ({arch}): it computes each prompt once, "
+                         "in one step, and generates nothing")
 
 
 def _template_source(path: str | None) -> str | None:

@@ -201,6 +201,7 @@ class PdEngine(ModelFront):
         if params.pooling is not None and self.pd.entry_role == "prefill":
             raise ValueError("embeddings are not served with --disaggregate (a prompt's prefill is all they are: "
                              "serve them from a plain server)")
+        self.check_task(params)
         self.check_token_ids(prompt_token_ids)
         return self._limits.check(len(prompt_token_ids), params.max_tokens)
 

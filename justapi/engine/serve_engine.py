@@ -61,6 +61,7 @@ class ServeEngine(ModelFront):
     # requests
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """The length checks of a scheduler; a replica checks its own KV pool when the request gets there."""
+        self.check_task(params)
         self.check_token_ids(prompt_token_ids)
         return self._limits.check(len(prompt_token_ids), params.max_tokens)
 

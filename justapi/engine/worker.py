@@ -15,6 +15,7 @@ from ..core.outputs import RunnerOutput, SchedulerOutput
 from ..kernels import decode_kernels
 from ..model.gguf_loader import ModelLoadError, load_tensors, open_gguf, read_model_config
 from ..model.kernel_policy import KernelPolicy, kv_cache_dtype, resolve_dtype
+from ..model.encoder import EncoderModel
 from ..model.llama import LlamaModel, shard_selection
 from ..model.runner import ModelRunner, kv_bytes_per_block
 from ..spec.draft import DraftProposer, check_same_vocabulary
@@ -47,12 +48,14 @@ class Worker:
         kernels = decode_kernels() if config.cpu_kernels and not config.gpu else None
         dtype_name = "float32" if config.batch_invariant else config.dtype
         dtype, keep_packed = resolve_dtype(dtype_name, reader, config.gpu, kernels)
+        keep_packed = keep_packed and not model_config.is_encoder  # an encoder's linears are dense (model.encoder)
         policy = KernelPolicy.make(dtype, kernels, config.disabled_kernels)
         if lead:
             for line in policy.describe():
                 log.info(line)
         tensors = load_tensors(reader, path, dtype, config.show_progress and self.lead, keep_packed, select)
-        return LlamaModel(model_config, tensors, config.device, config.batch_invariant, plan, comm,
+        model_class = EncoderModel if model_config.is_encoder else LlamaModel
+        return model_class(model_config, tensors, config.device, config.batch_invariant, plan, comm,
                           kv_dtype=kv_cache_dtype(config.kv_cache_dtype, dtype, keep_packed), policy=policy,
                           huge_pages=config.huge_pages)
 

@@ -150,6 +150,16 @@ class Classifier:
     dense: torch.Tensor | None = None  # [hidden, hidden]
     dense_bias: torch.Tensor | None = None
 
+    @classmethod
+    def load(cls, take) -> Classifier:
+        """From the file's cls.output (and cls before it where present), fp32, replicated on every rank;
+        ``take(name, required)`` gives a loaded tensor."""
+        def f32(name: str) -> torch.Tensor | None:
+            t = take(name, False)
+            return None if t is None else (t if isinstance(t, torch.Tensor) else t.dequantize()).float()
+
+        return cls(f32("cls.output.weight"), f32("cls.output.bias"), f32("cls.weight"), f32("cls.bias"))
+
     def score(self, h: torch.Tensor) -> float:
         x = h if self.dense is None else torch.tanh(F.linear(h, self.dense, self.dense_bias))
         logits = F.linear(x, self.out, self.out_bias)

@@ -139,7 +139,8 @@ def read_model_config(reader, path: str) -> ModelConfig:
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        rms_norm_eps=float(field_value(reader, f"{arch}.attention.layer_norm_rms_epsilon")
+                           or need("attention.layer_norm_epsilon")),  # an encoder's LayerNorm epsilon
         rope_theta=float(field_value(reader, f"{arch}.rope.freq_base", 10000.0)),
         context_length=int(field_value(reader, f"{arch}.context_length", 2048)),
         tie_word_embeddings="output.weight" not in names,
@@ -208,14 +209,21 @@ def _positive(value) -> float | None:
     return float(value) if value else None
 
 
-# llama.cpp's {arch}.pooling_type values; absent or "none" (0): a decoder's embedding is its last token's, as
-# llama.cpp and vLLM default for decoder-only models; "cls" is named so requests can be refused clearly; "rank": a
-# reranker, its pooled state through the file's classifier (cls.*) to a relevance score
-POOLING_TYPES = {0: "last", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
+# llama.cpp's {arch}.pooling_type values; absent or "none" (0): see _pooling; "cls": the first token's state;
+# "rank": a reranker, its pooled state through the file's classifier (cls.*) to a relevance score
+POOLING_TYPES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
 
 
 def _pooling(reader, arch: str, names: set[str], path: str) -> str:
-    pooling = POOLING_TYPES.get(field_value(reader, f"{arch}.pooling_type"), "last")
+    """What the file pools: its {arch}.pooling_type; absent, a decoder's last token, an encoder's mean (what
+    sentence-transformers takes for a plain BERT)."""
+    value = field_value(reader, f"{arch}.pooling_type")
+    if value is None or value == 0:
+        return "mean" if ARCHS[arch].encoder else "last"
+    if value not in POOLING_TYPES:
+        raise ModelLoadError(f"{path}: {arch}.pooling_type {value} is not one of llama.cpp's: "
+                             + ", ".join(f"{k} ({v})" for k, v in POOLING_TYPES.items()))
+    pooling = POOLING_TYPES[value]
     if pooling == "rank" and "cls.output.weight" not in names:
         # llama.cpp would score with no head (or a dense layer's first output): numbers that mean nothing
         raise ModelLoadError(f"{path}: a reranker (pooling rank) needs its classifier: tensor cls.output.weight is "

@@ -103,7 +103,8 @@ class LlamaModel:
         self.norm = weights.norm("output_norm.weight")
         self.embed_scale = self._embed_scale(device)
         self.lm_head = self._head(weights)
-        self.classifier = self._classifier(weights) if config.pooling == "rank" else None
+        self.kv_layers = config.num_layers  # layers with a KV cache (model.runner sizes the pool by them)
+        self.classifier = Classifier.load(weights.take) if config.pooling == "rank" else None
         self.huge_pages = huge_pages and device == "cpu"
         if self.huge_pages:
             self._weights_to_huge_pages()
@@ -192,14 +193,6 @@ class LlamaModel:
             if head == "token_embd.weight" and not hasattr(lm_head, "dense"):
                 self.embed = None  # tied, and too large to keep twice: looked up in the head's Q8_0 form
         return lm_head
-
-    def _classifier(self, w: _FileWeights) -> Classifier:
-        """A reranker's head (cls.output, and cls before it where present), fp32 and replicated on every rank."""
-        def f32(name: str) -> torch.Tensor | None:
-            t = w.take(name, False)
-            return None if t is None else (t if isinstance(t, torch.Tensor) else t.dequantize()).float()
-
-        return Classifier(f32("cls.output.weight"), f32("cls.output.bias"), f32("cls.weight"), f32("cls.bias"))
 
     # --- memory ----------------------------------------------------------------------------------------------------
     def _weights_to_huge_pages(self) -> None:

@@ -34,15 +34,18 @@ class _RequestState:
 
 
 def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
-    """Bytes of K and V that one block takes across all layers (in the model's KV dtype)."""
+    """Bytes of K and V that one block takes across all layers (in the model's KV dtype); 0 for an encoder,
+    which keeps none (its blocks only count tokens)."""
     cfg = model.config
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * model.kv_dtype.itemsize
+    return 2 * model.kv_layers * block_size * cfg.num_kv_heads * cfg.head_dim * model.kv_dtype.itemsize
 
 
 def new_kv_caches(model: LlamaModel, num_blocks: int, block_size: int, device: str):
     """Per layer (K, V), each [num_kv_heads, num_blocks, block_size, head_dim]; on huge pages where the model's
     weights are (decode attention reads scattered blocks: fewer TLB misses)."""
     cfg = model.config
+    if not model.kv_layers:
+        return []
     shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
     # zero-filled: padded decode rows read unused slots, and 0 * garbage could be NaN
     if device == "cpu":  # untouched anonymous memory: zero without writing it (hugepages.untouched_zeros)
@@ -87,7 +90,8 @@ class FlatBatch:
             mask: torch.Tensor | None = None, logits: str | None = None, hidden: str | None = None) -> None:
         """A sequence's new tokens, stored at slot positions ``first_slot ..``, seeing everything before them.
 
-        ``logits``: "last" (the row after the last token), "all", or None (no row: a prefill chunk mid-prompt);
+        ``logits``: "last" (the row after the last token), "all", "first", or None (no row: a prefill chunk
+        mid-prompt);
         ``hidden`` the same for final hidden states (an embedding request's).
         """
         bs = self.block_size
@@ -102,6 +106,8 @@ class FlatBatch:
         for kind, rows in ((logits, self.logits_rows), (hidden, self.hidden_rows)):
             if kind == "last":
                 rows.append(row + n - 1)
+            elif kind == "first":
+                rows.append(row)
             elif kind == "all":
                 rows.extend(range(row, row + n))
 
@@ -223,10 +229,9 @@ class ModelRunner:
             if st.params.pooling is not None:  # prefill only: hidden states instead of logits
                 end = start + n
                 done = end == st.num_prompt_tokens
-                every = st.params.pooling.kind == "mean"
-                batch.add(st.token_ids[start:end], list(range(start, end)), start, st.block_ids,
-                          hidden="all" if every else "last" if done else None)
-                pooled.append((rid, n if every else int(done), done))
+                rows = self._pooled_rows(st.params.pooling.kind, start, done)
+                batch.add(st.token_ids[start:end], list(range(start, end)), start, st.block_ids, hidden=rows)
+                pooled.append((rid, n if rows == "all" else int(rows is not None), done))
             elif tree:  # the last real token, then the draft nodes, each at its own slot
                 mask = None if tree.is_chain else tree.attention_mask(self.device)
                 batch.add([st.token_ids[start]] + tree.tokens, [start] + [start + d for d in tree.depths], start,
@@ -247,6 +252,16 @@ class ModelRunner:
         self._pool(hidden, pooled, out)
         out.failed = self._failed
         return out
+
+    def _pooled_rows(self, kind: str, start: int, done: bool) -> str | None:
+        """Which of a pooling request's rows this chunk contributes: every one (mean), the prompt's first (cls; a
+        BERT cross-encoder's rank) or its last (last; a decoder reranker's rank), or none."""
+        if kind == "mean":
+            return "all"
+        first = kind == "cls" or (kind == "rank" and self.model.config.is_encoder)
+        if first:
+            return "first" if start == 0 else None
+        return "last" if done else None
 
     def _pool(self, hidden: torch.Tensor | None, pooled: list[tuple[str, int, bool]], out: RunnerOutput) -> None:
         """Fold each embedding request's hidden rows into its pooled state; a request whose prompt is done gets its

@@ -44,6 +44,35 @@ def _hf_tokenizer(abspath: str, mtime_ns: int, size: int, path: str):
     return tok
 
 
+@functools.lru_cache(maxsize=4)
+def _wordpiece_tokenizer(abspath: str, mtime_ns: int, size: int, path: str):
+    """A BERT file's WordPiece tokenizer (transformers has no GGUF converter for it), rebuilt from the vocabulary
+    llama.cpp's converter rewrote: a word-initial piece carries a leading U+2581 where WordPiece has none, a
+    continuation lacks the ``##`` WordPiece gives it, control tokens stay as they are. Text is lowercased and its
+    accents stripped where the file says (tokenizer.ggml.normalizer.*), else as every file before those keys was."""
+    from tokenizers import Tokenizer as RawTokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from .gguf_loader import open_gguf
+
+    reader = open_gguf(path)
+    tokens = field_value(reader, "tokenizer.ggml.tokens")
+    types = field_value(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    control = [t for t, kind in zip(tokens, types) if kind == 3]
+    pieces = [t if kind == 3 else t[1:] if t.startswith("\u2581") else "##" + t for t, kind in zip(tokens, types)]
+    unk_id = field_value(reader, "tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk_id] if unk_id is not None else "[UNK]"
+    lowercase = bool(field_value(reader, "tokenizer.ggml.normalizer.lowercase", True))
+    strip = bool(field_value(reader, "tokenizer.ggml.normalizer.strip_accents", lowercase))
+    raw = RawTokenizer(models.WordPiece({p: i for i, p in enumerate(pieces)}, unk_token=unk))
+    raw.normalizer = normalizers.BertNormalizer(lowercase=lowercase, strip_accents=strip)
+    raw.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    raw.decoder = decoders.WordPiece()
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token=unk)
+    tok.add_special_tokens({"additional_special_tokens": control})
+    return tok
+
+
 def _convert(abspath: str):
     """transformers' GGUF converter on the file's vocabulary."""
     from transformers import PreTrainedTokenizerFast
@@ -95,15 +124,21 @@ class Tokenizer:
         model = field_value(reader, "tokenizer.ggml.model")
         if model is None:
             raise ModelLoadError(f"{path}: the file has no tokenizer (tokenizer.ggml.model is missing)")
-        if model not in ("gpt2", "llama"):
-            raise ModelLoadError(f"{path}: unsupported tokenizer model {model!r}; supported: gpt2 (BPE), llama (SentencePiece)")
+        if model not in ("gpt2", "llama", "bert"):
+            raise ModelLoadError(f"{path}: unsupported tokenizer model {model!r}; supported: gpt2 (BPE), llama "
+                                 "(SentencePiece), bert (WordPiece)")
         st = os.stat(path)
-        self._hf = _hf_tokenizer(os.path.abspath(path), st.st_mtime_ns, st.st_size, path)
+        build = _wordpiece_tokenizer if model == "bert" else _hf_tokenizer
+        self._hf = build(os.path.abspath(path), st.st_mtime_ns, st.st_size, path)
         self.vocab_size = len(field_value(reader, "tokenizer.ggml.tokens") or [])
         self.bos_token_id = field_value(reader, "tokenizer.ggml.bos_token_id")
         self.eos_token_id = field_value(reader, "tokenizer.ggml.eos_token_id")
-        self.add_bos = bool(field_value(reader, "tokenizer.ggml.add_bos_token", model == "llama"))
+        # llama.cpp's defaults: SentencePiece and WordPiece files begin with BOS ([CLS]); WordPiece ends with SEP
+        self.add_bos = bool(field_value(reader, "tokenizer.ggml.add_bos_token", model in ("llama", "bert")))
         self.add_eos = bool(field_value(reader, "tokenizer.ggml.add_eos_token", False))  # embedding models' files
+        if model == "bert" and self.eos_token_id is None:  # [SEP] closes a WordPiece text
+            self.eos_token_id = field_value(reader, "tokenizer.ggml.seperator_token_id")
+            self.add_eos = bool(field_value(reader, "tokenizer.ggml.add_sep_token", True))
         eos = {self.eos_token_id}
         for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
             value = field_value(reader, key)
