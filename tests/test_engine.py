@@ -264,12 +264,12 @@ def test_n_completions_and_token_prompts(engines):
 def test_smollm2_batching_and_preemption_equivalence(real_model_path, smollm2_exact):
     prompts = ["The capital of France is", "List three fruits:", "def add(a, b):", "Roses are red,",
                "The meaning of life is", "In 1492, Columbus", "Water is made of", "My favourite book is"]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     base = smollm2_exact
     batched = tokens(base.generate(prompts, params))
-    # each of the first four alone: a batch-of-one step costs as much as a step of 8 rows on this fp32 path, so the
-    # other engines below are held to the batch of 8, which these four tie to the unbatched output
-    assert [base.generate([p], params)[0].token_ids for p in prompts[:4]] == batched[:4]
+    # the first two alone: a batch-of-one step costs as much as a step of 8 rows on this fp32 path, so the other
+    # engines below are held to the batch of 8, which these two tie to the unbatched output
+    assert [base.generate([p], params)[0].token_ids for p in prompts[:2]] == batched[:2]
     torch_path = LLM(real_model_path, pool_blocks=256, batch_invariant=True, show_progress=False,
                      cpu_kernels=False)
     assert tokens(torch_path.generate(prompts, params)) == batched  # the C++ kernels (attention, norm, rotary) change no token
