@@ -106,7 +106,8 @@ class Attention:
             write_kv(k_cache, v_cache, k, v, fp.meta.slot_mapping)
         attn = paged_attention(q, k_cache, v_cache, fp.meta, self.scale, fp.kernels, fp.batch_invariant, h.dtype,
                                self.window, self.softcap, fp.prefill_kernel).to(h.dtype)
-        return fp.all_reduce(linear(attn.reshape(n, q_size), self.o, None, fp.batch_invariant))
+        o = linear(attn.reshape(n, q_size), self.o, None, fp.batch_invariant)
+        return o if fp.comm is None else fp.comm.all_reduce(o)
 
 
 @dataclass
@@ -124,7 +125,8 @@ class DenseMlp:
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             act = activation(self.act)(gate) * up
-        return fp.all_reduce(linear(act, self.down, None, fp.batch_invariant))
+        down = linear(act, self.down, None, fp.batch_invariant)
+        return down if fp.comm is None else fp.comm.all_reduce(down)
 
 
 @dataclass
@@ -183,10 +185,17 @@ class DecoderLayer:
     post_ffn_norm: torch.Tensor | None = None
     residual_scale: float | None = None
 
+    def __post_init__(self) -> None:
+        self._plain = self.post_attn_norm is None and self.post_ffn_norm is None and self.residual_scale is None
+
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, fp: ForwardPass, kv) -> tuple:
         """(x, residual): the stream and this layer's MLP output, not yet added to it (the next norm adds it)."""
         x, h = fp.add_norm(x, residual, self.attn_norm)
-        x, h = fp.add_norm(x, self._output(self.attn(h, fp, *kv), self.post_attn_norm, fp), self.ffn_norm)
+        o = self.attn(h, fp, kv[0], kv[1])
+        if self._plain:  # most families: the sublayers' outputs go to the stream as they are
+            x, h = fp.add_norm(x, o, self.ffn_norm)
+            return x, self.mlp(h, fp)
+        x, h = fp.add_norm(x, self._output(o, self.post_attn_norm, fp), self.ffn_norm)
         return x, self._output(self.mlp(h, fp), self.post_ffn_norm, fp)
 
     def linears(self) -> list:
