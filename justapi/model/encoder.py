@@ -131,7 +131,9 @@ class EncoderModel:
             if span.context_len != span.num_query_tokens:
                 raise RuntimeError("an encoder's prompt must be computed in one step (the scheduler's whole_prompts)")
             rows = slice(span.query_start, span.query_start + span.num_query_tokens)
-            out[rows] = F.scaled_dot_product_attention(*(t[rows].transpose(0, 1) for t in (q, k, v))).transpose(0, 1)
+            # [1, heads, tokens, d]: the 4-D form torch's CPU flash kernel takes (3-D inputs take its math path)
+            heads_first = (t[rows].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+            out[rows] = F.scaled_dot_product_attention(*heads_first)[0].transpose(0, 1)
         return linear(out.reshape(n, heads * d), layer.o, layer.o_bias, self.batch_invariant)
 
     def _mlp(self, x: torch.Tensor, layer: EncoderLayer) -> torch.Tensor:
