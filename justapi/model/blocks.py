@@ -82,6 +82,25 @@ class Attention:
     window: int | None = None  # sliding-window attention (attention.py); None: the whole context
     softcap: float | None = None  # scores s -> c·tanh(s / c) (Gemma 2)
 
+    @staticmethod
+    def shard(kind: str, tp, config) -> tuple[int, torch.Tensor] | None:
+        """A tensor-parallel rank's rows or columns of the attention tensor ``kind`` (None: not attention's):
+        its query heads' and KV heads' rows (Phi-3's fused attn_qkv: each part's), its heads' output columns."""
+        from ..distributed.tp import head_rows
+
+        d = config.head_dim
+        if kind == "attn_q":  # weight rows and bias entries of the rank's query heads
+            return 0, head_rows(tp.q_heads, d)
+        if kind in ("attn_k", "attn_v"):  # ... of its KV heads (repeated where replicated)
+            return 0, head_rows(tp.kv_heads, d)
+        if kind == "attn_qkv":
+            q_size, kv_size = config.num_heads * d, config.num_kv_heads * d
+            kv = head_rows(tp.kv_heads, d)
+            return 0, torch.cat([head_rows(tp.q_heads, d), q_size + kv, q_size + kv_size + kv])
+        if kind == "attn_output":
+            return 1, head_rows(tp.q_heads, d)
+        return None
+
     def __call__(self, h: torch.Tensor, fp: ForwardPass, k_cache: torch.Tensor, v_cache: torch.Tensor):
         n, d = h.shape[0], self.head_dim
         q_size, kv_size = self.heads * d, self.kv_heads * d
@@ -118,6 +137,19 @@ class DenseMlp:
     down: object
     act: str  # "silu" or "gelu_tanh"
 
+    @staticmethod
+    def shard(kind: str, tp, config) -> tuple[int, torch.Tensor] | None:
+        """A rank's MLP rows (gate and up; Phi-3's fused ffn_up: its gate rows, then its up rows) and the matching
+        columns of down (None: not the MLP's tensor)."""
+        rows = torch.arange(*tp.ffn)
+        if kind == "ffn_up" and config.arch == "phi3":
+            return 0, torch.cat([rows, config.intermediate_size + rows])
+        if kind in ("ffn_gate", "ffn_up"):
+            return 0, rows
+        if kind == "ffn_down":
+            return 1, rows
+        return None
+
     def __call__(self, h: torch.Tensor, fp: ForwardPass) -> torch.Tensor:
         gate_up = linear(h, self.gate_up, None, fp.batch_invariant)
         if self.act == "silu" and fp.fused_silu and gate_up.shape[1] % 32 == 0:  # bit-identical to the torch ops
@@ -135,6 +167,13 @@ class MoeMlp:
 
     weights: MoeWeights
     act: str
+
+    @staticmethod
+    def shard(kind: str, tp, config) -> tuple[int, torch.Tensor] | None:
+        """A rank's experts, whole (the router and the shared expert are every rank's)."""
+        if kind in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+            return 0, torch.arange(*tp.experts)
+        return None
 
     def __call__(self, h: torch.Tensor, fp: ForwardPass) -> torch.Tensor:
         return fp.all_reduce(moe_mlp(h, self.weights, activation(self.act)).to(h.dtype))

@@ -273,31 +273,13 @@ class LlamaModel:
 
 def shard_selection(name: str, tp, config: ModelConfig):
     """The rows (dim 0) or columns (dim 1) of the GGUF tensor ``name`` [out, in] that rank ``tp`` holds, or None
-    for the whole tensor (see distributed.tp for the split); gguf_loader.load_tensors reads only those."""
-    from ..distributed.tp import head_rows
-
-    head_dim = config.head_dim
-
+    for the whole tensor (see distributed.tp for the split); gguf_loader.load_tensors reads only those. The
+    embedding and the head split by vocabulary rows; each layer part says how its own tensors split."""
     kind = name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0]
     if kind in ("token_embd", "output"):  # vocabulary rows
         return 0, torch.arange(*tp.vocab)
-    if kind == "attn_q":  # weight rows and bias entries of the rank's query heads
-        return 0, head_rows(tp.q_heads, head_dim)
-    if kind in ("attn_k", "attn_v"):  # ... of its KV heads (repeated where replicated)
-        return 0, head_rows(tp.kv_heads, head_dim)
-    if kind == "attn_qkv":  # Phi-3: Q, K and V rows in one tensor, each part's rows as above
-        q_size, kv_size = config.num_heads * head_dim, config.num_kv_heads * head_dim
-        kv = head_rows(tp.kv_heads, head_dim)
-        return 0, torch.cat([head_rows(tp.q_heads, head_dim), q_size + kv, q_size + kv_size + kv])
-    if kind == "ffn_up" and config.arch == "phi3":  # gate rows, then up rows, in one tensor
-        rows = torch.arange(*tp.ffn)
-        return 0, torch.cat([rows, config.intermediate_size + rows])
-    if kind == "attn_output":
-        return 1, head_rows(tp.q_heads, head_dim)
-    if kind in ("ffn_gate", "ffn_up"):
-        return 0, torch.arange(*tp.ffn)
-    if kind == "ffn_down":
-        return 1, torch.arange(*tp.ffn)
-    if kind in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):  # the rank's experts, whole
-        return 0, torch.arange(*tp.experts)
-    return None  # norms, a mixture of experts' router and shared expert: replicated
+    for part in (Attention, DenseMlp, MoeMlp):
+        selection = part.shard(kind, tp, config)
+        if selection is not None:
+            return selection
+    return None  # norms, a mixture of experts' router and shared expert, a reranker's head: replicated
