@@ -137,8 +137,10 @@ def test_an_encoder_refuses_what_it_cannot_serve_and_serves_over_http(tmp_path):
         got = client.embeddings.create(model=httpx.get(srv.url + "/v1/models").json()["data"][0]["id"],
                                        input=TEXTS[:2])
         assert [d.embedding for d in got.data] == [pytest.approx(v, abs=1e-5) for v in want]
-        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "the cat", "max_tokens": 2})
-        assert r.status_code == 400 and "/v1/embeddings" in r.json()["error"]["message"], r.text
+        for route, body in (("/v1/completions", {"prompt": "the cat", "max_tokens": 2}),
+                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+            r = httpx.post(srv.url + route, json=body)
+            assert r.status_code == 400 and "/v1/embeddings" in r.json()["error"]["message"], r.text
         ranked = httpx.post(srv.url + "/v1/rerank", json={"query": "a cat", "documents": TEXTS[:3]}).json()
         assert len(ranked["results"]) == 3  # an embedding encoder ranks by cosine similarity
     finally:

@@ -196,6 +196,9 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
 
     def _common_checks(req) -> None:
         _check_model(req.model)
+        if state.engine.model_config.is_encoder:  # before its prompt is rendered: an encoder has no template
+            raise ApiError(400, f"this model is an encoder ({state.engine.model_config.arch}): it serves "
+                                "/v1/embeddings, /v1/rerank and /v1/score, not generated text")
         problem = req.unsupported()
         if problem:
             raise ApiError(400, problem)
