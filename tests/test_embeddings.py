@@ -123,13 +123,16 @@ def test_embeddings_endpoint_on_smollm2(real_model_path, tmp_path):
 
 def test_cls_pooling_takes_the_first_state_and_an_unknown_pooling_type_is_refused(tmp_path):
     """A file pooling by cls gets its first token's final state (as llama.cpp pools it, whatever the model),
-    normalized, equal to transformers'; a pooling type llama.cpp does not define is refused at start-up, naming it
+    normalized, equal to transformers', also when the prompt is in the prefix cache; a pooling type llama.cpp does not define is refused at start-up, naming it
     and the ones it knows."""
     from justapi.model.gguf_loader import ModelLoadError
     from test_cli_and_inputs import rewrite_gguf
 
     path = write_tiny_model(str(tmp_path / "cls.gguf"), "llama", pooling="cls")
-    got = LLM(path, dtype="float32", show_progress=False, pool_blocks=32).embed([PROMPTS[1]])[0]
+    llm = LLM(path, dtype="float32", show_progress=False, pool_blocks=32, block_size=4)
+    got = llm.embed([PROMPTS[1]])[0]
+    llm.generate([PROMPTS[1]], SamplingParams(max_tokens=2))  # the prompt's blocks now in the prefix cache
+    assert llm.embed([PROMPTS[1]])[0] == got  # the first row is computed again, not taken from the cache
     with torch.no_grad():
         h = hf_model(path).model(torch.tensor([PROMPTS[1]])).last_hidden_state[0, 0].double()
     assert (torch.tensor(got).double() - h / h.norm()).abs().max().item() < 1e-5

@@ -276,7 +276,7 @@ class Scheduler:
             req = self.policy.next_waiting(self.waiting, now)
             if req.imported_kv is not None:
                 req.num_computed_tokens = req.num_prompt_tokens  # its prompt's KV arrives with it
-            elif not _pools_every_row(req):  # a mean-pooled embedding needs every prompt row: no cached prefix
+            elif not _pools_from_the_start(req):  # a mean- or cls-pooled embedding needs its rows from the first
                 self.kv.match_prefix(req)
             remaining = req.num_tokens - req.num_computed_tokens
             is_decode = remaining == 1
@@ -443,7 +443,8 @@ class Scheduler:
         return self.kv.num_cached_blocks
 
 
-def _pools_every_row(req: Request) -> bool:
-    """An embedding request averaging all its prompt's final hidden states (they are computed, never cached)."""
+def _pools_from_the_start(req: Request) -> bool:
+    """An embedding request averaging all its prompt's final hidden states, or taking its first's (cls): those
+    rows must be computed, so no prefix of its prompt comes from the cache."""
     pooling = req.sampling_params.pooling
-    return pooling is not None and pooling.kind == "mean"
+    return pooling is not None and pooling.kind in ("mean", "cls")
