@@ -133,6 +133,9 @@ def test_cls_pooling_takes_the_first_state_and_an_unknown_pooling_type_is_refuse
     got = llm.embed([PROMPTS[1]])[0]
     llm.generate([PROMPTS[1]], SamplingParams(max_tokens=2))  # the prompt's blocks now in the prefix cache
     assert llm.embed([PROMPTS[1]])[0] == got  # the first row is computed again, not taken from the cache
+    static = LLM(path, dtype="float32", show_progress=False, pool_blocks=32, block_size=4, static_batching=True)
+    static.generate([PROMPTS[1]], SamplingParams(max_tokens=2))
+    assert static.embed([PROMPTS[1]])[0] == pytest.approx(got, abs=1e-6)
     with torch.no_grad():
         h = hf_model(path).model(torch.tensor([PROMPTS[1]])).last_hidden_state[0, 0].double()
     assert (torch.tensor(got).double() - h / h.norm()).abs().max().item() < 1e-5

@@ -73,6 +73,9 @@ def test_wordpiece_tokenizer_rebuilt_from_the_file_matches_berts(tmp_path):
     ref = _hf_tokenizer(tmp_path)
     for text in TEXTS + ["Ünknown wörds", "", "the [SEP] cat"]:
         assert llm.tokenizer.encode(text) == ref(text)["input_ids"], text
+    legacy = write_tiny_encoder(str(tmp_path / "legacy.gguf"), legacy_specials=True)
+    old = LLM(legacy, show_progress=False, pool_blocks=32).tokenizer
+    assert [old.encode(t) for t in TEXTS] == [ref(t)["input_ids"] for t in TEXTS]  # [CLS] ... [SEP] all the same
     ids = ref(TEXTS[0])["input_ids"]
     assert llm.tokenizer.decode(ids) == ref.decode(ids, skip_special_tokens=True) == "the cat sat on the mat, hello world!"
 
@@ -127,9 +130,17 @@ def test_an_encoder_refuses_what_it_cannot_serve_and_serves_over_http(tmp_path):
     path = write_tiny_encoder(str(tmp_path / "bert.gguf"))
     with pytest.raises(ValueError, match="--tp cannot serve an encoder"):
         LLM(path, tp=2, show_progress=False, pool_blocks=32)
+    with pytest.raises(ValueError, match="--static-batching cannot serve an encoder"):
+        LLM(path, static_batching=True, show_progress=False, pool_blocks=32)
     llm = LLM(path, dtype="float32", pool_blocks=32, show_progress=False)
     with pytest.raises(ValueError, match="encoder"):
         llm.generate(["the cat"], SamplingParams(max_tokens=3))
+    with pytest.raises(ValueError, match="pooling 'rank' does not fit"):
+        llm.generate(["the cat"], SamplingParams.for_embedding(Pooling("rank", normalize=False)))
+    full = [2] + [5] * 62 + [3]  # the whole context (64): a pooling request outputs nothing, so it fits
+    assert len(llm.embed([full])[0]) == 32
+    with pytest.raises(ValueError, match="maximum context length is 64"):
+        llm.embed([full + [3]])
     want = llm.embed(TEXTS[:2])
     srv = InProcessServer(["--model", path, "--dtype", "float32", "--pool-blocks", "32"], str(tmp_path / "e.log"))
     try:

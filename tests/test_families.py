@@ -287,6 +287,9 @@ def test_what_is_out_of_reach_is_refused_in_one_line_naming_what_is_served(tmp_p
                            num_heads=4, head_dim=32)
     cfg = read_model_config(open_gguf(big), big)
     assert cfg.attention_scale == pytest.approx(16 ** -0.5)  # hidden / heads, not the head size 32
+    big2 = write_tiny_model(str(tmp_path / "gemma2-27b.gguf"), "gemma2", tokenizer="llama", num_layers=46, hidden=64,
+                            num_heads=4, head_dim=32)
+    assert read_model_config(open_gguf(big2), big2).attention_scale == pytest.approx(16 ** -0.5)
 
 
 FEATURE_FAMILIES = {  # issue 54's new families, each a tiny file with two KV heads (--tp 2 splits them)

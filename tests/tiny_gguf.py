@@ -421,11 +421,13 @@ WORDPIECE = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", 
 
 def write_tiny_encoder(path: str, arch: str = "bert", *, num_layers: int = 2, hidden: int = 32, num_heads: int = 4,
                        intermediate: int = 64, context_length: int = 64, pooling: str | None = "mean",
-                       seed: int = 0, rerank: bool = False) -> str:
+                       seed: int = 0, rerank: bool = False, legacy_specials: bool = False) -> str:
     """A random BERT-family encoder in llama.cpp's converter layout: ``bert`` (separate Q/K/V with biases, learned
     positions, GELU MLP with biases) or ``nomic-bert`` (fused Q/K/V, RoPE, SwiGLU, no biases); post-norm layers;
     the WordPiece vocabulary ``WORDPIECE`` rewritten as the converter does (U+2581 before a word-initial piece,
-    ``##`` dropped). ``rerank``: a cross-encoder's head (cls, cls.output of one label) and pooling rank."""
+    ``##`` dropped). ``rerank``: a cross-encoder's head (cls, cls.output of one label) and pooling rank.
+    ``legacy_specials``: [CLS] and [SEP] only as cls_token_id and seperator_token_id, no BOS, EOS or add_* keys (the
+    converter's older files, bge-small-en-v1.5's among them)."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(num_layers)
@@ -447,13 +449,16 @@ def write_tiny_encoder(path: str, arch: str = "bert", *, num_layers: int = 2, hi
     w.add_token_list(tokens)
     w.add_token_types([int(gguf.TokenType.CONTROL if t in control else gguf.TokenType.NORMAL) for t in WORDPIECE])
     w.add_token_type_count(2)
-    w.add_bos_token_id(WORDPIECE.index("[CLS]"))
-    w.add_eos_token_id(WORDPIECE.index("[SEP]"))
+    if legacy_specials:
+        w.add_uint32("tokenizer.ggml.cls_token_id", WORDPIECE.index("[CLS]"))
+    else:
+        w.add_bos_token_id(WORDPIECE.index("[CLS]"))
+        w.add_eos_token_id(WORDPIECE.index("[SEP]"))
+        w.add_add_bos_token(True)
+        w.add_add_eos_token(True)
     w.add_sep_token_id(WORDPIECE.index("[SEP]"))
     w.add_unk_token_id(WORDPIECE.index("[UNK]"))
     w.add_pad_token_id(WORDPIECE.index("[PAD]"))
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(True)
 
     def rand(*shape, scale=0.2):
         return (rng.standard_normal(shape) * scale).astype(np.float32)

@@ -17,13 +17,16 @@ class RequestLimits:
     num_blocks: int  # the KV pool a request must fit in whole
     block_size: int
 
-    def check(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+    def check(self, num_prompt_tokens: int, max_tokens: int | None, prompt_only: bool = False) -> int:
         """Raise AdmissionError if such a request could never fit; return its max_tokens (by default, as many as
-        fit: the rest of the context, capped by the pool, as llama.cpp and Ollama do)."""
+        fit: the rest of the context, capped by the pool, as llama.cpp and Ollama do). ``prompt_only``: a pooling
+        request (an embedding, a score), which outputs nothing: its prompt may fill the context (BERT's 512)."""
         if num_prompt_tokens == 0:
             raise AdmissionError("the prompt is empty")
         limit, n = self.max_model_len, num_prompt_tokens
         capacity = self.num_blocks * self.block_size
+        if prompt_only and n <= min(limit, capacity):
+            return max_tokens if max_tokens is not None else 1
         if n >= limit:
             raise AdmissionError(
                 f"the prompt has {n} tokens; the maximum context length is {limit} tokens including the output"

@@ -67,7 +67,7 @@ class Scheduler:
         """Queue a request, or raise AdmissionError if it could never fit."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        max_tokens = self.limits.check(len(prompt_token_ids), params.max_tokens)
+        max_tokens = self.limits.check(len(prompt_token_ids), params.max_tokens, params.pooling is not None)
         if params.max_tokens is None:
             params = replace(params, max_tokens=max_tokens)
         req = Request(request_id, list(prompt_token_ids), params, frozenset(eos_token_ids), seed)
@@ -90,7 +90,7 @@ class Scheduler:
         is known: it is admitted straight into decoding, the runner copies ``kv`` into its blocks."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.limits.check(len(prompt_token_ids), params.max_tokens)
+        self.limits.check(len(prompt_token_ids), params.max_tokens, params.pooling is not None)
         req = Request(request_id, list(prompt_token_ids), params, frozenset(eos_token_ids), seed)
         req.append_output(first_token)
         req.imported_kv = kv
@@ -276,7 +276,7 @@ class Scheduler:
             req = self.policy.next_waiting(self.waiting, now)
             if req.imported_kv is not None:
                 req.num_computed_tokens = req.num_prompt_tokens  # its prompt's KV arrives with it
-            elif not _pools_from_the_start(req):  # a mean- or cls-pooled embedding needs its rows from the first
+            elif not pools_from_the_start(req):  # a mean- or cls-pooled embedding needs its rows from the first
                 self.kv.match_prefix(req)
             remaining = req.num_tokens - req.num_computed_tokens
             is_decode = remaining == 1
@@ -443,7 +443,7 @@ class Scheduler:
         return self.kv.num_cached_blocks
 
 
-def _pools_from_the_start(req: Request) -> bool:
+def pools_from_the_start(req: Request) -> bool:
     """An embedding request averaging all its prompt's final hidden states, or taking its first's (cls): those
     rows must be computed, so no prefix of its prompt comes from the cache."""
     pooling = req.sampling_params.pooling

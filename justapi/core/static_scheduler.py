@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..config import SchedulerConfig
 from ..request import Request
-from .scheduler import Scheduler
+from .scheduler import Scheduler, pools_from_the_start
 
 
 class StaticScheduler(Scheduler):
@@ -23,7 +23,8 @@ class StaticScheduler(Scheduler):
             return
         while self.waiting and len(self.running) < self.config.max_seqs:
             req = self.waiting.popleft()
-            self.kv.match_prefix(req)
+            if not pools_from_the_start(req):
+                self.kv.match_prefix(req)
             self._admit(req)
             self._batch.append(req)
 

@@ -109,7 +109,7 @@ class EngineCore(ModelFront):
         """Raise ValueError (AdmissionError) for a request that can never be served; its max_tokens. Reads state only."""
         self.check_task(params)
         self.check_token_ids(prompt_token_ids)
-        return self.scheduler.limits.check(len(prompt_token_ids), params.max_tokens)
+        return self.scheduler.limits.check(len(prompt_token_ids), params.max_tokens, params.pooling is not None)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request; raises AdmissionError (a ValueError) when it can never be served."""

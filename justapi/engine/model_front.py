@@ -57,10 +57,14 @@ class ModelFront:
         return self._seeds.getrandbits(62)
 
     def check_task(self, params: SamplingParams) -> None:
-        """An encoder serves embeddings and scores only (ValueError for a request to generate)."""
+        """An encoder serves embeddings and scores only, a reranker scores, other models embed (ValueError for a
+        request the model cannot serve)."""
         if self.model_config.is_encoder and params.pooling is None:
             raise ValueError(f"this model is an encoder ({self.model_config.arch}): it serves embeddings and "
                              "scores (/v1/embeddings, /v1/rerank, /v1/score), not generated text")
+        if params.pooling is not None and (params.pooling.kind == "rank") != (self.model_config.pooling == "rank"):
+            raise ValueError(f"pooling {params.pooling.kind!r} does not fit this model, whose file pools "
+                             f"{self.model_config.pooling!r} (a reranker scores, other models embed)")
 
     def check_token_ids(self, token_ids: list[int]) -> None:
         vocab = self.model_config.vocab_size
@@ -72,6 +76,7 @@ class ModelFront:
 def _check_encoder_flags(config: EngineConfig, arch: str) -> None:
     """The flags an encoder cannot take, refused at start-up, each by name."""
     refused = {"--tp": config.tp > 1, "--disaggregate": config.disaggregate,
+               "--static-batching": config.static_batching,
                "--draft-model / --spec-method": config.speculation is not None}
     named = [flag for flag, given in refused.items() if given]
     if named:

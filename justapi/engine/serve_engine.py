@@ -63,7 +63,7 @@ class ServeEngine(ModelFront):
         """The length checks of a scheduler; a replica checks its own KV pool when the request gets there."""
         self.check_task(params)
         self.check_token_ids(prompt_token_ids)
-        return self._limits.check(len(prompt_token_ids), params.max_tokens)
+        return self._limits.check(len(prompt_token_ids), params.max_tokens, params.pooling is not None)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self.requests:

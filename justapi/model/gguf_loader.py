@@ -171,11 +171,15 @@ def _rope_dim(reader, arch: str, head_dim: int, path: str) -> int | None:
     return None if dim == head_dim else dim
 
 
+# the Gemma 27Bs' layer counts: their query_pre_attn_scalar is hidden / heads, not the head size (their files do not
+# state it; llama.cpp, too, knows these sizes by their layers)
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
 def _attention_scale(reader, arch: str, hidden: int, num_heads: int) -> float | None:
     """The attention scores' scale where it is not head_dim ** -0.5: the file's {arch}.attention.scale (Granite),
-    or Gemma 3 27B's query_pre_attn_scalar (hidden / heads), which its file does not state: llama.cpp, too, knows
-    that size by its 62 layers."""
-    if arch == "gemma3" and field_value(reader, f"{arch}.block_count") == 62:
+    or a Gemma 27B's (GEMMA_27B_LAYERS)."""
+    if arch in GEMMA_27B_LAYERS and field_value(reader, f"{arch}.block_count") == GEMMA_27B_LAYERS[arch]:
         return (hidden / num_heads) ** -0.5
     return _positive(field_value(reader, f"{arch}.attention.scale"))
 

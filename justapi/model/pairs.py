@@ -29,7 +29,9 @@ class PairFormat:
         eos = tok.eos_token_id if tok.eos_token_id is not None else self.sep_token_id
         ids = [tok.bos_token_id] if tok.add_bos and tok.bos_token_id is not None else []
         ids += tok.encode(query, add_special_tokens=False)
-        ids += [eos] if tok.add_eos and eos is not None else []
-        ids += [self.sep_token_id] if self.add_sep and self.sep_token_id is not None else []
+        closed = tok.add_eos and eos is not None
+        ids += [eos] if closed else []
+        if self.add_sep and self.sep_token_id is not None and not (closed and eos == self.sep_token_id):
+            ids.append(self.sep_token_id)  # (once: a file whose EOS is its SEP already closed the query)
         ids += tok.encode(document, add_special_tokens=False)
         return ids + ([eos] if tok.add_eos and eos is not None else [])

@@ -136,9 +136,8 @@ class Tokenizer:
         # llama.cpp's defaults: SentencePiece and WordPiece files begin with BOS ([CLS]); WordPiece ends with SEP
         self.add_bos = bool(field_value(reader, "tokenizer.ggml.add_bos_token", model in ("llama", "bert")))
         self.add_eos = bool(field_value(reader, "tokenizer.ggml.add_eos_token", False))  # embedding models' files
-        if model == "bert" and self.eos_token_id is None:  # [SEP] closes a WordPiece text
-            self.eos_token_id = field_value(reader, "tokenizer.ggml.seperator_token_id")
-            self.add_eos = bool(field_value(reader, "tokenizer.ggml.add_sep_token", True))
+        if model == "bert":
+            self._wordpiece_specials(reader)
         eos = {self.eos_token_id}
         for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
             value = field_value(reader, key)
@@ -148,6 +147,16 @@ class Tokenizer:
         self.chat_template: str | None = field_value(reader, "tokenizer.chat_template")
         self.bos_token = self._token_str(self.bos_token_id)
         self.eos_token = self._token_str(self.eos_token_id)
+
+    def _wordpiece_specials(self, reader) -> None:
+        """A BERT file's [CLS] and [SEP], where older converters wrote them only as cls_token_id and
+        seperator_token_id (no BOS or EOS keys: bge-small-en-v1.5's file): every text opens with [CLS] and closes
+        with [SEP], as llama.cpp reads such files."""
+        if self.bos_token_id is None:
+            self.bos_token_id = field_value(reader, "tokenizer.ggml.cls_token_id")
+        if self.eos_token_id is None:  # [SEP] closes a WordPiece text
+            self.eos_token_id = field_value(reader, "tokenizer.ggml.seperator_token_id")
+            self.add_eos = bool(field_value(reader, "tokenizer.ggml.add_sep_token", True))
 
     @property
     def hf(self):

@@ -91,6 +91,7 @@ def install_scoring(app: FastAPI, state, pooled, check_model, check_fan_out) -> 
         except ValueError as e:
             raise ApiError(400, f"this model cannot score texts: {e}") from None
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))  # each distinct text embedded once
+        check_fan_out(len(texts), 1, "documents" if isinstance(req, RerankRequest) else "text_2")
         ids = await encoded("documents", lambda: [engine.tokenizer.encode(t) for t in texts])
         vectors, tokens = await pooled(raw, llm, ids, pooling, req)
         by_text = dict(zip(texts, vectors))
