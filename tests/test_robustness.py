@@ -197,7 +197,7 @@ def test_malformed_bodies_are_400s_naming_the_field(server, path, body, param):
 
 
 def test_an_internal_error_is_a_500_with_an_id_and_the_server_goes_on(server, monkeypatch):
-    import justapi.server.api as api
+    import justapi.server.openai.routes as api
 
     def broken(*args, **kwargs):
         raise KeyError("a bug")

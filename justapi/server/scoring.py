@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import math
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..sampling_params import Pooling
 from .errors import ApiError
+from .front import Front
 from .inputs import encoded
 from .protocol import MAX_USER_CHARS
 from .serving import new_id, now
@@ -73,27 +74,28 @@ class ScoreRequest(BaseModel):
         return list(zip(first, second))
 
 
-def install_scoring(app: FastAPI, state, pooled, check_model, check_fan_out) -> None:
-    """The routes; ``pooled(raw, llm, ids_list, pooling, req)`` runs prompts as pooling requests (server.api)."""
+def router(front: Front) -> APIRouter:
+    api = APIRouter()
 
     async def scores(raw: Request, pairs: list[tuple[str, str]], req) -> tuple[list[float], int]:
         """(each pair's score, the tokens computed)."""
-        llm = state.ready_llm()
-        check_model(req.model)
-        check_fan_out(len(pairs), 1, "documents" if isinstance(req, RerankRequest) else "text_2")
-        engine = state.engine
+        front.ready_llm()
+        front.check_model(req.model)
+        field = "documents" if isinstance(req, RerankRequest) else "text_2"
+        front.check_fan_out(len(pairs), 1, field)
+        engine = front.engine
         if engine.model_config.pooling == "rank":
-            ids = await encoded("documents", lambda: [engine.pair_prompt(q, d) for q, d in pairs])
-            vectors, tokens = await pooled(raw, llm, ids, Pooling("rank", normalize=False), req)
+            ids = await encoded(field, lambda: [engine.pair_prompt(q, d) for q, d in pairs])
+            vectors, tokens = await front.pooled(raw, ids, Pooling("rank", normalize=False), req.user, req.timeout)
             return [v[0] for v in vectors], tokens
         try:
             pooling = Pooling(engine.model_config.pooling)
         except ValueError as e:
             raise ApiError(400, f"this model cannot score texts: {e}") from None
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))  # each distinct text embedded once
-        check_fan_out(len(texts), 1, "documents" if isinstance(req, RerankRequest) else "text_2")
-        ids = await encoded("documents", lambda: [engine.tokenizer.encode(t) for t in texts])
-        vectors, tokens = await pooled(raw, llm, ids, pooling, req)
+        front.check_fan_out(len(texts), 1, field)
+        ids = await encoded(field, lambda: [engine.tokenizer.encode(t) for t in texts])
+        vectors, tokens = await front.pooled(raw, ids, pooling, req.user, req.timeout)
         by_text = dict(zip(texts, vectors))
         return [_cosine(by_text[q], by_text[d]) for q, d in pairs], tokens
 
@@ -103,19 +105,20 @@ def install_scoring(app: FastAPI, state, pooled, check_model, check_fan_out) -> 
         order = sorted(range(len(values)), key=lambda i: -values[i])[: req.top_n or None]
         results = [{"index": i, "relevance_score": values[i],
                     **({"document": {"text": documents[i]}} if req.return_documents else {})} for i in order]
-        return {"id": new_id("rerank"), "object": "list", "model": state.model_name, "results": results,
+        return {"id": new_id("rerank"), "object": "list", "model": front.model_name, "results": results,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     async def score(req: ScoreRequest, raw: Request):
         values, tokens = await scores(raw, req.pairs(), req)
-        return {"id": new_id("score"), "object": "list", "created": now(), "model": state.model_name,
+        return {"id": new_id("score"), "object": "list", "created": now(), "model": front.model_name,
                 "data": [{"index": i, "object": "score", "score": v} for i, v in enumerate(values)],
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
 
     for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
-        app.post(path)(rerank)
+        api.post(path)(rerank)
     for path in ("/v1/score", "/score"):
-        app.post(path)(score)
+        api.post(path)(score)
+    return api
 
 
 def _cosine(a: list[float], b: list[float]) -> float:
