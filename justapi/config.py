@@ -383,7 +383,8 @@ class ServerConfig:
 
     host: str = flag(DEFAULT_HOST, "address to bind")
     port: int = flag(DEFAULT_PORT, "port to bind")
-    api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' on /v1 routes; several keys comma-"
+    api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but "
+                               "/health; several keys comma-"
                                "separated, each then a user of its own under --scheduling-policy fair (key-1, "
                                "key-2, ... in this order)", metavar="KEY[,KEY]")
     served_model_name: str | None = flag(DEFAULT_SERVED_MODEL_NAME, "model name clients use (default: the file name)",
@@ -397,6 +398,10 @@ class ServerConfig:
     clamp_max_tokens: bool = flag(False, "cut a max_tokens beyond what fits (the context, the KV pool) to what "
                                   "fits, as llama.cpp and Ollama do, instead of answering 400 (as vLLM)")
     open_metrics: bool = flag(False, "serve /metrics without a key when --api-key is set")
+    strict_fields: bool = flag(False, "refuse (400) request fields the server does not know, instead of ignoring "
+                               "them with a warning naming them (as vLLM, llama.cpp and Ollama ignore them)")
+    allowed_origins: str | None = flag(None, "browser origins allowed to call the server (CORS), comma-separated, "
+                                       "or '*'; none by default", metavar="ORIGIN[,ORIGIN]")
     log_level: str = flag("info", "log level", choices=("critical", "error", "warning", "info", "debug"))
     stats_interval_s: float = flag(10.0, "seconds between the scheduler's stats lines in the log")
     request_timeout: float | None = flag(None, "seconds after which a request ends with what it has generated "
@@ -412,6 +417,10 @@ class ServerConfig:
     @property
     def api_keys(self) -> tuple[str, ...]:
         return tuple(self.api_key.split(",")) if self.api_key is not None else ()
+
+    @property
+    def origins(self) -> tuple[str, ...]:
+        return tuple(o.strip() for o in self.allowed_origins.split(",")) if self.allowed_origins else ()
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:

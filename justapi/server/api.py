@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from typing import Callable
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from ..config import ServerConfig
 from ..engine.async_llm import AsyncLLM
@@ -66,6 +67,9 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     app.add_middleware(ApiKeys, keys=config.api_keys, open_metrics=config.open_metrics)
+    if config.origins:  # outside the key check: a browser's preflight carries no key
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.origins), allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials="*" not in config.origins)
     app.add_middleware(InternalErrors)  # the outermost of ours: whatever the others raise is answered too
     app.include_router(native.router(state))
     if config.dashboard:

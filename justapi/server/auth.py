@@ -1,4 +1,5 @@
-"""API keys: which paths need one, how a client presents it, and the user a key stands for (fair shares)."""
+"""API keys: which paths need one, how a client presents it (``Authorization: Bearer``, or ``x-api-key`` as
+Anthropic's clients send it), and the user a key stands for (fair shares)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ class ApiKeys:
         path = scope["path"]
         headers = dict(scope.get("headers") or [])
         authorization = headers.get(b"authorization", b"").decode("latin-1")
-        user = self.users.get(presented_key(authorization, path))
+        key = presented_key(authorization, path) or headers.get(b"x-api-key", b"").decode("latin-1") or None
+        user = self.users.get(key)
         if user is None:
             # a browser asks for the key (as a password) where the page says Basic, and resends it with the
             # page's own requests: the dashboard works without a client of its own

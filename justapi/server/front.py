@@ -21,9 +21,11 @@ from ..sampling_params import Pooling, SamplingParams
 from .dashboard import DashboardFeed
 from .errors import ENGINE_ERRORS, ApiError, engine_error, internal_error_message
 from .metrics import Metrics
+from .protocol import unknown_fields
 from .serving import Choice, new_id, run_choices
 
 log = logging.getLogger("justapi.server")
+MAX_WARNED_FIELDS = 1024  # distinct unknown field names warned about (a client inventing names cannot fill the log)
 
 
 class Front:
@@ -37,12 +39,26 @@ class Front:
         self.engine: Engine | None = None
         self.llm: AsyncLLM | None = None
         self.load_error: str | None = None
+        self._warned_fields: set[str] = set()
 
     # --- checks ------------------------------------------------------------------------------------------------
     def ready_llm(self) -> AsyncLLM:
         if self.llm is None:
             raise ApiError(503, self.load_error or "the model is still loading", "service_unavailable")
         return self.llm
+
+    def accept(self, req) -> None:
+        """A request body's first checks: its model name, and fields the server does not know, ignored with a
+        warning naming them (once a name), or under --strict-fields refused."""
+        names = unknown_fields(req)
+        if names and self.config.strict_fields:
+            raise ApiError(400, f"unknown field{'s' * (len(names) > 1)}: {', '.join(names[:20])} "
+                                "(this server runs with --strict-fields)", param=names[0])
+        new = [n for n in names if n not in self._warned_fields]
+        if new and len(self._warned_fields) < MAX_WARNED_FIELDS:
+            self._warned_fields.update(new)
+            log.warning("ignoring request fields this server does not know: %s", ", ".join(new[:20]))
+        self.check_model(req.model)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:

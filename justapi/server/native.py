@@ -47,7 +47,7 @@ def router(front: Front) -> APIRouter:
     @api.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         front.ready_llm()
-        front.check_model(req.model)
+        front.accept(req)
         if req.messages is not None:
             try:
                 messages = message_dicts(req.messages)
@@ -63,7 +63,7 @@ def router(front: Front) -> APIRouter:
     @api.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
         front.ready_llm()
-        front.check_model(req.model)
+        front.accept(req)
         vocab = front.engine.limits.vocab_size
         if any(not 0 <= t < vocab for t in req.tokens):
             raise ApiError(400, f"token ids must be in 0..{vocab - 1}", param="tokens")

@@ -1,4 +1,5 @@
-"""OpenAI request schemas. Unknown fields are rejected; fields the engine cannot honour fail with a message."""
+"""OpenAI request schemas. Unknown fields are set aside (``WireModel``); fields the engine cannot honour fail with a
+message."""
 
 from __future__ import annotations
 
@@ -14,16 +15,31 @@ from ..structured.tools import ToolRequest, template_messages, tool_request
 MAX_USER_CHARS = 256  # a client's name for itself (fair shares, per-user metrics)
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class WireModel(BaseModel):
+    """A request body, or a part of one: fields the server does not know are kept aside (``model_extra``) for
+    server.front to ignore with a warning or, under --strict-fields, refuse; NaN or Infinity in a number is a 400."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+
+def unknown_fields(model: BaseModel, prefix: str = "") -> list[str]:
+    """The dotted names of the fields ``model`` and its parts carry that their schemas do not know (a message's
+    own extra keys aside: chat templates may read them)."""
+    names = [prefix + k for k in (model.model_extra or {})] if isinstance(model, WireModel) else []
+    for name, value in model:
+        for i, item in enumerate(value if isinstance(value, list) else [value]):
+            if isinstance(item, WireModel):
+                names += unknown_fields(item, f"{prefix}{name}[{i}]." if isinstance(value, list) else f"{prefix}{name}.")
+    return names
+
+
+class StreamOptions(WireModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class _SamplingRequest(BaseModel):
+class _SamplingRequest(WireModel):
     """Fields shared by completions and chat completions."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # NaN or Infinity in a number field: a 400
 
     model: str | None = None
     max_tokens: int | None = Field(default=None)
@@ -162,10 +178,9 @@ class ChatCompletionRequest(_SamplingRequest):
         return tool_request(self.tools, self.tool_choice, self.parallel_tool_calls)
 
 
-class EmbeddingRequest(BaseModel):
+class EmbeddingRequest(WireModel):
     """OpenAI's embeddings request; ``input`` is text, texts, token ids or lists of token ids."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
@@ -188,8 +203,7 @@ class EmbeddingRequest(BaseModel):
         return [v] if isinstance(v, str) or isinstance(v[0], int) else list(v)
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TokenizeRequest(WireModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -197,8 +211,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class DetokenizeRequest(WireModel):
     model: str | None = None
     tokens: list[int]
 

@@ -11,26 +11,24 @@ from __future__ import annotations
 import math
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from ..sampling_params import Pooling
 from .errors import ApiError
 from .front import Front
 from .inputs import encoded
-from .protocol import MAX_USER_CHARS
+from .protocol import MAX_USER_CHARS, WireModel
 from .serving import new_id, now
 
 
-class RerankDocument(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class RerankDocument(WireModel):
     text: str
 
 
-class RerankRequest(BaseModel):
+class RerankRequest(WireModel):
     """Jina's and Cohere's rerank request: a query, documents as strings or ``{"text": ...}``, the best ``top_n``
     (None or 0: all) and whether to return each document's text (Jina's default: yes)."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     model: str | None = None
     query: str
     documents: list[str | RerankDocument]
@@ -50,10 +48,9 @@ class RerankRequest(BaseModel):
         return [d if isinstance(d, str) else d.text for d in self.documents]
 
 
-class ScoreRequest(BaseModel):
+class ScoreRequest(WireModel):
     """vLLM's score request: ``text_1`` against ``text_2``, paired 1:1, 1:N or N:N."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     model: str | None = None
     text_1: str | list[str]
     text_2: str | list[str]
@@ -80,7 +77,7 @@ def router(front: Front) -> APIRouter:
     async def scores(raw: Request, pairs: list[tuple[str, str]], req) -> tuple[list[float], int]:
         """(each pair's score, the tokens computed)."""
         front.ready_llm()
-        front.check_model(req.model)
+        front.accept(req)
         field = "documents" if isinstance(req, RerankRequest) else "text_2"
         front.check_fan_out(len(pairs), 1, field)
         engine = front.engine

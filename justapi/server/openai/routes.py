@@ -24,7 +24,7 @@ def router(front: Front) -> APIRouter:
 
     def checks(req) -> None:
         """What completions and chat completions check before anything is tokenized."""
-        front.check_model(req.model)
+        front.accept(req)
         front.check_generates()
         problem = req.unsupported()
         if problem:
@@ -41,12 +41,20 @@ def router(front: Front) -> APIRouter:
         except ValueError as e:
             raise ApiError(400, str(e)) from None
 
+    def model_card() -> dict:
+        return {"id": front.model_name, "object": "model", "created": 0, "owned_by": "justapi",
+                "max_model_len": front.engine.limits.max_model_len}
+
     @api.get("/v1/models")
     async def models():
         front.ready_llm()  # 503 while loading: clients poll this route for readiness
-        return {"object": "list", "data": [{"id": front.model_name, "object": "model", "created": 0,
-                                              "owned_by": "justapi",
-                                              "max_model_len": front.engine.limits.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @api.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        front.ready_llm()
+        front.check_model(model_id)
+        return model_card()
 
     @api.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
@@ -71,7 +79,7 @@ def router(front: Front) -> APIRouter:
     @api.post("/v1/embeddings")
     async def embeddings(req: EmbeddingRequest, raw: Request):
         front.ready_llm()
-        front.check_model(req.model)
+        front.accept(req)
         engine = front.engine
         hidden = engine.model_config.hidden_size
         if req.dimensions is not None and not 1 <= req.dimensions <= hidden:
