@@ -73,7 +73,8 @@ class Request:
         """The finish status after the latest token, if it ends the request (stop strings are checked later)."""
         last = self.output_token_ids[-1]
         params = self.sampling_params
-        if last in params.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids):
+        stoppable = self.num_output_tokens >= params.min_tokens
+        if stoppable and (last in params.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids)):
             return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH

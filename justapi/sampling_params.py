@@ -16,6 +16,7 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 16  # stop strings per request (OpenAI allows 4); each is searched for in every new text
 MAX_STOP_CHARS = 512  # characters per stop string: the text held back from a stream is the longest one
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024  # OpenAI's cap on logit_bias entries is 300; each is one scatter per sampled token
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,11 @@ class SamplingParams:
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # every token of the prompt and output so far: logit / p if positive, else * p
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in -100..100) added to the logits
+    min_tokens: int = 0  # EOS, stop token ids and stop strings end nothing before this many output tokens
+    # set by the scheduler for a request with min_tokens: the tokens held back until then (EOS and stop token ids)
+    min_tokens_stop_ids: tuple[int, ...] = ()
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -93,6 +99,7 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        self._check_adjustments()
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if self.n < 1:
@@ -110,6 +117,27 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.priority, int) or isinstance(self.priority, bool):
             raise ValueError(f"priority must be an integer, got {self.priority!r}")
+
+    def _check_adjustments(self) -> None:
+        rp = self.repetition_penalty
+        # bounded away from 0: dividing logits by a denormal overflows them to infinities (a NaN distribution)
+        if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not math.isfinite(rp) or not 0.01 <= rp <= 100:
+            raise ValueError(f"repetition_penalty must be in [0.01, 100], got {rp!r}")
+        self.logit_bias = tuple((int(t), float(b)) for t, b in self.logit_bias)
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+        if any(not (math.isfinite(b) and -100 <= b <= 100) for _, b in self.logit_bias):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether anything changes this request's logits before its distribution (model.sampler.adjust_logits)."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1.0
+                or bool(self.logit_bias) or self.min_tokens > 0)
 
     @property
     def greedy(self) -> bool:

@@ -166,7 +166,11 @@ BAD_REQUESTS = [
     ("n too large", {"prompt": "hi", "n": 100}, 400, "n must be at most 4"),
     ("unknown model", {"prompt": "hi", "model": "gpt-9"}, 404, "gpt-9"),
     ("prompt too long", {"prompt": "word " * 600, "max_tokens": 4}, 400, "maximum context length"),
-    ("unsupported field", {"prompt": "hi", "logit_bias": {"5": 1.0}}, 400, "logit_bias is not supported"),
+    ("logit_bias outside vocab", {"prompt": "hi", "logit_bias": {"999999": 1.0}}, 400, "logit_bias: token id 999999"),
+    ("logit_bias not an id", {"prompt": "hi", "logit_bias": {"cat": 1.0}}, 400, "logit_bias keys must be token ids"),
+    ("logit_bias too large", {"prompt": "hi", "logit_bias": {"5": 101}}, 400, "[-100, 100]"),
+    ("repetition_penalty zero", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("min_tokens over max_tokens", {"prompt": "hi", "min_tokens": 9, "max_tokens": 4}, 400, "min_tokens"),
     ("token id outside vocab", {"prompt": [1, 999999]}, 400, "0.."),
 ]
 

@@ -70,6 +70,7 @@ class Scheduler:
         max_tokens = self.limits.check(len(prompt_token_ids), params.max_tokens, params.pooling is not None)
         if params.max_tokens is None:
             params = replace(params, max_tokens=max_tokens)
+        params = _with_min_tokens_stop_ids(params, eos_token_ids)
         req = Request(request_id, list(prompt_token_ids), params, frozenset(eos_token_ids), seed)
         self._queue(req)
         return req
@@ -91,6 +92,7 @@ class Scheduler:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.limits.check(len(prompt_token_ids), params.max_tokens, params.pooling is not None)
+        params = _with_min_tokens_stop_ids(params, eos_token_ids)
         req = Request(request_id, list(prompt_token_ids), params, frozenset(eos_token_ids), seed)
         req.append_output(first_token)
         req.imported_kv = kv
@@ -448,3 +450,12 @@ def pools_from_the_start(req: Request) -> bool:
     rows must be computed, so no prefix of its prompt comes from the cache."""
     pooling = req.sampling_params.pooling
     return pooling is not None and pooling.kind in ("mean", "cls")
+
+
+def _with_min_tokens_stop_ids(params: SamplingParams, eos_token_ids) -> SamplingParams:
+    """A request with min_tokens carries the tokens its sampler holds back until then: EOS (unless ignored) and its
+    stop token ids; it reaches every runner (worker, rank, decode worker) with its settings."""
+    if not params.min_tokens:
+        return params
+    held = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    return replace(params, min_tokens_stop_ids=tuple(sorted(held)))

@@ -71,7 +71,8 @@ class OutputProcessor:
         st.detok.add(out.new_token_ids, final=finish_reason is not None)
         text = st.detok.text
         stopped_by_string = False
-        if st.params.stop and finish_reason not in ("abort", "error") and stop_reason != "timeout":
+        if (st.params.stop and finish_reason not in ("abort", "error") and stop_reason != "timeout"
+                and len(st.token_ids) >= st.params.min_tokens):
             start = max(0, before - st.hold_back)
             hit = _find_stop(text, st.params.stop, start)
             if hit is not None:

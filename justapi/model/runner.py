@@ -293,7 +293,8 @@ class ModelRunner:
         offset = 0
         for rid in sample_ids:
             st = self.states[rid]
-            row = SampleRow(st.params, st.seed, st.token_ids[st.num_prompt_tokens :])
+            row = SampleRow(st.params, st.seed, st.token_ids[st.num_prompt_tokens :],
+                            st.token_ids[: st.num_prompt_tokens] if st.params.repetition_penalty != 1.0 else None)
             tree = trees.get(rid)
             if tree and rid not in self._failed:
                 try:

@@ -19,11 +19,13 @@ MIN_LOGPROB = -9999.0  # reported for impossible tokens (-inf)
 
 @dataclass
 class SampleRow:
-    """One row to sample: its settings, its seed, and the tokens it has generated so far."""
+    """One row to sample: its settings, its seed, the tokens it has generated so far and, where its repetition
+    penalty reads them, its prompt's."""
 
     params: SamplingParams
     seed: int
     output_token_ids: list[int]
+    prompt_token_ids: list[int] | None = None
 
 
 def row_generator(seed: int, position: int, device: str) -> torch.Generator:
@@ -33,14 +35,33 @@ def row_generator(seed: int, position: int, device: str) -> torch.Generator:
     return g
 
 
-def apply_penalties(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
-    """OpenAI presence and frequency penalties from the tokens generated so far."""
+def adjust_logits(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
+    """A row's logits [vocab] before its distribution (never in place: logprobs report the model's own): EOS and
+    stop token ids held back until min_tokens (unless nothing else is left: a grammar's end), the repetition
+    penalty over prompt and output (vLLM's and transformers' rule), OpenAI's presence and frequency penalties over
+    the output, and the logit bias."""
     p = row.params
-    if (p.presence_penalty == 0 and p.frequency_penalty == 0) or not row.output_token_ids:
+    if not p.adjusts_logits:
         return logits
-    ids = torch.tensor(row.output_token_ids, device=logits.device)
-    counts = torch.bincount(ids, minlength=logits.shape[-1])[: logits.shape[-1]].to(logits.dtype)
-    return logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
+    dev = logits.device
+    if len(row.output_token_ids) < p.min_tokens and p.min_tokens_stop_ids:
+        held = logits.index_fill(0, torch.tensor(p.min_tokens_stop_ids, device=dev), float("-inf"))
+        logits = held if bool(torch.isfinite(held).any()) else logits
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(row.prompt_token_ids or ()) | set(row.output_token_ids)), dtype=torch.long,
+                            device=dev)
+        if len(seen):
+            vals = logits[seen]
+            logits = logits.index_copy(0, seen, torch.where(vals > 0, vals / p.repetition_penalty,
+                                                              vals * p.repetition_penalty))
+    if (p.presence_penalty != 0 or p.frequency_penalty != 0) and row.output_token_ids:
+        ids = torch.tensor(row.output_token_ids, device=dev)
+        counts = torch.bincount(ids, minlength=logits.shape[-1])[: logits.shape[-1]].to(logits.dtype)
+        logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
+    if p.logit_bias:
+        ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long, device=dev)
+        logits = logits.index_add(0, ids, torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype, device=dev))
+    return logits
 
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -66,7 +87,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], kernels=None) -> tuple[l
     """One token per row of ``logits`` [num_rows, vocab] (fp32), and logprobs where a row asked for them.
     ``kernels``: the engine's C++ kernels (justapi.kernels), whose ``argmax_rows`` makes the greedy pick on CPU."""
     tokens: list[int] = [0] * len(rows)
-    greedy_rows = [i for i, r in enumerate(rows) if r.params.greedy and not _has_penalty(r)]
+    greedy_rows = [i for i, r in enumerate(rows) if r.params.greedy and not r.params.adjusts_logits]
     if greedy_rows:
         every = len(greedy_rows) == len(rows)  # the common case: no copy of the [rows, vocab] logits
         greedy = logits if every else logits[greedy_rows]
@@ -80,7 +101,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], kernels=None) -> tuple[l
     for i, row in enumerate(rows):
         if i in greedy_set:
             continue
-        row_logits = apply_penalties(logits[i], row)
+        row_logits = adjust_logits(logits[i], row)
         if row.params.greedy:
             tokens[i] = int(row_logits.argmax())
             continue
@@ -101,6 +122,3 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], kernels=None) -> tuple[l
             logprobs[i] = Logprob(tokens[i], float(lp[j, tokens[i]]), top)
     return tokens, logprobs
 
-
-def _has_penalty(row: SampleRow) -> bool:
-    return row.params.presence_penalty != 0 or row.params.frequency_penalty != 0

@@ -62,17 +62,14 @@ class _SamplingRequest(WireModel):
     user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
     priority: int = 0  # vLLM's field: lower is more urgent (read under --scheduling-policy priority)
     timeout: float | None = Field(default=None, gt=0)  # JustAPI: seconds, then it ends with what it has
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's form) -> bias in -100..100
+    min_tokens: int = 0  # vLLM's: no EOS, stop token or stop string ends the output before this many tokens
     best_of: int | None = None
     response_format: dict | None = None  # OpenAI: text, json_object, json_schema
     structured_outputs: dict | None = None  # vLLM: json, regex, choice, grammar, json_object
 
     def unsupported(self) -> str | None:
         """A message naming the first field set to something the engine cannot do, else None."""
-        if self.repetition_penalty not in (None, 1.0):
-            return "repetition_penalty is not supported (only 1.0); use presence_penalty / frequency_penalty"
-        if self.logit_bias:
-            return "logit_bias is not supported"
         if self.best_of not in (None, 1) and self.best_of != self.n:
             return "best_of is not supported"
         if self.stream_options is not None and not self.stream:
@@ -104,6 +101,9 @@ class _SamplingRequest(WireModel):
             seed=self.seed,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=_logit_bias(self.logit_bias),
+            min_tokens=self.min_tokens,
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
@@ -237,3 +237,15 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
                 message[key] = getattr(m, key)
         out.append(message)
     return template_messages(out)
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias (token ids as JSON object keys) as (id, bias) pairs; ValueError naming a key that is not
+    a token id."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        try:
+            pairs.append((int(key), value))
+        except ValueError:
+            raise ValueError(f"logit_bias keys must be token ids, got {key[:40]!r}") from None
+    return tuple(pairs)

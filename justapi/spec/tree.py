@@ -17,11 +17,13 @@ moved to its positional slots (``path_moves``).
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 
 import torch
 
-from ..model.sampler import SampleRow, apply_penalties, processed_probs, row_generator
+from ..model.sampler import SampleRow, adjust_logits, processed_probs, row_generator
 
 ROOT = -1
 _ACCEPT_STREAM = 0x5BD1E995  # a second random stream per (seed, position) for accept/reject draws
@@ -98,8 +100,8 @@ def spec_decode_tree(logits: torch.Tensor, tree: DraftTree, row: SampleRow) -> t
         kids_of.setdefault(p, []).append(i)
     node = ROOT
     while True:
-        ctx = SampleRow(row.params, row.seed, base + emitted)
-        row_logits = apply_penalties(logits[node + 1], ctx)
+        ctx = dataclasses.replace(row, output_token_ids=base + emitted)
+        row_logits = adjust_logits(logits[node + 1], ctx)
         position = len(ctx.output_token_ids)
         kids = kids_of.get(node, [])
         if row.params.greedy:
