@@ -214,3 +214,23 @@ def test_a_slow_grammar_is_ended_and_never_holds_up_another(tiny_model, monkeypa
         with pytest.raises(grammars.GrammarError, match="did not compile within 3 s"):
             slow.result()
     g.check(from_response_format(schema(4)))  # the replaced worker compiles
+
+
+def test_smollm2_json_ends_compact_and_an_object(real_llm):
+    """JSON mode and schemas compile compact (one space after ``,`` and ``:``, no newline or indent), so SmolLM2 at
+    temperature 0 writes an object that parses and ends well inside its budget, whatever it was asked; JSON mode
+    gives an object, never a bare array or value."""
+    import json
+
+    asks = ["hi", "List three colors.", "What is 2+2?", "Give me a JSON object describing a cat with its name and age."]
+    params = SamplingParams(temperature=0, max_tokens=200, structured=StructuredOutput("json_object"))
+    schema = StructuredOutput.json_schema(json.dumps({
+        "type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
+        "required": ["name", "tags"]}))
+    conversations = [[{"role": "user", "content": a}] for a in asks]
+    outs = [r.outputs[0] for r in real_llm.chat(conversations, params)]
+    outs += [real_llm.chat(conversations[3], SamplingParams(temperature=0, max_tokens=200, structured=schema))[0]
+             .outputs[0]]
+    for out in outs:
+        assert out.finish_reason == "stop" and len(out.token_ids) < 200, out.text
+        assert isinstance(json.loads(out.text), dict) and "\n" not in out.text, out.text

@@ -118,7 +118,7 @@ def _serve(conn: Connection) -> None:
     while True:
         try:
             seq, spec = conn.recv()
-        except EOFError:
+        except (EOFError, OSError):  # the server closed the pipe, or exited without closing it
             return
         try:
             conn.send((seq, True, compile_spec(xgr, compiler, spec).serialize_json()))

@@ -218,8 +218,8 @@ def compile_spec(xgr, compiler, spec: StructuredOutput):
     try:
         if spec.kind == "json":
             return compiler.compile_grammar(_schema_grammar(xgr, spec.source))
-        if spec.kind == "json_object":
-            return compiler.compile_builtin_json_grammar()
+        if spec.kind == "json_object":  # OpenAI's JSON mode: an object (llama.cpp's reading too), compact
+            return compiler.compile_grammar(_schema_grammar(xgr, JSON_OBJECT_SCHEMA))
         if spec.kind == "regex":
             return compiler.compile_regex(spec.source)
         if spec.kind == "choice":
@@ -230,12 +230,16 @@ def compile_spec(xgr, compiler, spec: StructuredOutput):
         raise GrammarError(f"invalid {_NAMES[spec.kind]}: {message}") from None
 
 
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
+
 def _schema_grammar(xgr, schema: str):
     """xgrammar's grammar of a JSON schema, with its strings kept valid JSON: a string with minLength or maxLength
     becomes repetitions of ``[^"\\\r\n]`` there (xgrammar 0.2.8), which lets raw control characters through (JSON
-    forbids U+0000-U+001F unescaped; Python's and pydantic's parsers reject them). Whitespace between tokens is
-    capped so that a small model cannot pad forever."""
-    text = str(xgr.Grammar.from_json_schema(schema, any_whitespace=True, max_whitespace_cnt=2))
+    forbids U+0000-U+001F unescaped; Python's and pydantic's parsers reject them). Compact, as OpenAI's models
+    write it (``{"a": 1, "b": [2, 3]}``): no whitespace but one space after each comma and colon, so a small model
+    cannot spend its budget on indentation."""
+    text = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
     return xgr.Grammar.from_ebnf(text.replace(_LAX_STRING_CHAR, _JSON_STRING_CHAR))
 
 
