@@ -78,3 +78,17 @@ def test_strict_fields_refuses_unknown_ones_naming_them(tiny_model, tmp_path):
         assert ok.status_code == 200
     finally:
         assert srv.stop() == 0
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(lenient):
+    """stream_options.continuous_usage_stats (vLLM's): each chunk carries its usage so far, the completion tokens
+    counting up to the final usage chunk's."""
+    import json
+
+    r = httpx.post(lenient.url + "/v1/chat/completions", headers={"x-api-key": "k1"}, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+        "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == 6
+    assert all(e["usage"]["prompt_tokens"] == events[-1]["usage"]["prompt_tokens"] > 0 for e in events)

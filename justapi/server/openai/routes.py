@@ -143,15 +143,19 @@ def _sse(choices: list[Choice], req, chunk):
     """OpenAI's SSE framing of a stream: each choice's first chunk, the deltas, the usage chunk where asked, [DONE];
     an error midway as an error event, then [DONE]."""
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    # vLLM's continuous_usage_stats: every chunk carries its choice's usage so far
+    continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
 
     async def events(outputs, fail):
         try:
             for c in choices:
                 first = chunk.start(c)
                 if first is not None:
-                    yield sse(first)
+                    yield sse(dict(first, usage=_usage_so_far(len(c.prompt_ids), 0)) if continuous else first)
             async for choice, out in outputs:
                 for payload in chunk.delta(choice, out):
+                    if continuous:
+                        payload = dict(payload, usage=_usage_so_far(out.num_prompt_tokens, len(out.token_ids)))
                     yield sse(payload)
             if include_usage:
                 yield sse(chunk.usage(usage(choices)))
@@ -162,6 +166,11 @@ def _sse(choices: list[Choice], req, chunk):
             yield sse("[DONE]")
 
     return events
+
+
+def _usage_so_far(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def _chat_choice(c: Choice, tok, tools: ChatTools | None) -> dict:
