@@ -175,6 +175,9 @@ class EngineConfig:
                                      "like it), e.g. one that renders tools", metavar="FILE")
     tool_call_parser: str | None = flag(None, "how tool calls are read from the output (default: chosen for the "
                                         "chat template)", choices=TOOL_CALL_PARSERS)
+    reasoning_parser: str | None = flag(None, "how a reasoning model's thinking is told from its answer (returned "
+                                        "as reasoning_content); default: think where the chat template handles "
+                                        "<think> tags", choices=("think", "none"))
     show_progress: bool = True  # a progress bar while loading (not a flag: the CLI always shows it)
 
     def __post_init__(self) -> None:
@@ -182,6 +185,8 @@ class EngineConfig:
             raise ValueError("no model given: pass --model PATH.gguf")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ValueError(f"--chat-template {self.chat_template}: no such file")
+        if self.reasoning_parser not in (None, "think", "none"):
+            raise ValueError(f"--reasoning-parser must be think or none, not {self.reasoning_parser!r}")
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
             raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, not "
                              f"{self.tool_call_parser!r}")

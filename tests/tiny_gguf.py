@@ -12,6 +12,15 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+THINK_TOKENS = ["<think>", "</think>"]  # Qwen3's: added tokens, not special (they stay in the decoded text)
+# a thinking model's template, as Qwen3's behaves: the model opens its thinking itself; enable_thinking false
+# renders an empty thinking block into the prompt. "opens": DeepSeek-R1's, whose prompt opens the thinking.
+THINKING_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+OPENING_TEMPLATE = THINKING_TEMPLATE.replace("<|im_start|>assistant\n", "<|im_start|>assistant\n<think>\n")
 MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ s", "r e", "a t", "e n", "o r"]
 
 
@@ -29,9 +38,11 @@ def _byte_tokens() -> list[str]:
     return [chr(table[b]) for b in range(256)]
 
 
-def vocab() -> tuple[list[str], list[str], list[int]]:
+def vocab(think: bool = False) -> tuple[list[str], list[str], list[int]]:
     tokens = SPECIALS + _byte_tokens() + ["".join(m.split()) for m in MERGES]
     types = [gguf.TokenType.CONTROL] * len(SPECIALS) + [gguf.TokenType.NORMAL] * (len(tokens) - len(SPECIALS))
+    if think:
+        tokens, types = tokens + THINK_TOKENS, types + [gguf.TokenType.USER_DEFINED] * len(THINK_TOKENS)
     return tokens, MERGES, [int(t) for t in types]
 
 
@@ -224,6 +235,7 @@ def write_tiny_model(
     rope_dim: int | None = None,
     granite: dict | None = None,
     rerank: tuple[int, int] | None = None,
+    chat_template: str = CHAT_TEMPLATE,
 ) -> str:
     """A random model whose linear weights are stored as ``qtype`` and its token embedding as ``embd_qtype`` (F32
     or a type gguf quantizes, e.g. Q8_0 as SmolLM2's); returns ``path``. ``gemma3``: its extra norms, QK norm,
@@ -248,6 +260,8 @@ def write_tiny_model(
     as a llama file); ``granite``'s multipliers (``embedding``, ``residual``, ``attention``, ``logits``) go in its
     metadata.
 
+    ``chat_template``: the file's; a thinking one (``THINKING_TEMPLATE``) adds Qwen3's <think> and </think> tokens.
+
     ``rerank``: a Qwen3-Reranker as llama.cpp's converter writes one, for the (yes, no) token ids given: pooling
     rank, ``cls.output.weight`` the head's rows of those tokens, its labels and ``RERANK_TEMPLATE``.
     """
@@ -257,7 +271,7 @@ def write_tiny_model(
     if source is not None:
         tokens = source.fields["tokenizer.ggml.tokens"].contents()
     elif tokenizer == "gpt2":
-        tokens, merges, types = vocab()
+        tokens, merges, types = vocab(think="<think>" in chat_template)
     else:
         tokens, scores, types = spm_vocab()
     vocab_size = len(tokens)
@@ -323,7 +337,7 @@ def write_tiny_model(
             w.add_unk_token_id(0)
         w.add_bos_token_id(1)
         w.add_eos_token_id(2)
-        w.add_chat_template(CHAT_TEMPLATE)
+        w.add_chat_template(chat_template)
 
     def rand(*shape, scale=weight_scale):
         return (rng.standard_normal(shape) * scale).astype(np.float32)

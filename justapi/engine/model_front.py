@@ -13,6 +13,7 @@ from ..model.pairs import PairFormat
 from ..model.tokenizer import Tokenizer
 from ..sampling_params import SamplingParams
 from ..structured.grammars import for_model as grammars_for
+from ..structured.reasoning import parser_for_template as reasoning_parser_for
 from ..structured.tool_calls import parser_for_template
 from .protocol import EngineLimits
 
@@ -26,6 +27,8 @@ class ModelFront:
         self._pairs = PairFormat(reader, self.tokenizer)
         self.chat_template = ChatTemplate(_template_source(config.chat_template) or self.tokenizer.chat_template)
         self.tool_parser = config.tool_call_parser or parser_for_template(self.chat_template.source)
+        self.reasoning_parser = (None if config.reasoning_parser == "none" else
+                                 config.reasoning_parser or reasoning_parser_for(self.chat_template.source))
         ctx = self.model_config.context_length
         if config.max_model_len is not None and config.max_model_len > ctx:
             raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's context length {ctx}")
@@ -38,10 +41,11 @@ class ModelFront:
     def limits(self) -> EngineLimits:
         return EngineLimits(self.max_model_len, self.model_config.vocab_size)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
-        """Token ids of a conversation in the chat template, with ``tools`` offered (ChatTemplateError for a bad
-        template or one that renders no tools)."""
-        return self.chat_template.encode(self.tokenizer, messages, add_generation_prompt, tools)
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None,
+                    variables: dict | None = None) -> list[int]:
+        """Token ids of a conversation in the chat template, with ``tools`` offered and ``variables`` (a request's
+        chat_template_kwargs) set (ChatTemplateError for a bad template or one that renders no tools)."""
+        return self.chat_template.encode(self.tokenizer, messages, add_generation_prompt, tools, variables)
 
     def pair_prompt(self, query: str, document: str) -> list[int]:
         """Token ids of a (query, document) pair as the reranker reads it (model.pairs)."""

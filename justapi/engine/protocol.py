@@ -37,7 +37,10 @@ class Engine(Protocol):
 
     tool_parser: str | None  # the format tool calls are read in (structured.tool_calls), None: no tools
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
+    reasoning_parser: str | None  # how the model's thinking is told from its answer (structured.reasoning)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None,
+                    variables: dict | None = None) -> list[int]:
         """Token ids of a conversation in the model's chat template (ChatTemplateError for a bad one)."""
 
     def pair_prompt(self, query: str, document: str) -> list[int]:

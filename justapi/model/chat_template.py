@@ -50,22 +50,25 @@ class ChatTemplate:
         return self._source
 
     def encode(self, tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-               tools: list[dict] | None = None) -> list[int]:
+               tools: list[dict] | None = None, variables: dict | None = None) -> list[int]:
         """Token ids of a conversation rendered with ``tokenizer``'s BOS and EOS strings and encoded by it."""
-        text = self.render(messages, add_generation_prompt, tokenizer.bos_token, tokenizer.eos_token, tools)
+        text = self.render(messages, add_generation_prompt, tokenizer.bos_token, tokenizer.eos_token, tools, variables)
         return tokenizer.encode(text)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, bos_token: str = "",
-               eos_token: str = "", tools: list[dict] | None = None) -> str:
-        """The prompt text; ``tools`` (OpenAI's function definitions) go to the template's ``tools`` variable."""
+               eos_token: str = "", tools: list[dict] | None = None, variables: dict | None = None) -> str:
+        """The prompt text; ``tools`` (OpenAI's function definitions) go to the template's ``tools`` variable;
+        ``variables`` (a request's chat_template_kwargs, e.g. Qwen3's enable_thinking) are the template's too,
+        but never in place of the ones named here."""
         if self._template is None:
             raise ChatTemplateError("the model file has no chat template; use the completions endpoint")
         if tools and "tools" not in self._source:
             raise ChatTemplateError("the chat template does not render tools; serve with --chat-template FILE "
                                     "(a template that does) to use them")
         try:
-            text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=bos_token, eos_token=eos_token, tools=tools)
+            text = self._template.render(**{**(variables or {}), "messages": messages, "tools": tools,
+                                            "add_generation_prompt": add_generation_prompt, "bos_token": bos_token,
+                                            "eos_token": eos_token})
             if len(text) > MAX_RENDERED_CHARS:
                 raise ChatTemplateError(f"the chat template rendered {len(text)} characters; the limit is "
                                         f"{MAX_RENDERED_CHARS}")

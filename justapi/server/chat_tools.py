@@ -1,11 +1,13 @@
-"""A chat request's tools on the way out: the answer's text becomes ``content`` and ``tool_calls``, whole
-(``message``) or as streamed deltas (``stream``)."""
+"""A chat answer on the way out: a reasoning model's thinking told from its answer (``Thinking``), and the
+answer's text made ``content`` and ``tool_calls`` (``ChatTools``), whole (``message``) or as streamed deltas
+(``stream``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ..config import TOOL_CALL_PARSERS
+from ..structured import reasoning
 from ..structured.tool_calls import ToolCallStream, parse_tool_calls
 from ..structured.tools import ToolRequest, forced_calls_text
 
@@ -61,3 +63,26 @@ class ToolDeltas:
         deltas = self._parser.feed(body, final=final)
         self.made_calls = self.made_calls or any("tool_calls" in d for d in deltas)
         return deltas
+
+
+@dataclass(frozen=True)
+class Thinking:
+    """A reasoning model's answer: its thinking (``reasoning_content``) told from its content
+    (structured.reasoning); ``inside``: the prompt itself opened the thinking (DeepSeek-R1's template)."""
+
+    inside: bool
+    include: bool  # the reasoning goes back to the client (vLLM's include_reasoning)
+
+    @classmethod
+    def of(cls, engine, prompt_ids: list[int], include: bool) -> Thinking | None:
+        """None where the model has no reasoning format. Reads the prompt's last tokens (run in a thread)."""
+        if engine.reasoning_parser is None:
+            return None
+        tail = engine.tokenizer.decode(prompt_ids[-16:], skip_special_tokens=False)
+        return cls(reasoning.prompt_opens_thinking(tail), include)
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        return reasoning.split(text, self.inside)
+
+    def stream(self) -> reasoning.ReasoningStream:
+        return reasoning.ReasoningStream(self.inside)

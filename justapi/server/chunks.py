@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .chat_tools import ChatTools, ToolDeltas
+from .chat_tools import ChatTools, Thinking, ToolDeltas
 from .serving import Choice, chat_logprobs, completion_logprobs, now
 
 
@@ -38,27 +38,40 @@ class ChatChunks:
     """SSE payloads of /v1/chat/completions: a role chunk, content (or tool-call) deltas, a finish chunk per
     choice."""
 
-    def __init__(self, rid: str, model: str, tok, tools: ChatTools | None = None) -> None:
+    def __init__(self, rid: str, model: str, tok, tools: ChatTools | None = None,
+                 thinking: Thinking | None = None) -> None:
         self.base = {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model}
         self.tok = tok
         self.tools = tools
+        self.thinking = thinking
         self.tool_deltas: dict[int, ToolDeltas] = {}
+        self.reasoning: dict[int, object] = {}  # each choice's structured.reasoning.ReasoningStream
 
     def start(self, c: Choice):
         if self.tools is not None:
             self.tool_deltas[c.index] = self.tools.stream()
+        if self.thinking is not None:
+            self.reasoning[c.index] = self.thinking.stream()
         return dict(self.base, choices=[{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                          "logprobs": None, "finish_reason": None}])
 
     def delta(self, c: Choice, out):
         chunks = []
+        text = out.new_text
+        thoughts = self.reasoning.get(c.index)
+        if thoughts is not None:
+            thought, text = thoughts.feed(out.new_text, final=out.finished)
+            if thought and self.thinking.include:
+                chunks.append(dict(self.base, choices=[{"index": c.index, "delta": {"reasoning_content": thought,
+                                                                                    "reasoning": thought},
+                                                        "logprobs": None, "finish_reason": None}]))
         tools = self.tool_deltas.get(c.index)
         if tools is not None:
-            for d in tools.feed(out.new_text, final=out.finished):
+            for d in tools.feed(text, final=out.finished):
                 chunks.append(dict(self.base, choices=[{"index": c.index, "delta": d, "logprobs": None,
                                                         "finish_reason": None}]))
-        elif out.new_text or out.new_logprobs:
-            chunks.append(dict(self.base, choices=[{"index": c.index, "delta": {"content": out.new_text},
+        elif text or (out.new_logprobs and thoughts is None):
+            chunks.append(dict(self.base, choices=[{"index": c.index, "delta": {"content": text},
                                                     "logprobs": chat_logprobs(self.tok, out.new_logprobs),
                                                     "finish_reason": None}]))
         if out.finished:

@@ -26,10 +26,11 @@ async def prepare_grammar(engine: Engine, req, params, forced_tool: bool = False
         raise ApiError(400, f"{field}: the constraint is nested too deeply to compile", param=field) from None
 
 
-async def chat_prompt(engine: Engine, messages: list[dict], add_generation_prompt: bool, tools=None) -> list[int]:
+async def chat_prompt(engine: Engine, messages: list[dict], add_generation_prompt: bool, tools=None,
+                      variables: dict | None = None) -> list[int]:
     """The chat's token ids, the template rendered and encoded in a thread (never on the event loop)."""
     try:
-        return await asyncio.to_thread(engine.render_chat, messages, add_generation_prompt, tools)
+        return await asyncio.to_thread(engine.render_chat, messages, add_generation_prompt, tools, variables)
     except (ChatTemplateError, TextError) as e:
         raise ApiError(400, str(e), param="messages") from None
 

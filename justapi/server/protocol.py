@@ -158,6 +158,9 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict | None = None  # variables for the chat template (Qwen3's enable_thinking, ...)
+    reasoning_effort: str | None = None  # OpenAI's; "none" turns a template's thinking off (enable_thinking false)
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the answer
 
     @field_validator("messages")
     @classmethod
@@ -173,6 +176,14 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def message_dicts(self) -> list[dict]:
         return message_dicts(self.messages)
+
+    def template_variables(self) -> dict:
+        """The chat template's extra variables: chat_template_kwargs, and enable_thinking from reasoning_effort where
+        the kwargs do not set it."""
+        variables = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            variables.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return variables
 
     def tool_request(self) -> ToolRequest | None:
         return tool_request(self.tools, self.tool_choice, self.parallel_tool_calls)

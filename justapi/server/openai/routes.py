@@ -9,7 +9,7 @@ import dataclasses
 from fastapi import APIRouter, Request
 
 from ...sampling_params import Pooling, SamplingParams
-from ..chat_tools import ChatTools
+from ..chat_tools import ChatTools, Thinking
 from ..chunks import ChatChunks, CompletionChunks
 from ..errors import ApiError
 from ..front import Front, collect, stream
@@ -115,7 +115,9 @@ def router(front: Front) -> APIRouter:
             messages = req.message_dicts()
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
-        ids = await chat_prompt(engine, messages, req.add_generation_prompt, tool_req.rendered if tool_req else None)
+        ids = await chat_prompt(engine, messages, req.add_generation_prompt, tool_req.rendered if tool_req else None,
+                                req.template_variables())
+        thinking = await asyncio.to_thread(Thinking.of, engine, ids, req.include_reasoning)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
         params = params_of(req, raw, max_tokens, top)
@@ -130,10 +132,11 @@ def router(front: Front) -> APIRouter:
         rid = new_id("chatcmpl")
         tok = engine.tokenizer
         if req.stream:
-            return stream(raw, llm, rid, choices, _sse(choices, req, ChatChunks(rid, front.model_name, tok, tools)))
+            chunks = ChatChunks(rid, front.model_name, tok, tools, thinking)
+            return stream(raw, llm, rid, choices, _sse(choices, req, chunks))
         await collect(raw, llm, rid, choices)
         return {"id": rid, "object": "chat.completion", "created": now(), "model": front.model_name,
-                "choices": await asyncio.to_thread(lambda: [_chat_choice(c, tok, tools) for c in choices]),
+                "choices": await asyncio.to_thread(lambda: [_chat_choice(c, tok, tools, thinking) for c in choices]),
                 "usage": usage(choices)}
 
     return api
@@ -173,11 +176,14 @@ def _usage_so_far(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _chat_choice(c: Choice, tok, tools: ChatTools | None) -> dict:
-    message = {"role": "assistant", "content": c.final.text}
+def _chat_choice(c: Choice, tok, tools: ChatTools | None, thinking: Thinking | None) -> dict:
+    reasoning, text = thinking.split(c.final.text) if thinking is not None else (None, c.final.text)
+    message = {"role": "assistant", "content": text}
     reason = c.final.finish_reason
     if tools is not None:
-        message, reason = tools.message(c.final.text, reason)
+        message, reason = tools.message(text, reason)
+    if thinking is not None and thinking.include:
+        message.update(reasoning_content=reasoning, reasoning=reasoning)
     return {"index": c.index, "message": message, "logprobs": chat_logprobs(tok, c.final.logprobs),
             "finish_reason": reason, "stop_reason": c.final.stop_reason}
 

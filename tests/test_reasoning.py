@@ -1,0 +1,122 @@
+"""Reasoning models (issue 55 item 5): a thinking model's <think> ... </think> returned as reasoning_content, apart
+from its content, whole and streamed; thinking turned off by chat_template_kwargs or reasoning_effort; a prompt
+that opens the thinking itself (DeepSeek-R1's template). On tiny random Qwen3 files with Qwen3's think tokens."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import httpx
+import pytest
+
+from justapi import LLM, SamplingParams
+from justapi.structured.reasoning import ReasoningStream, split
+from tiny_gguf import OPENING_TEMPLATE, THINKING_TEMPLATE, write_tiny_model
+
+ASK = [{"role": "user", "content": "the cat"}]
+
+
+def test_a_streamed_split_equals_the_whole_one_however_the_text_is_cut():
+    """ReasoningStream, fed any cuts of a text, gives split()'s reasoning and content: tags split across deltas,
+    newlines after the tags, no closing tag, a prompt that opened the thinking, a tag the answer only mentions."""
+    cases = [("<think>\nplan a\nplan b\n</think>\n\nThe answer.", False), ("plan\n</think>\n\nAnswer", True),
+             ("no thinking here", False), ("<think>\ncut off while thin", False), ("mentions </think> only", False),
+             ("<think>\n\n</think>\n\nJust answer", False), ("\n<think>x</think>y", False), ("", True), ("<thi", False)]
+    assert split(cases[0][0], False) == ("plan a\nplan b", "The answer.")
+    assert split(cases[4][0], False) == (None, "mentions </think> only")
+    rng = random.Random(0)
+    for text, inside in cases:
+        reasoning, content = split(text, inside)
+        for _ in range(40):
+            cuts = sorted(rng.sample(range(len(text) + 1), min(len(text), rng.randint(0, 6))))
+            pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+            stream, got = ReasoningStream(inside), ["", ""]
+            for i, piece in enumerate(pieces):
+                r, c = stream.feed(piece, final=i == len(pieces) - 1)
+                got = [got[0] + r, got[1] + c]
+            assert got == [reasoning or "", content], (text, pieces)
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory):
+    """A tiny Qwen3 whose template opens the thinking in the prompt (as DeepSeek-R1's does: a random model would not
+    open it itself), and a logit bias on </think> that makes its greedy answer close its thinking a few tokens in
+    (found once: the weights are random)."""
+    path = write_tiny_model(str(tmp_path_factory.mktemp("think") / "qwen3-think.gguf"), "qwen3", seed=9,
+                            chat_template=OPENING_TEMPLATE, context_length=256)
+    llm = LLM(path, dtype="float32", pool_blocks=64, show_progress=False)
+    close = llm.tokenizer.encode("</think>", add_special_tokens=False)
+    assert len(close) == 1
+    ids = llm.engine.render_chat(ASK, True)
+    for bias in range(0, 40):
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logit_bias=((close[0], bias),))
+        out = llm.generate([ids], params)[0].token_ids
+        if close[0] in out[2:12]:
+            return path, llm, bias, close[0]
+    raise AssertionError("no bias closes the thinking mid-answer")
+
+
+def test_reasoning_and_content_apart_whole_and_streamed(thinker, tmp_path):
+    """The chat answer's text, as the completions route gives it for the same prompt, parted at </think>:
+    reasoning_content (and reasoning) before, content after; streamed deltas add up to the same."""
+    from server_helpers import InProcessServer
+
+    path, llm, bias, close = thinker
+    body = {"messages": ASK, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "logit_bias": {str(close): bias}}
+    srv = InProcessServer(["--model", path, "--dtype", "float32", "--pool-blocks", "64"], str(tmp_path / "s.log"))
+    try:
+        ids = llm.engine.render_chat(ASK, True)
+        raw = httpx.post(srv.url + "/v1/completions", json={**{k: v for k, v in body.items() if k != "messages"},
+                                                            "prompt": ids}).json()["choices"][0]["text"]
+        assert "</think>" in raw
+        want_reasoning, want_content = split(raw, True)
+        assert want_reasoning and want_content
+        message = httpx.post(srv.url + "/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert (message["reasoning_content"], message["content"]) == (want_reasoning, want_content)
+        assert message["reasoning"] == want_reasoning
+        streamed = httpx.post(srv.url + "/v1/chat/completions", json={**body, "stream": True})
+        deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in streamed.text.splitlines()
+                  if line.startswith("data: {")]
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == want_reasoning
+        assert "".join(d.get("content", "") for d in deltas) == want_content
+        hidden = httpx.post(srv.url + "/v1/chat/completions", json={**body, "include_reasoning": False}).json()
+        assert "reasoning_content" not in hidden["choices"][0]["message"]
+        assert hidden["choices"][0]["message"]["content"] == want_content
+    finally:
+        assert srv.stop() == 0
+
+
+def test_thinking_off_by_template_kwargs_or_reasoning_effort(tmp_path):
+    """chat_template_kwargs {"enable_thinking": false} and reasoning_effort "none" render Qwen3's empty thinking
+    block into the prompt; other efforts leave the model to think."""
+    from justapi.server.protocol import ChatCompletionRequest
+
+    path = write_tiny_model(str(tmp_path / "qwen3.gguf"), "qwen3", chat_template=THINKING_TEMPLATE)
+    llm = LLM(path, pool_blocks=16, show_progress=False)
+    tok = llm.tokenizer
+
+    def rendered(**fields) -> str:
+        req = ChatCompletionRequest(messages=ASK, **fields)
+        return tok.decode(llm.engine.render_chat(ASK, True, None, req.template_variables()), skip_special_tokens=False)
+
+    assert rendered().endswith("assistant\n")
+    assert rendered(chat_template_kwargs={"enable_thinking": False}).endswith("<think>\n\n</think>\n\n")
+    assert rendered(reasoning_effort="none").endswith("</think>\n\n")
+    assert rendered(reasoning_effort="high").endswith("assistant\n")
+    assert rendered(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}).endswith("assistant\n")
+
+
+def test_an_answer_cut_off_while_thinking_is_all_reasoning(thinker, tmp_path):
+    """A prompt that opened the thinking and an answer cut off before </think>: all of it is reasoning."""
+    from server_helpers import InProcessServer
+
+    path = thinker[0]
+    srv = InProcessServer(["--model", path, "--dtype", "float32", "--pool-blocks", "64"], str(tmp_path / "s.log"))
+    try:
+        r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": ASK, "max_tokens": 6, "temperature": 0,
+                                                               "ignore_eos": True}).json()
+        message = r["choices"][0]["message"]
+        assert message["content"] == "" and message["reasoning_content"]  # never closed: all thinking
+    finally:
+        assert srv.stop() == 0
