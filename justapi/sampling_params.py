@@ -62,6 +62,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     speculative: bool = True  # False: never draft for this request, even when the engine speculates
     structured: StructuredOutput | None = None  # the output must match this JSON schema / regex / choice / grammar
+    # a reasoning model's (open, close) think token ids: ``structured`` applies after the close token; an open id
+    # (not -1: the prompt opened the thinking) is the forced first token
+    think_tokens: tuple[int, int] | None = None
     pooling: Pooling | None = None  # an embedding request (prefill only): see Pooling
     # scheduling (core.policy): read under --scheduling-policy priority / fair; the deadline always
     priority: int = 0  # lower is more urgent (vLLM's meaning)
@@ -110,6 +113,8 @@ class SamplingParams:
             raise ValueError(f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters each")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
+        if self.think_tokens is not None and self.structured is not None:
+            self.speculative = False  # a draft tree's masks assume the grammar from the first token
         if self.structured is not None and self.ignore_eos:
             raise ValueError("ignore_eos cannot be combined with structured output: the output ends where its "
                              "grammar does")

@@ -48,12 +48,17 @@ def thinker(tmp_path_factory):
     llm = LLM(path, dtype="float32", pool_blocks=64, show_progress=False)
     close = llm.tokenizer.encode("</think>", add_special_tokens=False)
     assert len(close) == 1
-    ids = llm.engine.render_chat(ASK, True)
-    for bias in range(0, 40):
-        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logit_bias=((close[0], bias),))
-        out = llm.generate([ids], params)[0].token_ids
-        if close[0] in out[2:12]:
-            return path, llm, bias, close[0]
+    return path, llm, _closing_bias(llm, llm.engine.render_chat(ASK, True), close[0]), close[0]
+
+
+def _closing_bias(llm, prompt: list[int], close: int) -> float:
+    """The least logit bias (in halves) on ``close`` under which the greedy answer first closes its thinking
+    between its 3rd and 10th token."""
+    for half in range(80):
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias=((close, half / 2),))
+        out = llm.generate([prompt], params)[0].token_ids
+        if close in out and 2 <= out.index(close) < 10:
+            return half / 2
     raise AssertionError("no bias closes the thinking mid-answer")
 
 
@@ -63,7 +68,7 @@ def test_reasoning_and_content_apart_whole_and_streamed(thinker, tmp_path):
     from server_helpers import InProcessServer
 
     path, llm, bias, close = thinker
-    body = {"messages": ASK, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "logit_bias": {str(close): bias}}
+    body = {"messages": ASK, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logit_bias": {str(close): bias}}
     srv = InProcessServer(["--model", path, "--dtype", "float32", "--pool-blocks", "64"], str(tmp_path / "s.log"))
     try:
         ids = llm.engine.render_chat(ASK, True)
@@ -118,5 +123,37 @@ def test_an_answer_cut_off_while_thinking_is_all_reasoning(thinker, tmp_path):
                                                                "ignore_eos": True}).json()
         message = r["choices"][0]["message"]
         assert message["content"] == "" and message["reasoning_content"]  # never closed: all thinking
+    finally:
+        assert srv.stop() == 0
+
+
+REGEX = r"[a-c]{3}-[0-9]{2}"
+
+
+@pytest.mark.parametrize("template", ["prompt opens", "model opens"])
+def test_a_constraint_applies_after_the_thinking(tmp_path, template):
+    """Structured output on a reasoning model constrains the answer after </think>, not the thinking: the
+    reasoning is what the model thinks unconstrained (the same tokens as without the constraint), the content
+    matches the regex whole. Where the model opens its thinking itself (Qwen3) the first token is <think>."""
+    import re
+
+    from server_helpers import InProcessServer
+
+    opens = template == "model opens"
+    path = write_tiny_model(str(tmp_path / "m.gguf"), "qwen3", seed=1 if opens else 9, context_length=256,
+                            chat_template=THINKING_TEMPLATE if opens else OPENING_TEMPLATE)
+    llm = LLM(path, dtype="float32", pool_blocks=64, show_progress=False)
+    open_id, close = (llm.tokenizer.encode(t, add_special_tokens=False)[0] for t in ("<think>", "</think>"))
+    prompt = llm.engine.render_chat(ASK, True) + ([open_id] if opens else [])
+    bias = _closing_bias(llm, prompt, close)
+    srv = InProcessServer(["--model", path, "--dtype", "float32", "--pool-blocks", "64"], str(tmp_path / "s.log"))
+    try:
+        body = {"messages": ASK, "max_tokens": 40, "temperature": 0, "logit_bias": {str(close): bias},
+                "structured_outputs": {"regex": REGEX}}
+        message = httpx.post(srv.url + "/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert re.fullmatch(REGEX, message["content"]), message
+        free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                     logit_bias=((close, bias),)))[0].outputs[0].text
+        assert message["reasoning_content"] == split(free, True)[0] != ""
     finally:
         assert srv.stop() == 0

@@ -30,6 +30,7 @@ class _RequestState:
     params: SamplingParams
     seed: int
     matcher: object = None  # structured.grammars.Matcher of a request with structured output
+    grammar_on: bool = True  # the matcher constrains the output (a reasoning model's: once its thinking closed)
     pooled: torch.Tensor | None = None  # an embedding request's pooled hidden states so far (mean: their sum)
 
 
@@ -174,7 +175,8 @@ class ModelRunner:
                                new.seed)
             if st.params.structured is not None:  # resumed or handed over: replay the output so far
                 try:
-                    st.matcher = self._grammars().matcher(st.params.structured, st.token_ids[st.num_prompt_tokens :])
+                    st.grammar_on, seen = _grammar_output(st.params, st.token_ids[st.num_prompt_tokens :])
+                    st.matcher = self._grammars().matcher(st.params.structured, seen)
                 except Exception as e:  # this request's grammar, not the step: it fails alone
                     self._failed[new.request_id] = _failure("its grammar", e)
             self.states[new.request_id] = st
@@ -316,8 +318,10 @@ class ModelRunner:
                 rid = plain_ids[i]
                 st = self.states[rid]
                 try:
-                    if st.matcher is not None:
+                    if st.matcher is not None and st.grammar_on:
                         st.matcher.advance([tok])
+                    elif st.matcher is not None:  # thinking: the grammar starts after its close token
+                        st.grammar_on = tok == st.params.think_tokens[1]
                 except Exception as e:
                     self._failed[rid] = _failure("its grammar", e)
                     continue
@@ -330,7 +334,7 @@ class ModelRunner:
     def _verify(self, rows_logits: torch.Tensor, rid: str, st: _RequestState, row: SampleRow, tree: DraftTree,
                 start: int) -> list[int]:
         """One request's draft tree checked against its logits: the tokens it emits, its accepted path's KV moved."""
-        if st.matcher is not None:
+        if st.matcher is not None and st.grammar_on:
             with torch.inference_mode():  # the forward pass's inference tensors, masked in place
                 self._grammars().mask_tree(rows_logits, st.matcher, tree.parents, tree.tokens, self.model.kernels)
         emitted, path = spec_decode_tree(rows_logits, tree, row)
@@ -362,10 +366,24 @@ class ModelRunner:
                 self._failed[ids[i]] = _failure("sampling", e)
         return picked
 
+    def _force_think_open(self, logits: torch.Tensor, ids: list[str]) -> None:
+        """A constrained reasoning request's first token is its think-open token (Qwen3 opens every thought with
+        it), so that the grammar waits for a thinking that surely comes and ends."""
+        for i, rid in enumerate(ids):
+            st = self.states[rid]
+            think = st.params.think_tokens
+            if st.matcher is not None and think and think[0] >= 0 and len(st.token_ids) == st.num_prompt_tokens:
+                with torch.inference_mode():
+                    keep = logits[i, think[0]].clone()
+                    logits[i].fill_(float("-inf"))
+                    logits[i, think[0]] = keep
+
     def _mask_by_grammar(self, logits: torch.Tensor, ids: list[str]) -> None:
         """Rows of requests with structured output: only the tokens their grammar allows next keep a logit. If the
         batch's masking raises, each row is masked alone and only the ones that raise fail."""
-        rows = [i for i, rid in enumerate(ids) if self.states[rid].matcher is not None and rid not in self._failed]
+        self._force_think_open(logits, ids)
+        rows = [i for i, rid in enumerate(ids) if self.states[rid].matcher is not None and self.states[rid].grammar_on
+                and rid not in self._failed]
         if not rows:
             return
         grammars = self._grammars()
@@ -380,6 +398,15 @@ class ModelRunner:
                     grammars.mask(logits, [i], [self.states[ids[i]].matcher], self.model.kernels)
                 except Exception as e:
                     self._failed[ids[i]] = _failure("its grammar", e)
+
+
+def _grammar_output(params: SamplingParams, output: list[int]) -> tuple[bool, list[int]]:
+    """(whether the grammar constrains the output now, the output tokens it has seen): all of them, or for a
+    reasoning model's request those after its thinking's close token (none while it thinks)."""
+    if params.think_tokens is None:
+        return True, output
+    close = params.think_tokens[1]
+    return (True, output[output.index(close) + 1:]) if close in output else (False, [])
 
 
 def _failure(where: str, error: BaseException) -> str:

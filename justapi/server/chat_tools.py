@@ -72,14 +72,24 @@ class Thinking:
 
     inside: bool
     include: bool  # the reasoning goes back to the client (vLLM's include_reasoning)
+    # (open, close) token ids where a constraint must wait for the thinking to end (structured output, forced
+    # tools): open is -1 where the prompt opened it; None where the prompt closed it (thinking off) or the tags
+    # are not single tokens (the constraint then applies from the first token)
+    think_tokens: tuple[int, int] | None = None
 
     @classmethod
     def of(cls, engine, prompt_ids: list[int], include: bool) -> Thinking | None:
         """None where the model has no reasoning format. Reads the prompt's last tokens (run in a thread)."""
         if engine.reasoning_parser is None:
             return None
-        tail = engine.tokenizer.decode(prompt_ids[-16:], skip_special_tokens=False)
-        return cls(reasoning.prompt_opens_thinking(tail), include)
+        tok = engine.tokenizer
+        tail = tok.decode(prompt_ids[-16:], skip_special_tokens=False)
+        inside = reasoning.prompt_opens_thinking(tail)
+        open_ids, close_ids = (tok.encode(tag, add_special_tokens=False) for tag in (reasoning.OPEN, reasoning.CLOSE))
+        think = None
+        if len(open_ids) == len(close_ids) == 1 and not tail.rstrip().endswith(reasoning.CLOSE):
+            think = (-1 if inside else open_ids[0], close_ids[0])
+        return cls(inside, include, think)
 
     def split(self, text: str) -> tuple[str | None, str]:
         return reasoning.split(text, self.inside)

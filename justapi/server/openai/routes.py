@@ -126,6 +126,8 @@ def router(front: Front) -> APIRouter:
                 raise ApiError(400, "tool_choice required or a named function cannot be combined with "
                                     "response_format or structured_outputs", param="tool_choice")
             params = dataclasses.replace(params, structured=tools.request.spec())
+        if params.structured is not None and thinking is not None and thinking.think_tokens is not None:
+            params = dataclasses.replace(params, think_tokens=thinking.think_tokens)  # constrained once it thought
         await prepare_grammar(engine, req, params, forced_tool=tools is not None and tools.request.forced)
         choices = make_choices([ids], params)
         front.validate(llm, choices)
