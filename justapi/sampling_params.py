@@ -65,6 +65,7 @@ class SamplingParams:
     # a reasoning model's (open, close) think token ids: ``structured`` applies after the close token; an open id
     # (not -1: the prompt opened the thinking) is the forced first token
     think_tokens: tuple[int, int] | None = None
+    thinking_budget: int | None = None  # with think_tokens: the thinking's most tokens, then its close is forced
     pooling: Pooling | None = None  # an embedding request (prefill only): see Pooling
     # scheduling (core.policy): read under --scheduling-policy priority / fair; the deadline always
     priority: int = 0  # lower is more urgent (vLLM's meaning)
@@ -113,8 +114,10 @@ class SamplingParams:
             raise ValueError(f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters each")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
-        if self.think_tokens is not None and self.structured is not None:
-            self.speculative = False  # a draft tree's masks assume the grammar from the first token
+        if self.thinking_budget is not None and (not isinstance(self.thinking_budget, int) or self.thinking_budget < 0):
+            raise ValueError(f"thinking_budget must be a non-negative integer, got {self.thinking_budget!r}")
+        if self.think_tokens is not None and (self.structured is not None or self.thinking_budget is not None):
+            self.speculative = False  # a draft tree knows neither a grammar that waits nor a forced close
         if self.structured is not None and self.ignore_eos:
             raise ValueError("ignore_eos cannot be combined with structured output: the output ends where its "
                              "grammar does")

@@ -157,3 +157,33 @@ def test_a_constraint_applies_after_the_thinking(tmp_path, template):
         assert message["reasoning_content"] == split(free, True)[0] != ""
     finally:
         assert srv.stop() == 0
+
+
+def test_a_thinking_budget_closes_the_thinking(thinker, tmp_path):
+    """thinking_budget N: the thinking is closed after N tokens (its close token forced), then the model answers;
+    0 closes it at once; a model without thinking refuses the field by name."""
+    from server_helpers import InProcessServer
+
+    path, llm, _, close = thinker
+    srv = InProcessServer(["--model", path, "--dtype", "float32", "--pool-blocks", "64"], str(tmp_path / "s.log"))
+    try:
+        def ask(budget):
+            body = {"messages": ASK, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                    "thinking_budget": budget, "logprobs": True}
+            r = httpx.post(srv.url + "/v1/chat/completions", json=body).json()
+            return r["choices"][0]["message"]
+
+        three, zero = ask(3), ask(0)
+        assert zero["reasoning_content"] == "" and zero["content"]
+        ids = llm.engine.render_chat(ASK, True)
+        free = llm.generate([ids], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0].outputs[0].text
+        assert three["reasoning_content"] == free.strip("\n") and three["content"]
+    finally:
+        assert srv.stop() == 0
+    plain = InProcessServer(["--model", write_tiny_model(str(tmp_path / "plain.gguf")), "--pool-blocks", "32"],
+                            str(tmp_path / "p.log"))
+    try:
+        r = httpx.post(plain.url + "/v1/chat/completions", json={"messages": ASK, "thinking_budget": 4})
+        assert r.status_code == 400 and "thinking_budget" in r.json()["error"]["message"]
+    finally:
+        assert plain.stop() == 0

@@ -30,7 +30,7 @@ class _RequestState:
     params: SamplingParams
     seed: int
     matcher: object = None  # structured.grammars.Matcher of a request with structured output
-    grammar_on: bool = True  # the matcher constrains the output (a reasoning model's: once its thinking closed)
+    thinking: bool = False  # a reasoning request (SamplingParams.think_tokens) whose thinking has not closed yet
     pooled: torch.Tensor | None = None  # an embedding request's pooled hidden states so far (mean: their sum)
 
 
@@ -175,10 +175,12 @@ class ModelRunner:
                                new.seed)
             if st.params.structured is not None:  # resumed or handed over: replay the output so far
                 try:
-                    st.grammar_on, seen = _grammar_output(st.params, st.token_ids[st.num_prompt_tokens :])
+                    st.thinking, seen = _after_thinking(st.params, st.token_ids[st.num_prompt_tokens :])
                     st.matcher = self._grammars().matcher(st.params.structured, seen)
                 except Exception as e:  # this request's grammar, not the step: it fails alone
                     self._failed[new.request_id] = _failure("its grammar", e)
+            if st.params.structured is None and st.params.think_tokens is not None:
+                st.thinking = _after_thinking(st.params, st.token_ids[st.num_prompt_tokens :])[0]
             self.states[new.request_id] = st
             starts[new.request_id] = new.num_computed_tokens
             if new.kv_import is not None:
@@ -318,10 +320,10 @@ class ModelRunner:
                 rid = plain_ids[i]
                 st = self.states[rid]
                 try:
-                    if st.matcher is not None and st.grammar_on:
+                    if st.thinking:  # the grammar starts after the thinking's close token
+                        st.thinking = tok != st.params.think_tokens[1]
+                    elif st.matcher is not None:
                         st.matcher.advance([tok])
-                    elif st.matcher is not None:  # thinking: the grammar starts after its close token
-                        st.grammar_on = tok == st.params.think_tokens[1]
                 except Exception as e:
                     self._failed[rid] = _failure("its grammar", e)
                     continue
@@ -334,7 +336,7 @@ class ModelRunner:
     def _verify(self, rows_logits: torch.Tensor, rid: str, st: _RequestState, row: SampleRow, tree: DraftTree,
                 start: int) -> list[int]:
         """One request's draft tree checked against its logits: the tokens it emits, its accepted path's KV moved."""
-        if st.matcher is not None and st.grammar_on:
+        if st.matcher is not None and not st.thinking:
             with torch.inference_mode():  # the forward pass's inference tensors, masked in place
                 self._grammars().mask_tree(rows_logits, st.matcher, tree.parents, tree.tokens, self.model.kernels)
         emitted, path = spec_decode_tree(rows_logits, tree, row)
@@ -366,23 +368,27 @@ class ModelRunner:
                 self._failed[ids[i]] = _failure("sampling", e)
         return picked
 
-    def _force_think_open(self, logits: torch.Tensor, ids: list[str]) -> None:
-        """A constrained reasoning request's first token is its think-open token (Qwen3 opens every thought with
-        it), so that the grammar waits for a thinking that surely comes and ends."""
+    def _steer_thinking(self, logits: torch.Tensor, ids: list[str]) -> None:
+        """A reasoning request that waits on its thinking (a constraint after it, a thinking budget) opens it with
+        its think-open token first, where the model opens its own (Qwen3 opens every thought with it), and closes it
+        once its budget is spent: its one allowed token is then forced."""
         for i, rid in enumerate(ids):
             st = self.states[rid]
-            think = st.params.think_tokens
-            if st.matcher is not None and think and think[0] >= 0 and len(st.token_ids) == st.num_prompt_tokens:
-                with torch.inference_mode():
-                    keep = logits[i, think[0]].clone()
-                    logits[i].fill_(float("-inf"))
-                    logits[i, think[0]] = keep
+            if not st.thinking:
+                continue
+            open_id, close_id = st.params.think_tokens
+            written = len(st.token_ids) - st.num_prompt_tokens
+            budget = st.params.thinking_budget
+            if written == 0 and open_id >= 0:
+                _force(logits, i, open_id)
+            elif budget is not None and written - (open_id >= 0) >= budget:
+                _force(logits, i, close_id)
 
     def _mask_by_grammar(self, logits: torch.Tensor, ids: list[str]) -> None:
         """Rows of requests with structured output: only the tokens their grammar allows next keep a logit. If the
         batch's masking raises, each row is masked alone and only the ones that raise fail."""
-        self._force_think_open(logits, ids)
-        rows = [i for i, rid in enumerate(ids) if self.states[rid].matcher is not None and self.states[rid].grammar_on
+        self._steer_thinking(logits, ids)
+        rows = [i for i, rid in enumerate(ids) if self.states[rid].matcher is not None and not self.states[rid].thinking
                 and rid not in self._failed]
         if not rows:
             return
@@ -400,13 +406,21 @@ class ModelRunner:
                     self._failed[ids[i]] = _failure("its grammar", e)
 
 
-def _grammar_output(params: SamplingParams, output: list[int]) -> tuple[bool, list[int]]:
-    """(whether the grammar constrains the output now, the output tokens it has seen): all of them, or for a
-    reasoning model's request those after its thinking's close token (none while it thinks)."""
+def _after_thinking(params: SamplingParams, output: list[int]) -> tuple[bool, list[int]]:
+    """(whether the request is still thinking, the output tokens after its thinking): all of them where it does
+    not wait on its thinking, those after the close token (none while it thinks)."""
     if params.think_tokens is None:
-        return True, output
+        return False, output
     close = params.think_tokens[1]
-    return (True, output[output.index(close) + 1:]) if close in output else (False, [])
+    return (False, output[output.index(close) + 1:]) if close in output else (True, [])
+
+
+def _force(logits: torch.Tensor, row: int, token: int) -> None:
+    """Row ``row`` of ``logits`` allows ``token`` only (its own logit kept, for its logprob)."""
+    with torch.inference_mode():
+        keep = logits[row, token].clone()
+        logits[row].fill_(float("-inf"))
+        logits[row, token] = keep
 
 
 def _failure(where: str, error: BaseException) -> str:

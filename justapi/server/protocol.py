@@ -161,6 +161,7 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict | None = None  # variables for the chat template (Qwen3's enable_thinking, ...)
     reasoning_effort: str | None = None  # OpenAI's; "none" turns a template's thinking off (enable_thinking false)
     include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the answer
+    thinking_budget: int | None = Field(default=None, ge=0)  # a reasoning model's most thinking tokens (Qwen's)
 
     @field_validator("messages")
     @classmethod
