@@ -106,9 +106,11 @@ def _cause(server_log: str, fallback: str) -> str:
     return fallback
 
 
-def answer_problems(status: int, content_type: str, content: bytes, cut_short: bool = False) -> list[tuple[str, str]]:
-    """What is wrong with one answer, as (kind, description): a 5xx, a 4xx without OpenAI's error body, a stream
-    that breaks off or carries a server error, a 200 that is not what it says; [] when nothing is."""
+def answer_problems(status: int, content_type: str, content: bytes, cut_short: bool = False,
+                    ollama: bool = False) -> list[tuple[str, str]]:
+    """What is wrong with one answer, as (kind, description): a 5xx, a 4xx without its family's error body
+    (OpenAI's; on Ollama's routes, ``ollama``, Ollama's {"error": str}), a stream that breaks off or carries a
+    server error, a 200 that is not what it says; [] when nothing is."""
     text = content.decode("utf-8", "backslashreplace")
     if status >= 500:
         return [(f"{status}", f"{status} (a server error): {text[:2000]}")]
@@ -118,6 +120,10 @@ def answer_problems(status: int, content_type: str, content: bytes, cut_short: b
         except ValueError:
             return [(f"{status} not JSON", f"{status} whose body is not JSON ({content_type!r}): {text[:2000]}")]
         err = body.get("error") if isinstance(body, dict) else None
+        if ollama:
+            ok = isinstance(err, str) and err and set(body) == {"error"}
+            return [] if ok else [(f"{status} not Ollama's error body", f"{status} without {{\"error\": str}}: "
+                                   f"{text[:2000]}")]
         if not (isinstance(err, dict) and isinstance(err.get("message"), str) and err["message"]
                 and isinstance(err.get("type"), str) and "param" in err and "code" in err):
             return [(f"{status} not OpenAI's error body", f"{status} without OpenAI's error body {{\"error\": "
@@ -160,7 +166,8 @@ class FuzzedServer:
         self.errors.take()
 
     def check(self, request: str, status: int, content_type: str, content: bytes, cut_short: bool = False) -> None:
-        problems = answer_problems(status, content_type, content, cut_short)
+        path = request.split(" ", 2)[1].split("?")[0] if request.count(" ") else ""
+        problems = answer_problems(status, content_type, content, cut_short, path.startswith("/api/"))
         server_log = self.errors.take(wait_s=2.0 if status >= 500 else 0.0)
         if problems:
             kind, _ = problems[0]
@@ -250,7 +257,7 @@ api = schemathesis.openapi.from_dict(OPENAPI, config=schemathesis.Config.from_di
 def test_the_schema_is_the_served_one_with_every_route(fuzz_server):
     assert httpx.get(fuzz_server.url + "/openapi.json", headers=AUTH, timeout=30).json() == OPENAPI
     routes = {(method.upper(), path) for path, ops in OPENAPI["paths"].items() for method in ops}
-    assert {method for method, _ in routes} == {"GET", "POST"}
+    assert {method for method, _ in routes} == {"GET", "POST", "HEAD"}  # HEAD: Ollama's "/", its CLI's probe
     assert routes >= {("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/v1/embeddings"),
                       ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/v1/models"), ("GET", "/health"),
                       ("GET", "/metrics"), ("GET", "/engine/steps"), ("GET", "/dashboard/events")}

@@ -4,6 +4,7 @@ answer's text made ``content`` and ``tool_calls`` (``ChatTools``), whole (``mess
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..config import TOOL_CALL_PARSERS
@@ -96,3 +97,14 @@ class Thinking:
 
     def stream(self) -> reasoning.ReasoningStream:
         return reasoning.ReasoningStream(self.inside)
+
+
+def steered(params, thinking: Thinking | None, budget: int | None):
+    """A reasoning request whose constraint waits on its thinking, or whose thinking has a budget, gets its think
+    tokens (the runner steers by them). ValueError for a budget on a model without thinking."""
+    if budget is not None and (thinking is None or thinking.think_tokens is None):
+        raise ValueError("thinking_budget needs a reasoning model whose thinking is on (single-token <think> and "
+                         "</think>)")
+    if thinking is None or thinking.think_tokens is None or (params.structured is None and budget is None):
+        return params
+    return dataclasses.replace(params, think_tokens=thinking.think_tokens, thinking_budget=budget)

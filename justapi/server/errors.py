@@ -122,10 +122,21 @@ def internal_error_message(logger, where: str) -> str:
     return f"internal server error {error_id} (the server's log has its details)"
 
 
+OLLAMA_PATHS = "/api/"  # Ollama's routes answer errors in its shape: {"error": "message"}
+
+
+def _shaped(request, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+            headers: dict | None = None) -> JSONResponse:
+    """An error in the shape of the API family the request spoke: Ollama's, or OpenAI's (every other route)."""
+    if request.url.path.startswith(OLLAMA_PATHS):
+        return JSONResponse({"error": message}, status_code=status, headers=headers)
+    return error_response(status, message, type_, param, headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
-        return error_response(exc.status, exc.message, exc.type, exc.param, exc.headers)
+        return _shaped(request, exc.status, exc.message, exc.type, exc.param, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request, exc: RequestValidationError):
@@ -141,11 +152,11 @@ def install_error_handlers(app: FastAPI) -> None:
         if errs and errs[0].get("type") != "json_invalid":  # its location is a character offset, not a field
             loc = [str(x) for x in errs[0].get("loc", ()) if x != "body"]
             param = loc[0] if loc else None
-        return error_response(400, "; ".join(problems[:5]), param=param)
+        return _shaped(request, 400, "; ".join(problems[:5]), param=param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, exc: StarletteHTTPException):
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 400 and "parsing the body" in message:
             message = "the request body could not be parsed (it must be UTF-8 JSON)"
-        return error_response(exc.status_code, message)
+        return _shaped(request, exc.status_code, message)

@@ -48,8 +48,13 @@ class Front:
         return self.llm
 
     def accept(self, req) -> None:
-        """A request body's first checks: its model name, and fields the server does not know, ignored with a
-        warning naming them (once a name), or under --strict-fields refused."""
+        """A request body's first checks: fields the server does not know (``check_fields``), its model name."""
+        self.check_fields(req)
+        self.check_model(req.model)
+
+    def check_fields(self, req) -> None:
+        """Fields the server does not know, ignored with a warning naming them (once a name), or under
+        --strict-fields refused."""
         names = unknown_fields(req)
         if names and self.config.strict_fields:
             raise ApiError(400, f"unknown field{'s' * (len(names) > 1)}: {', '.join(names[:20])} "
@@ -58,7 +63,6 @@ class Front:
         if new and len(self._warned_fields) < MAX_WARNED_FIELDS:
             self._warned_fields.update(new)
             log.warning("ignoring request fields this server does not know: %s", ", ".join(new[:20]))
-        self.check_model(req.model)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -132,12 +136,14 @@ class Front:
         return [c.final.embedding for c in choices], sum(len(c.prompt_ids) for c in choices)
 
 
-async def collect(raw: Request, llm: AsyncLLM, rid: str, choices: list[Choice]) -> None:
-    """Run the choices to the end; a client that goes away aborts them."""
+async def collect(raw: Request, llm: AsyncLLM, rid: str, choices: list[Choice], on_output=None) -> None:
+    """Run the choices to the end; a client that goes away aborts them. ``on_output(choice, output)`` sees each
+    output as it comes (a family's timings)."""
 
     async def consume():
-        async for _ in run_choices(llm, rid, choices):
-            pass
+        async for choice, out in run_choices(llm, rid, choices):
+            if on_output is not None:
+                on_output(choice, out)
 
     work = asyncio.create_task(consume())
 

@@ -11,13 +11,14 @@ from ..model.tokenizer import TextError
 from .errors import ApiError
 
 
-async def prepare_grammar(engine: Engine, req, params, forced_tool: bool = False) -> None:
+async def prepare_grammar(engine: Engine, req, params, forced_tool: bool = False, field: str | None = None) -> None:
     """Compile the request's grammar in a thread: neither the event loop nor the engine loop waits for it. An error
-    names where the constraint came from: a forced tool's parameters, structured_outputs or response_format."""
+    names where the constraint came from (``field``, else: a forced tool's parameters, structured_outputs or
+    response_format)."""
     if params.structured is None:
         return
-    field = "tools" if forced_tool else "structured_outputs" if req.structured_outputs is not None else \
-        "response_format"
+    field = field or ("tools" if forced_tool else "structured_outputs" if req.structured_outputs is not None else
+                      "response_format")
     try:
         await asyncio.to_thread(engine.prepare, params)
     except ValueError as e:

@@ -9,7 +9,7 @@ import dataclasses
 from fastapi import APIRouter, Request
 
 from ...sampling_params import Pooling, SamplingParams
-from ..chat_tools import ChatTools, Thinking
+from ..chat_tools import ChatTools, Thinking, steered
 from ..chunks import ChatChunks, CompletionChunks
 from ..errors import ApiError
 from ..front import Front, collect, stream
@@ -126,7 +126,10 @@ def router(front: Front) -> APIRouter:
                 raise ApiError(400, "tool_choice required or a named function cannot be combined with "
                                     "response_format or structured_outputs", param="tool_choice")
             params = dataclasses.replace(params, structured=tools.request.spec())
-        params = _steered_thinking(params, thinking, req.thinking_budget)
+        try:
+            params = steered(params, thinking, req.thinking_budget)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="thinking_budget") from None
         await prepare_grammar(engine, req, params, forced_tool=tools is not None and tools.request.forced)
         choices = make_choices([ids], params)
         front.validate(llm, choices)
@@ -170,17 +173,6 @@ def _sse(choices: list[Choice], req, chunk):
             yield sse("[DONE]")
 
     return events
-
-
-def _steered_thinking(params: SamplingParams, thinking: Thinking | None, budget: int | None) -> SamplingParams:
-    """A reasoning request whose constraint waits on its thinking, or whose thinking has a budget, gets its think
-    tokens (the runner steers by them)."""
-    if budget is not None and (thinking is None or thinking.think_tokens is None):
-        raise ApiError(400, "thinking_budget needs a reasoning model whose thinking is on (single-token <think> and "
-                            "</think>)", param="thinking_budget")
-    if thinking is None or thinking.think_tokens is None or (params.structured is None and budget is None):
-        return params
-    return dataclasses.replace(params, think_tokens=thinking.think_tokens, thinking_budget=budget)
 
 
 def _usage_so_far(prompt_tokens: int, completion_tokens: int) -> dict:
