@@ -107,10 +107,10 @@ def _cause(server_log: str, fallback: str) -> str:
 
 
 def answer_problems(status: int, content_type: str, content: bytes, cut_short: bool = False,
-                    ollama: bool = False) -> list[tuple[str, str]]:
+                    family: str = "openai") -> list[tuple[str, str]]:
     """What is wrong with one answer, as (kind, description): a 5xx, a 4xx without its family's error body
-    (OpenAI's; on Ollama's routes, ``ollama``, Ollama's {"error": str}), a stream that breaks off or carries a
-    server error, a 200 that is not what it says; [] when nothing is."""
+    (OpenAI's; Ollama's {"error": str}; Anthropic's {"type": "error", "error": {"type", "message"}}), a stream
+    that breaks off or carries a server error, a 200 that is not what it says; [] when nothing is."""
     text = content.decode("utf-8", "backslashreplace")
     if status >= 500:
         return [(f"{status}", f"{status} (a server error): {text[:2000]}")]
@@ -120,10 +120,15 @@ def answer_problems(status: int, content_type: str, content: bytes, cut_short: b
         except ValueError:
             return [(f"{status} not JSON", f"{status} whose body is not JSON ({content_type!r}): {text[:2000]}")]
         err = body.get("error") if isinstance(body, dict) else None
-        if ollama:
+        if family == "ollama":
             ok = isinstance(err, str) and err and set(body) == {"error"}
             return [] if ok else [(f"{status} not Ollama's error body", f"{status} without {{\"error\": str}}: "
                                    f"{text[:2000]}")]
+        if family == "anthropic":
+            ok = body.get("type") == "error" and isinstance(err, dict) and isinstance(err.get("message"), str) \
+                and isinstance(err.get("type"), str)
+            return [] if ok else [(f"{status} not Anthropic's error body", f"{status} without Anthropic's error "
+                                   f"body: {text[:2000]}")]
         if not (isinstance(err, dict) and isinstance(err.get("message"), str) and err["message"]
                 and isinstance(err.get("type"), str) and "param" in err and "code" in err):
             return [(f"{status} not OpenAI's error body", f"{status} without OpenAI's error body {{\"error\": "
@@ -131,7 +136,14 @@ def answer_problems(status: int, content_type: str, content: bytes, cut_short: b
         if not content_type.startswith("application/json"):
             return [(f"{status} not application/json", f"{status} error body served as {content_type!r}")]
         return []
-    if status == 200 and content_type.startswith("text/event-stream") and not cut_short:
+    if status == 200 and content_type.startswith("text/event-stream") and not cut_short and family == "anthropic":
+        lines = re.split(r"\r\n|\r|\n", text)
+        events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+        if not events or events[-1].get("type") != "message_stop":
+            bad = events[-1] if events else text[-2000:]
+            return [("stream without message_stop", f"an Anthropic event stream that does not end in message_stop: "
+                     f"{str(bad)[:2000]}")]
+    elif status == 200 and content_type.startswith("text/event-stream") and not cut_short:
         lines = re.split(r"\r\n|\r|\n", text)  # an event stream's only line ends (not str.splitlines' U+0085 ...)
         events = [line[6:] for line in lines if line.startswith("data: ")]
         if not events or events[-1] != "[DONE]":
@@ -167,7 +179,9 @@ class FuzzedServer:
 
     def check(self, request: str, status: int, content_type: str, content: bytes, cut_short: bool = False) -> None:
         path = request.split(" ", 2)[1].split("?")[0] if request.count(" ") else ""
-        problems = answer_problems(status, content_type, content, cut_short, path.startswith("/api/"))
+        family = "ollama" if path.startswith("/api/") else "anthropic" if path.startswith("/v1/messages") else \
+            "openai"
+        problems = answer_problems(status, content_type, content, cut_short, family)
         server_log = self.errors.take(wait_s=2.0 if status >= 500 else 0.0)
         if problems:
             kind, _ = problems[0]

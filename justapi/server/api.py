@@ -1,5 +1,5 @@
 """The HTTP server: the app, its middleware and lifespan (the engine loaded in the background), and one router per
-API family over the shared Front (server.front): OpenAI (server.openai), Ollama (server.ollama), scoring, JustAPI's own (server.native)."""
+API family over the shared Front (server.front): OpenAI (server.openai), Anthropic (server.anthropic), Ollama (server.ollama), scoring, JustAPI's own (server.native)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from .auth import ApiKeys
 from .dashboard import install as install_dashboard
 from .errors import BodyLimit, InternalErrors, install_error_handlers
 from .front import Front
+from .anthropic import routes as anthropic
 from .ollama import routes as ollama
 from .openai import routes as openai
 
@@ -79,4 +80,5 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
     app.include_router(openai.router(state))
     app.include_router(scoring.router(state))
     app.include_router(ollama.router(state))
+    app.include_router(anthropic.router(state))
     return app

@@ -35,7 +35,8 @@ class ApiKeys:
             # a browser asks for the key (as a password) where the page says Basic, and resends it with the
             # page's own requests: the dashboard works without a client of its own
             www = {"WWW-Authenticate": 'Basic realm="justapi dashboard"'} if path.startswith("/dashboard") else None
-            response = error_response(401, "invalid or missing API key", "authentication_error", headers=www)
+            response = error_response(401, "invalid or missing API key", "authentication_error", headers=www,
+                                      path=path)
             return await response(scope, receive, send)
         scope.setdefault("state", {})["api_user"] = user  # the fair-share user: a key is a tenant
         await self.app(scope, receive, send)

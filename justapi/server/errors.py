@@ -27,10 +27,23 @@ class ApiError(Exception):
         self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers
 
 
+OLLAMA_PATHS = "/api/"  # Ollama's routes answer errors in its shape: {"error": "message"}
+ANTHROPIC_PATHS = "/v1/messages"  # Anthropic's: {"type": "error", "error": {"type": ..., "message": ...}}
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
+                   503: "overloaded_error", 529: "overloaded_error"}
+
+
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}},
-                        status_code=status, headers=headers)
+                   headers: dict[str, str] | None = None, path: str = "") -> JSONResponse:
+    """An error in the shape of the API family ``path`` belongs to: Ollama's, Anthropic's, or OpenAI's."""
+    if path.startswith(OLLAMA_PATHS):
+        body = {"error": message}
+    elif path.startswith(ANTHROPIC_PATHS):
+        body = {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
+    else:
+        body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 # what the engine front raises about a request once its stream has started: answered inside the stream as such
@@ -79,7 +92,8 @@ class BodyLimit:
             await self._reject(scope, receive, send)
 
     async def _reject(self, scope, receive, send):
-        resp = error_response(413, f"the request body exceeds the limit of {self.max_bytes} bytes")
+        resp = error_response(413, f"the request body exceeds the limit of {self.max_bytes} bytes",
+                              path=scope.get("path", ""))
         await resp(scope, receive, send)
 
 
@@ -108,11 +122,12 @@ class InternalErrors:
             await self.app(scope, receive, watched_send)
         except RecursionError:  # a body (or a schema in it) nested past what the parsers recurse through
             if not started:
-                await error_response(400, "the request is nested too deeply")(scope, receive, send)
+                await error_response(400, "the request is nested too deeply", path=scope.get("path", ""))(
+                    scope, receive, send)
         except Exception:
             message = internal_error_message(log, f"{scope.get('method')} {scope.get('path')}")
             if not started:
-                await error_response(500, message, "server_error")(scope, receive, send)
+                await error_response(500, message, "server_error", path=scope.get("path", ""))(scope, receive, send)
 
 
 def internal_error_message(logger, where: str) -> str:
@@ -122,15 +137,9 @@ def internal_error_message(logger, where: str) -> str:
     return f"internal server error {error_id} (the server's log has its details)"
 
 
-OLLAMA_PATHS = "/api/"  # Ollama's routes answer errors in its shape: {"error": "message"}
-
-
 def _shaped(request, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
             headers: dict | None = None) -> JSONResponse:
-    """An error in the shape of the API family the request spoke: Ollama's, or OpenAI's (every other route)."""
-    if request.url.path.startswith(OLLAMA_PATHS):
-        return JSONResponse({"error": message}, status_code=status, headers=headers)
-    return error_response(status, message, type_, param, headers)
+    return error_response(status, message, type_, param, headers, request.url.path)
 
 
 def install_error_handlers(app: FastAPI) -> None:
