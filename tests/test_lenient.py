@@ -34,11 +34,11 @@ def test_unknown_fields_are_ignored_with_a_warning_naming_them(lenient):
     assert [t.split('"text":')[1][:20] for t in texts[0]] == [t.split('"text":')[1][:20] for t in texts[1]]
     assert '"usage"' in extra.text  # stream_options still honoured beside its unknown part
     chat = httpx.post(lenient.url + "/v1/chat/completions", headers=headers, json={
-        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "reasoning_effort": "low",
-        "chat_template_kwargs": {"x": 1}})
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "web_search_options": {},
+        "prediction": {"type": "content", "content": "x"}})
     assert chat.status_code == 200, chat.text
     log = open(lenient.log_path).read()
-    for name in ("metadata", "store", "prompt_cache_key", "service_tier", "stream_options.shiny", "reasoning_effort"):
+    for name in ("metadata", "store", "prompt_cache_key", "service_tier", "stream_options.shiny", "web_search_options", "prediction"):
         assert name in log
     assert log.count("prompt_cache_key") == 1  # once a name, not once a request
 
