@@ -30,11 +30,13 @@ def assert_every_engine_feature_gives_the_same_tokens(path: str, vocab: int = 28
         params.append(SamplingParams(temperature=0, max_tokens=24,
                                      structured=StructuredOutput("regex", r"[a-c]{3}-[0-9]{2}")))
     base = LLM(path, **EXACT)
-    alone = [base.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
+    # batched with the prefix cache on the batch-invariant path: each request's tokens alone (two checked here)
+    alone = [r.token_ids for r in base.generate(prompts, params)]
+    assert [base.generate([p], q)[0].token_ids for p, q in zip(prompts[:2], params[:2])] == alone[:2]
+    assert base.engine.scheduler.cache.hits > 0
     if structured:
         assert base.tokenizer.decode(alone[-1]).count("-") == 1
     engines = {
-        "batched": LLM(path, **EXACT),
         "chunked, preempted": LLM(path, **{**EXACT, "pool_blocks": 14, "chunk_size": 3}),
         "draft tree": LLM(path, draft_model=path, gamma=3, branch=2, spec_max_batch=64, **EXACT),
         "ngram": LLM(path, spec_method="ngram", gamma=3, spec_max_batch=64, **EXACT),
@@ -43,7 +45,6 @@ def assert_every_engine_feature_gives_the_same_tokens(path: str, vocab: int = 28
     try:
         for name, llm in engines.items():
             assert [r.token_ids for r in llm.generate(prompts, params)] == alone, name
-        assert engines["batched"].engine.scheduler.cache.hits > 0
         assert engines["chunked, preempted"].engine.scheduler.stats.num_preemptions > 0
         assert engines["draft tree"].engine.scheduler.stats.spec_accepted_tokens > 0
     finally:

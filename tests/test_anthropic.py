@@ -57,6 +57,10 @@ def test_messages_whole_and_streamed(served, tiny_model):
     cut = client.messages.create(model="tiny", max_tokens=8, messages=ask, stop_sequences=[stop], **greedy)
     assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop and stop not in cut.content[0].text
     assert client.messages.count_tokens(model="tiny", system=system, messages=ask).input_tokens == len(ids)
+    from server_helpers import labelled
+
+    metrics = httpx.get(srv.url + "/metrics", headers={"x-api-key": "sk-ant"}).text
+    assert labelled(metrics, "justapi_requests_by_api_total", api="anthropic") >= 4
 
 
 def test_tool_use_and_tool_result(served):

@@ -106,6 +106,10 @@ def _cause(server_log: str, fallback: str) -> str:
     return fallback
 
 
+# the event types that end a typed event stream (Anthropic's Messages, OpenAI's Responses)
+TYPED_ENDS = {"anthropic": ("message_stop",), "responses": ("response.completed", "response.incomplete")}
+
+
 def answer_problems(status: int, content_type: str, content: bytes, cut_short: bool = False,
                     family: str = "openai") -> list[tuple[str, str]]:
     """What is wrong with one answer, as (kind, description): a 5xx, a 4xx without its family's error body
@@ -136,13 +140,13 @@ def answer_problems(status: int, content_type: str, content: bytes, cut_short: b
         if not content_type.startswith("application/json"):
             return [(f"{status} not application/json", f"{status} error body served as {content_type!r}")]
         return []
-    if status == 200 and content_type.startswith("text/event-stream") and not cut_short and family == "anthropic":
+    if status == 200 and content_type.startswith("text/event-stream") and not cut_short and family in TYPED_ENDS:
         lines = re.split(r"\r\n|\r|\n", text)
         events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
-        if not events or events[-1].get("type") != "message_stop":
+        if not events or events[-1].get("type") not in TYPED_ENDS[family]:
             bad = events[-1] if events else text[-2000:]
-            return [("stream without message_stop", f"an Anthropic event stream that does not end in message_stop: "
-                     f"{str(bad)[:2000]}")]
+            return [("typed stream not ended", f"a {family} event stream that does not end in one of "
+                     f"{TYPED_ENDS[family]}: {str(bad)[:2000]}")]
     elif status == 200 and content_type.startswith("text/event-stream") and not cut_short:
         lines = re.split(r"\r\n|\r|\n", text)  # an event stream's only line ends (not str.splitlines' U+0085 ...)
         events = [line[6:] for line in lines if line.startswith("data: ")]
@@ -179,8 +183,8 @@ class FuzzedServer:
 
     def check(self, request: str, status: int, content_type: str, content: bytes, cut_short: bool = False) -> None:
         path = request.split(" ", 2)[1].split("?")[0] if request.count(" ") else ""
-        family = "ollama" if path.startswith("/api/") else "anthropic" if path.startswith("/v1/messages") else \
-            "openai"
+        family = ("ollama" if path.startswith("/api/") else "anthropic" if path.startswith("/v1/messages") else
+                  "responses" if path.startswith("/v1/responses") else "openai")
         problems = answer_problems(status, content_type, content, cut_short, family)
         server_log = self.errors.take(wait_s=2.0 if status >= 500 else 0.0)
         if problems:

@@ -74,6 +74,10 @@ def test_listing_routes_and_embeddings(served):
     assert len(emb.embeddings) == 2 and len(emb.embeddings[0]) == 64
     legacy = client.embeddings(model="tiny", prompt="the cat")
     assert legacy.embedding == pytest.approx(emb.embeddings[0], abs=1e-5)
+    from server_helpers import labelled
+
+    metrics = httpx.get(srv.url + "/metrics").text
+    assert labelled(metrics, "justapi_requests_by_api_total", api="ollama") >= 3  # labelled by API family
 
 
 def test_errors_in_ollamas_shape(served):

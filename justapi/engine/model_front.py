@@ -26,7 +26,9 @@ class ModelFront:
         self.tokenizer = Tokenizer(config.model, reader)
         self._pairs = PairFormat(reader, self.tokenizer)
         self.chat_template = ChatTemplate(_template_source(config.chat_template) or self.tokenizer.chat_template)
-        self.tool_parser = config.tool_call_parser or parser_for_template(self.chat_template.source)
+        # a template that renders no tools gets them in its system message, calls asked in the hermes format
+        self.tool_parser = config.tool_call_parser or parser_for_template(self.chat_template.source) or (
+            "hermes" if self.chat_template.available and not self.chat_template.renders_tools else None)
         self.reasoning_parser = (None if config.reasoning_parser == "none" else
                                  config.reasoning_parser or reasoning_parser_for(self.chat_template.source))
         ctx = self.model_config.context_length

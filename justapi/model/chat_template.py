@@ -7,6 +7,8 @@ import json
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from ..structured.tools import with_generic_tools
+
 
 MAX_RENDERED_CHARS = 4 << 20  # a template's output past this is refused (a loop in a hostile template)
 
@@ -49,6 +51,12 @@ class ChatTemplate:
     def source(self) -> str | None:
         return self._source
 
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the template itself renders a request's tools (else they are described in the system message,
+        structured.tools.with_generic_tools, and calls read in the hermes format)."""
+        return bool(self._source) and "tools" in self._source
+
     def encode(self, tokenizer, messages: list[dict], add_generation_prompt: bool = True,
                tools: list[dict] | None = None, variables: dict | None = None) -> list[int]:
         """Token ids of a conversation rendered with ``tokenizer``'s BOS and EOS strings and encoded by it."""
@@ -62,9 +70,8 @@ class ChatTemplate:
         but never in place of the ones named here."""
         if self._template is None:
             raise ChatTemplateError("the model file has no chat template; use the completions endpoint")
-        if tools and "tools" not in self._source:
-            raise ChatTemplateError("the chat template does not render tools; serve with --chat-template FILE "
-                                    "(a template that does) to use them")
+        if tools and not self.renders_tools:  # the functions described in the system message instead
+            messages, tools = with_generic_tools(messages, tools), None
         try:
             text = self._template.render(**{**(variables or {}), "messages": messages, "tools": tools,
                                             "add_generation_prompt": add_generation_prompt, "bos_token": bos_token,

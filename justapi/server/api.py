@@ -1,5 +1,5 @@
 """The HTTP server: the app, its middleware and lifespan (the engine loaded in the background), and one router per
-API family over the shared Front (server.front): OpenAI (server.openai), Anthropic (server.anthropic), Ollama (server.ollama), scoring, JustAPI's own (server.native)."""
+API family over the shared Front (server.front): OpenAI (server.openai, server.responses), Anthropic (server.anthropic), Ollama (server.ollama), scoring, JustAPI's own (server.native)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from .errors import BodyLimit, InternalErrors, install_error_handlers
 from .front import Front
 from .anthropic import routes as anthropic
 from .ollama import routes as ollama
+from .responses import routes as responses
 from .openai import routes as openai
 
 log = logging.getLogger("justapi.server")
@@ -32,7 +33,7 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
     state = Front(config, model_name)
 
     def on_finish(rid, out, timing) -> None:
-        state.metrics.observe(out, timing)
+        state.metrics.observe(out, timing, rid)
         state.dashboard.observe(rid, out, timing)
         ttft = (timing.first_token - timing.arrival) if timing.first_token else float("nan")
         total = (timing.finished or timing.arrival) - timing.arrival
@@ -81,4 +82,5 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
     app.include_router(scoring.router(state))
     app.include_router(ollama.router(state))
     app.include_router(anthropic.router(state))
+    app.include_router(responses.router(state))
     return app

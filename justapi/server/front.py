@@ -123,14 +123,15 @@ class Front:
 
     # --- running ---------------------------------------------------------------------------------------------------
     async def pooled(self, raw: Request, ids_list: list[list[int]], pooling: Pooling, user: str | None,
-                     timeout: float | None) -> tuple[list[list[float]], int]:
-        """(each prompt's pooled vector, the prompts' tokens): embeddings, or a reranker's scores."""
+                     timeout: float | None, id_prefix: str = "embd") -> tuple[list[list[float]], int]:
+        """(each prompt's pooled vector, the prompts' tokens): embeddings, or a reranker's scores. ``id_prefix``:
+        the request id's, which names its API family in the metrics (server.metrics.API_FAMILIES)."""
         llm = self.ready_llm()
         params = dataclasses.replace(SamplingParams.for_embedding(pooling), user=self.user(raw, user),
                                      deadline=self.deadline(timeout))
         choices = [Choice(i, i, ids, params) for i, ids in enumerate(ids_list)]
         self.validate(llm, choices)
-        await collect(raw, llm, new_id("embd"), choices)
+        await collect(raw, llm, new_id(id_prefix), choices)
         if any(c.final.embedding is None for c in choices):  # its deadline passed before it was computed
             raise ApiError(408, "the request was not computed within its timeout", "timeout")
         return [c.final.embedding for c in choices], sum(len(c.prompt_ids) for c in choices)

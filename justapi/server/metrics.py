@@ -14,6 +14,13 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0
 _ERROR_BUCKETS = (-20.0, -10.0, -5.0, -2.5, -1.0, -0.5, -0.25, -0.1, 0.0, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0)
 MAX_CLASS_LABELS = 64  # distinct users (or priorities) with labels of their own; the rest share "other"
 MAX_LABEL_CHARS = 64  # a label value's length: a name's first characters (every scrape repeats it per series)
+# a request id's prefix (server.serving.new_id) -> the API family it came through
+API_FAMILIES = {"chatcmpl": "openai", "cmpl": "openai", "embd": "openai", "msg": "anthropic", "ollama": "ollama",
+                "score": "scoring", "resp": "responses", "offline": "offline"}
+
+
+def api_family(request_id: str) -> str:
+    return API_FAMILIES.get(request_id.split("-", 1)[0], "other")
 
 
 class ClassLabels:
@@ -186,6 +193,8 @@ class Metrics:
                                             registry=r)
         self.generation_tokens = Counter("justapi_generation_tokens", "Tokens generated", registry=r)
         self.finished = Counter("justapi_requests_finished", "Requests finished", ["finish_reason"], registry=r)
+        self.by_api = Counter("justapi_requests_by_api", "Requests finished, per API family (openai, responses, "
+                              "anthropic, ollama, scoring)", ["api"], registry=r)
         # scheduling (core.policy, --request-timeout, --ttft-slo)
         self.users, self.priorities = ClassLabels(), ClassLabels()
         self.timeouts = Counter("justapi_request_timeouts", "Requests ended by their deadline", registry=r)
@@ -206,9 +215,10 @@ class Metrics:
         """Export the engine's state from ``latest_stats()``, its newest snapshot (AsyncLLM.stats)."""
         self.registry.register(_SnapshotCollector(latest_stats, self.users, self.priorities))
 
-    def observe(self, out: RequestOutput, timing: RequestTiming) -> None:
+    def observe(self, out: RequestOutput, timing: RequestTiming, request_id: str = "") -> None:
         """Record one finished request (called from the engine thread)."""
         self.finished.labels(out.finish_reason or "unknown").inc()
+        self.by_api.labels(api_family(request_id)).inc()
         self.prompt_tokens.inc(out.num_prompt_tokens)
         self.cached_prompt_tokens.inc(out.num_cached_tokens)
         self.generation_tokens.inc(len(out.token_ids))

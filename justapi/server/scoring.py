@@ -83,7 +83,8 @@ def router(front: Front) -> APIRouter:
         engine = front.engine
         if engine.model_config.pooling == "rank":
             ids = await encoded(field, lambda: [engine.pair_prompt(q, d) for q, d in pairs])
-            vectors, tokens = await front.pooled(raw, ids, Pooling("rank", normalize=False), req.user, req.timeout)
+            vectors, tokens = await front.pooled(raw, ids, Pooling("rank", normalize=False), req.user, req.timeout,
+                                                 "score")
             return [v[0] for v in vectors], tokens
         try:
             pooling = Pooling(engine.model_config.pooling)
@@ -92,7 +93,7 @@ def router(front: Front) -> APIRouter:
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))  # each distinct text embedded once
         front.check_fan_out(len(texts), 1, field)
         ids = await encoded(field, lambda: [engine.tokenizer.encode(t) for t in texts])
-        vectors, tokens = await front.pooled(raw, ids, pooling, req.user, req.timeout)
+        vectors, tokens = await front.pooled(raw, ids, pooling, req.user, req.timeout, "score")
         by_text = dict(zip(texts, vectors))
         return [_cosine(by_text[q], by_text[d]) for q, d in pairs], tokens
 

@@ -137,3 +137,33 @@ def _template_call(i: int, k: int, call) -> dict:
         except json.JSONDecodeError:
             raise ValueError(f"messages[{i}].tool_calls[{k}].function.arguments is not valid JSON") from None
     return {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}
+
+
+GENERIC_TOOL_PROMPT = (
+    "You can call functions. Their signatures are inside <tools></tools>:\n<tools>\n{tools}\n</tools>\n"
+    "To call a function, answer with a JSON object of its name and arguments inside <tool_call></tool_call> "
+    "(one block per call):\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n"
+    "</tool_call>\nA function's result comes back inside <tool_response></tool_response>."
+)
+
+
+def with_generic_tools(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """A conversation for a chat template that renders no tools (SmolLM2's, Gemma's), as llama.cpp's server serves
+    one: the functions and how to call them (the hermes format, which structured.tool_calls reads) in the system
+    message; earlier calls written into their assistant turns; results as user turns in <tool_response>."""
+    listing = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
+    prompt = GENERIC_TOOL_PROMPT.format(tools=listing)
+    out = []
+    for m in messages:
+        m = dict(m)
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                     for c in m.pop("tool_calls")]
+            m["content"] = (m.get("content") or "") + "".join(
+                f"\n<tool_call>\n{json.dumps(c, ensure_ascii=False)}\n</tool_call>" for c in calls)
+        elif m["role"] == "tool":
+            m = {"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"}
+        out.append(m)
+    if out and out[0]["role"] == "system":
+        return [{"role": "system", "content": f"{out[0]['content']}\n\n{prompt}"}] + out[1:]
+    return [{"role": "system", "content": prompt}] + out

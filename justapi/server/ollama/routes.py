@@ -155,7 +155,7 @@ def router(front: Front) -> APIRouter:
         ids = await encoded("input", lambda: [engine.tokenizer.encode(t) for t in texts])
         if truncate:  # Ollama cuts an input to the context instead of refusing it
             ids = [i[: engine.limits.max_model_len] for i in ids]
-        vectors, tokens = await front.pooled(raw, ids, pooling, None, None)
+        vectors, tokens = await front.pooled(raw, ids, pooling, None, None, "ollama")
         return vectors, tokens, time.monotonic() - start
 
     return api
