@@ -20,7 +20,7 @@ refused; the hypothesis bodies mostly ask for a few tokens. A request unanswered
 failure, and once the server stops answering at all every later request fails at once, naming the one that hung
 it. Failures are told apart by the server's traceback: hypothesis shrinks and reports each distinct one, the sweep
 lists them all. The run is derandomized (fixed seeds), so CI sends the same requests every time;
-``JUSTAPI_FUZZ_EXAMPLES=500`` raises the generated requests per route (40) for a long local run.
+``JUSTAPI_FUZZ_EXAMPLES=500`` raises the generated requests per route (25) for a long local run.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ NAME = "tiny"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_MODEL_LEN = 1024  # the tiny model's context: room for the tools template's ~400 tokens of preamble
 SERVER_SETTINGS = dict(api_key=KEY, served_model_name=NAME, max_n=2)
-EXAMPLES = int(os.environ.get("JUSTAPI_FUZZ_EXAMPLES", "40"))  # generated requests per route and fuzzer
+EXAMPLES = int(os.environ.get("JUSTAPI_FUZZ_EXAMPLES", "25"))  # generated requests per route and fuzzer
 SEED = 53  # issue 53
 TOOLS_TEMPLATE = os.path.join(os.path.dirname(__file__), "..", "examples", "chat_templates", "chatml_tools.jinja")
 REQUEST_TIMEOUT_S = 30  # unanswered after this long is a failure (the tiny model needs < 1 s, a first grammar ~6)
@@ -106,8 +106,10 @@ def _cause(server_log: str, fallback: str) -> str:
     return fallback
 
 
-# the event types that end a typed event stream (Anthropic's Messages, OpenAI's Responses)
-TYPED_ENDS = {"anthropic": ("message_stop",), "responses": ("response.completed", "response.incomplete")}
+# how the last event of a family's stream ends it (Anthropic's Messages, OpenAI's Responses, llama.cpp's /infill)
+TYPED_ENDS = {"anthropic": lambda e: e.get("type") == "message_stop",
+              "responses": lambda e: e.get("type") in ("response.completed", "response.incomplete"),
+              "infill": lambda e: e.get("stop") is True}
 
 
 def answer_problems(status: int, content_type: str, content: bytes, cut_short: bool = False,
@@ -143,10 +145,10 @@ def answer_problems(status: int, content_type: str, content: bytes, cut_short: b
     if status == 200 and content_type.startswith("text/event-stream") and not cut_short and family in TYPED_ENDS:
         lines = re.split(r"\r\n|\r|\n", text)
         events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
-        if not events or events[-1].get("type") not in TYPED_ENDS[family]:
+        if not events or not TYPED_ENDS[family](events[-1]):
             bad = events[-1] if events else text[-2000:]
-            return [("typed stream not ended", f"a {family} event stream that does not end in one of "
-                     f"{TYPED_ENDS[family]}: {str(bad)[:2000]}")]
+            return [("typed stream not ended", f"a {family} event stream whose last event does not end it: "
+                     f"{str(bad)[:2000]}")]
     elif status == 200 and content_type.startswith("text/event-stream") and not cut_short:
         lines = re.split(r"\r\n|\r|\n", text)  # an event stream's only line ends (not str.splitlines' U+0085 ...)
         events = [line[6:] for line in lines if line.startswith("data: ")]
@@ -184,7 +186,7 @@ class FuzzedServer:
     def check(self, request: str, status: int, content_type: str, content: bytes, cut_short: bool = False) -> None:
         path = request.split(" ", 2)[1].split("?")[0] if request.count(" ") else ""
         family = ("ollama" if path.startswith("/api/") else "anthropic" if path.startswith("/v1/messages") else
-                  "responses" if path.startswith("/v1/responses") else "openai")
+                  "responses" if path.startswith("/v1/responses") else "infill" if path == "/infill" else "openai")
         problems = answer_problems(status, content_type, content, cut_short, family)
         server_log = self.errors.take(wait_s=2.0 if status >= 500 else 0.0)
         if problems:

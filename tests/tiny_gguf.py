@@ -38,11 +38,16 @@ def _byte_tokens() -> list[str]:
     return [chr(table[b]) for b in range(256)]
 
 
-def vocab(think: bool = False) -> tuple[list[str], list[str], list[int]]:
+FIM_TOKENS = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|file_sep|>"]  # Qwen2.5-Coder's
+
+
+def vocab(think: bool = False, fim: bool = False) -> tuple[list[str], list[str], list[int]]:
     tokens = SPECIALS + _byte_tokens() + ["".join(m.split()) for m in MERGES]
     types = [gguf.TokenType.CONTROL] * len(SPECIALS) + [gguf.TokenType.NORMAL] * (len(tokens) - len(SPECIALS))
     if think:
         tokens, types = tokens + THINK_TOKENS, types + [gguf.TokenType.USER_DEFINED] * len(THINK_TOKENS)
+    if fim:
+        tokens, types = tokens + FIM_TOKENS, types + [gguf.TokenType.CONTROL] * len(FIM_TOKENS)
     return tokens, MERGES, [int(t) for t in types]
 
 
@@ -236,6 +241,7 @@ def write_tiny_model(
     granite: dict | None = None,
     rerank: tuple[int, int] | None = None,
     chat_template: str = CHAT_TEMPLATE,
+    fim: bool = False,
 ) -> str:
     """A random model whose linear weights are stored as ``qtype`` and its token embedding as ``embd_qtype`` (F32
     or a type gguf quantizes, e.g. Q8_0 as SmolLM2's); returns ``path``. ``gemma3``: its extra norms, QK norm,
@@ -260,6 +266,8 @@ def write_tiny_model(
     as a llama file); ``granite``'s multipliers (``embedding``, ``residual``, ``attention``, ``logits``) go in its
     metadata.
 
+    ``fim``: Qwen2.5-Coder's fill-in-the-middle tokens and their keys.
+
     ``chat_template``: the file's; a thinking one (``THINKING_TEMPLATE``) adds Qwen3's <think> and </think> tokens.
 
     ``rerank``: a Qwen3-Reranker as llama.cpp's converter writes one, for the (yes, no) token ids given: pooling
@@ -271,7 +279,7 @@ def write_tiny_model(
     if source is not None:
         tokens = source.fields["tokenizer.ggml.tokens"].contents()
     elif tokenizer == "gpt2":
-        tokens, merges, types = vocab(think="<think>" in chat_template)
+        tokens, merges, types = vocab(think="<think>" in chat_template, fim=fim)
     else:
         tokens, scores, types = spm_vocab()
     vocab_size = len(tokens)
@@ -338,6 +346,9 @@ def write_tiny_model(
         w.add_bos_token_id(1)
         w.add_eos_token_id(2)
         w.add_chat_template(chat_template)
+        if fim:  # as llama.cpp's converter writes a code model's
+            for name, token in zip(("fim_pre", "fim_suf", "fim_mid", "fim_sep"), FIM_TOKENS):
+                w.add_uint32(f"tokenizer.ggml.{name}_token_id", tokens.index(token))
 
     def rand(*shape, scale=weight_scale):
         return (rng.standard_normal(shape) * scale).astype(np.float32)

@@ -9,6 +9,7 @@ import random
 from ..config import EngineConfig
 from ..model.chat_template import ChatTemplate
 from ..model.gguf_loader import ModelLoadError, open_gguf, read_model_config
+from ..model.fim import FimTokens
 from ..model.pairs import PairFormat
 from ..model.tokenizer import Tokenizer
 from ..sampling_params import SamplingParams
@@ -25,6 +26,7 @@ class ModelFront:
         self.model_config = read_model_config(reader, config.model)
         self.tokenizer = Tokenizer(config.model, reader)
         self._pairs = PairFormat(reader, self.tokenizer)
+        self.fim = FimTokens(reader, self.tokenizer)
         self.chat_template = ChatTemplate(_template_source(config.chat_template) or self.tokenizer.chat_template)
         # a template that renders no tools gets them in its system message, calls asked in the hermes format
         self.tool_parser = config.tool_call_parser or parser_for_template(self.chat_template.source) or (
@@ -48,6 +50,10 @@ class ModelFront:
         """Token ids of a conversation in the chat template, with ``tools`` offered and ``variables`` (a request's
         chat_template_kwargs) set (ChatTemplateError for a bad template or one that renders no tools)."""
         return self.chat_template.encode(self.tokenizer, messages, add_generation_prompt, tools, variables)
+
+    def fim_prompt(self, prefix: str, suffix: str, extra: list[tuple[str, str]] = (), middle: str = "") -> list[int]:
+        """Token ids of a fill-in-the-middle prompt (model.fim; ValueError for a model without FIM tokens)."""
+        return self.fim.prompt(prefix, suffix, extra, middle)
 
     def pair_prompt(self, query: str, document: str) -> list[int]:
         """Token ids of a (query, document) pair as the reranker reads it (model.pairs)."""

@@ -43,6 +43,9 @@ class Engine(Protocol):
                     variables: dict | None = None) -> list[int]:
         """Token ids of a conversation in the model's chat template (ChatTemplateError for a bad one)."""
 
+    def fim_prompt(self, prefix: str, suffix: str, extra: list[tuple[str, str]] = (), middle: str = "") -> list[int]:
+        """Token ids of a fill-in-the-middle prompt (ValueError for a model without FIM tokens)."""
+
     def pair_prompt(self, query: str, document: str) -> list[int]:
         """Token ids of a (query, document) pair as the model scores it (a reranker's template or pair layout)."""
 

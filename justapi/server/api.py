@@ -14,7 +14,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from ..config import ServerConfig
 from ..engine.async_llm import AsyncLLM
 from ..engine.protocol import Engine
-from . import native, scoring
+from . import infill, native, scoring
 from .auth import ApiKeys
 from .dashboard import install as install_dashboard
 from .errors import BodyLimit, InternalErrors, install_error_handlers
@@ -83,4 +83,5 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
     app.include_router(ollama.router(state))
     app.include_router(anthropic.router(state))
     app.include_router(responses.router(state))
+    app.include_router(infill.router(state))
     return app

@@ -133,8 +133,10 @@ class CompletionRequest(_SamplingRequest):
         return v
 
     def unsupported(self) -> str | None:
-        if self.suffix:
-            return "suffix is not supported"
+        if self.suffix is not None and not isinstance(self.prompt, str):
+            return "suffix (fill-in-the-middle) needs a text prompt"
+        if self.suffix is not None and self.echo:
+            return "echo together with suffix is not supported"
         if self.echo and self.logprobs is not None:
             return "echo together with logprobs is not supported (prompt logprobs are not computed)"
         return super().unsupported()

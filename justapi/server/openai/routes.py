@@ -65,7 +65,10 @@ def router(front: Front) -> APIRouter:
         front.check_fan_out(len(prompts), req.n, "prompt")
         front.check_token_ids(prompts, "prompt")
         params = params_of(req, raw, req.max_tokens, req.logprobs)
-        ids_list, echo = await encoded("prompt", completion_prompts, tok, prompts, req.echo)
+        if req.suffix is not None:  # fill-in-the-middle: the prompt is the prefix
+            ids_list, echo = [await _fim(front, req.prompt, req.suffix)], None
+        else:
+            ids_list, echo = await encoded("prompt", completion_prompts, tok, prompts, req.echo)
         await prepare_grammar(front.engine, req, params)
         choices = make_choices(ids_list, params, echo)
         front.validate(llm, choices)
@@ -144,6 +147,13 @@ def router(front: Front) -> APIRouter:
                 "usage": usage(choices)}
 
     return api
+
+
+async def _fim(front: Front, prefix: str, suffix: str) -> list[int]:
+    try:
+        return await encoded("suffix", front.engine.fim_prompt, prefix, suffix)
+    except ValueError as e:
+        raise ApiError(400, f"suffix: {e}", param="suffix") from None
 
 
 def _sse(choices: list[Choice], req, chunk):
