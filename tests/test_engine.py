@@ -274,8 +274,8 @@ def test_smollm2_batching_and_preemption_equivalence(real_model_path, smollm2_ex
                      cpu_kernels=False)
     assert tokens(torch_path.generate(prompts, params)) == batched  # the C++ kernels (attention, norm, rotary) change no token
     del torch_path
-    chunked = LLM(real_model_path, pool_blocks=12, block_size=4, chunk_size=3, batch_invariant=True, show_progress=False)
-    assert tokens(chunked.generate(prompts, params)) == batched
+    chunked = LLM(real_model_path, pool_blocks=10, block_size=4, chunk_size=3, batch_invariant=True, show_progress=False)
+    assert tokens(chunked.generate(prompts[:6], params)) == batched[:6]
     assert chunked.engine.scheduler.stats.num_preemptions > 0
 
 

@@ -204,8 +204,6 @@ def test_smollm2_greedy_identical_with_draft_models(real_model_path, smollm2_ran
     chats, params, want, opts = smollm2_copy_task
     path = real_model_path if draft == "self" else smollm2_random_draft
     spec = LLM(real_model_path, draft_model=path, gamma=gamma, branch=branch, spec_max_batch=16, **opts)
-    if branch == 1:  # alone (the tree variants run the same code paths, only in the batch here, to save time)
-        assert spec.generate([chats[0]], params)[0].token_ids == want[0]
     assert [r.token_ids for r in spec.generate(chats, params)] == want
     st = spec.engine.scheduler.stats
     if draft == "self":
