@@ -22,7 +22,8 @@ from .dashboard import DashboardFeed
 from .errors import ENGINE_ERRORS, ApiError, engine_error, internal_error_message
 from .metrics import Metrics
 from .protocol import unknown_fields
-from .serving import Choice, new_id, run_choices
+from .inputs import prepare_grammar
+from .serving import Choice, make_choices, new_id, run_choices
 
 log = logging.getLogger("justapi.server")
 MAX_WARNED_FIELDS = 1024  # distinct unknown field names warned about (a client inventing names cannot fill the log)
@@ -135,6 +136,24 @@ class Front:
         if any(c.final.embedding is None for c in choices):  # its deadline passed before it was computed
             raise ApiError(408, "the request was not computed within its timeout", "timeout")
         return [c.final.embedding for c in choices], sum(len(c.prompt_ids) for c in choices)
+
+
+    async def answer(self, raw: Request, req, ids: list[int], params: SamplingParams, grammar_field: str,
+                     id_prefix: str, make_answer: Callable, streaming: bool, media_type: str = "text/event-stream"):
+        """The shared tail of a family's generation route, for one prompt: its grammar compiled (an error naming
+        ``grammar_field``), validated and queued, then streamed in the family's framing (``make_answer(rid)``'s
+        ``events``) or run to the end and given whole (its ``whole(choice)``; its ``on_output``, if any, sees each
+        output as it comes)."""
+        await prepare_grammar(self.engine, req, params, field=grammar_field)
+        llm = self.ready_llm()
+        choices = make_choices([ids], params)
+        self.validate(llm, choices)
+        rid = new_id(id_prefix)
+        answer = make_answer(rid)
+        if streaming:
+            return stream(raw, llm, rid, choices, answer.events, media_type)
+        await collect(raw, llm, rid, choices, getattr(answer, "on_output", None))
+        return await asyncio.to_thread(answer.whole, choices[0])
 
 
 async def collect(raw: Request, llm: AsyncLLM, rid: str, choices: list[Choice], on_output=None) -> None:

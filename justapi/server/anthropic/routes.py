@@ -13,9 +13,9 @@ from fastapi import APIRouter, Request
 from ...structured.tools import template_messages, tool_request
 from ..chat_tools import ChatTools, Thinking, steered
 from ..errors import ApiError
-from ..front import Front, collect, stream
-from ..inputs import chat_prompt, prepare_grammar
-from ..serving import Choice, make_choices, new_id
+from ..front import Front
+from ..inputs import chat_prompt
+from ..serving import Choice
 from .protocol import CountTokensRequest, MessagesRequest
 
 
@@ -47,7 +47,7 @@ def router(front: Front) -> APIRouter:
 
     @api.post("/v1/messages")
     async def messages(req: MessagesRequest, raw: Request):
-        llm = front.ready_llm()
+        front.ready_llm()
         ids, tools = await prompt_of(req)
         engine = front.engine
         thinking = await asyncio.to_thread(Thinking.of, engine, ids, True)
@@ -60,15 +60,8 @@ def router(front: Front) -> APIRouter:
             params = steered(params, thinking, budget if thinking is not None and thinking.think_tokens else None)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
-        await prepare_grammar(engine, req, params, field="tools")
-        choices = make_choices([ids], params)
-        front.validate(llm, choices)
-        rid = new_id("msg")
-        answer = _Answer(rid, front.model_name, thinking, tools, len(ids))
-        if req.stream:
-            return stream(raw, llm, rid, choices, answer.events)
-        await collect(raw, llm, rid, choices)
-        return await asyncio.to_thread(answer.whole, choices[0])
+        return await front.answer(raw, req, ids, params, "tools", "msg",
+                                  lambda rid: _Answer(rid, front.model_name, thinking, tools, len(ids)), req.stream)
 
     return api
 

@@ -19,9 +19,9 @@ from ...sampling_params import Pooling
 from ...structured.tools import tool_request
 from ..chat_tools import ChatTools, Thinking, steered
 from ..errors import ApiError
-from ..front import Front, collect, stream
-from ..inputs import chat_prompt, encoded, prepare_grammar
-from ..serving import Choice, make_choices, new_id
+from ..front import Front
+from ..inputs import chat_prompt, encoded
+from ..serving import Choice
 from .models import model_entry, show
 from .protocol import ChatRequest, EmbeddingsRequest, EmbedRequest, GenerateRequest, ShowRequest
 
@@ -116,17 +116,9 @@ def router(front: Front) -> APIRouter:
     async def run(raw: Request, req, ids: list[int], params, thinking, tools, kind: str):
         """Run one answer and give it in Ollama's shape: NDJSON chunks, or one object (``kind``: chat's
         ``message`` or generate's ``response``)."""
-        await prepare_grammar(front.engine, req, params, field="format")
-        llm = front.ready_llm()
-        choices = make_choices([ids], params)
-        front.validate(llm, choices)
-        answer = _Answer(front.model_name, kind, thinking, tools, len(ids),
-                         ids if kind == "response" else None)
-        rid = new_id("ollama")
-        if req.stream:
-            return stream(raw, llm, rid, choices, answer.ndjson, media_type="application/x-ndjson")
-        await collect(raw, llm, rid, choices, lambda c, out: answer.timed(out))
-        return await asyncio.to_thread(answer.whole, choices[0])
+        return await front.answer(raw, req, ids, params, "format", "ollama", lambda rid: _Answer(
+            front.model_name, kind, thinking, tools, len(ids), ids if kind == "response" else None), req.stream,
+            "application/x-ndjson")
 
     @api.post("/api/embed")
     async def embed(req: EmbedRequest, raw: Request):
@@ -174,7 +166,7 @@ class _Answer:
         self.reasoning = thinking.stream() if thinking is not None else None
         self.text = ""
 
-    def timed(self, out) -> None:
+    def on_output(self, choice, out) -> None:
         if self.first is None:
             self.first = time.monotonic_ns()
 
@@ -219,13 +211,13 @@ class _Answer:
             body["message"]["tool_calls"] = calls
         return self._final(out, body)
 
-    async def ndjson(self, outputs, fail):
+    async def events(self, outputs, fail):
         """The stream: a chunk per text delta (thinking and content apart), then the final object; an error
         midway as {"error": ...}. With tools, the content comes whole at the end, its calls parsed, as Ollama
         streams them."""
         try:
-            async for _, out in outputs:
-                self.timed(out)
+            async for choice, out in outputs:
+                self.on_output(choice, out)
                 thought, content = (self.reasoning.feed(out.new_text, final=out.finished)
                                     if self.reasoning is not None else ("", out.new_text))
                 if self.tools is not None:

@@ -14,9 +14,9 @@ from fastapi import APIRouter, Request
 from ...structured.tools import template_messages, tool_request
 from ..chat_tools import ChatTools, Thinking, steered
 from ..errors import ApiError
-from ..front import Front, collect, stream
-from ..inputs import chat_prompt, prepare_grammar
-from ..serving import Choice, make_choices, new_id, now
+from ..front import Front
+from ..inputs import chat_prompt
+from ..serving import Choice, now
 from .protocol import ResponsesRequest
 
 
@@ -25,7 +25,7 @@ def router(front: Front) -> APIRouter:
 
     @api.post("/v1/responses")
     async def responses(req: ResponsesRequest, raw: Request):
-        llm = front.ready_llm()
+        front.ready_llm()
         front.accept(req)
         front.check_generates()
         if req.previous_response_id:
@@ -49,16 +49,9 @@ def router(front: Front) -> APIRouter:
                                 req.template_variables())
         thinking = await asyncio.to_thread(Thinking.of, engine, ids, True)
         params = steered(params, thinking, None)
-        await prepare_grammar(engine, req, params, field="tool_choice" if chat_tools is not None and
-                              chat_tools.request.forced else "text")
-        choices = make_choices([ids], params)
-        front.validate(llm, choices)
-        rid = new_id("resp")
-        answer = _Answer(rid, front.model_name, req, thinking, chat_tools, len(ids))
-        if req.stream:
-            return stream(raw, llm, rid, choices, answer.events)
-        await collect(raw, llm, rid, choices)
-        return await asyncio.to_thread(answer.whole, choices[0])
+        field = "tool_choice" if chat_tools is not None and chat_tools.request.forced else "text"
+        return await front.answer(raw, req, ids, params, field, "resp", lambda rid: _Answer(
+            rid, front.model_name, req, thinking, chat_tools, len(ids)), req.stream)
 
     return api
 
