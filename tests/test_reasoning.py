@@ -187,3 +187,27 @@ def test_a_thinking_budget_closes_the_thinking(thinker, tmp_path):
         assert r.status_code == 400 and "thinking_budget" in r.json()["error"]["message"]
     finally:
         assert plain.stop() == 0
+
+
+def test_a_constraint_after_the_thinking_is_the_same_disaggregated(thinker):
+    """A reasoning request constrained after its thinking (think_tokens: the prompt opened it) gives the same
+    tokens with prefill/decode disaggregation: the decode worker takes over a request still thinking, or past it."""
+    from justapi.config import EngineConfig
+    from justapi.engine.pd_engine import PdEngine
+    from justapi.structured.spec import StructuredOutput
+    from test_pd import run_all
+
+    path, llm, bias, close = thinker
+    ids = llm.engine.render_chat(ASK, True)
+    params = [SamplingParams(temperature=0, max_tokens=30, logit_bias=((close, bias),), think_tokens=(-1, close),
+                             structured=StructuredOutput("regex", REGEX), thinking_budget=budget)
+              for budget in (None, 0, 1)]
+    want = [r.outputs[0].text for r in llm.generate([ids] * 3, params)]
+    assert all("</think>" in w for w in want)
+    pd = PdEngine(EngineConfig(path, disaggregate=True, num_threads=1, dtype="float32", pool_blocks=64,
+                               show_progress=False))
+    try:
+        done, failed = run_all(pd, [ids] * 3, params)
+        assert not failed and [done[f"r{i}"].text for i in range(3)] == want
+    finally:
+        pd.close()
