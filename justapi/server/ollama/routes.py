@@ -30,19 +30,14 @@ OLLAMA_VERSION = "0.12.6"  # the API version these routes follow
 
 def router(front: Front) -> APIRouter:
     api = APIRouter()
+    _listing_routes(api, front)
+    _generation_routes(api, front)
+    _embedding_routes(api, front)
+    return api
 
-    def check(req) -> None:
-        front.ready_llm()
-        front.check_fields(req)
-        name = getattr(req, "model", None) or getattr(req, "name", None)
-        if name not in (front.model_name, f"{front.model_name}:latest"):
-            raise ApiError(404, f"model {name!r} not found; this server serves {front.model_name!r}")
 
-    def params_of(req, raw: Request):
-        try:
-            return req.sampling_params(front.user(raw, None), front.deadline(None))
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
+def _listing_routes(api: APIRouter, front: Front) -> None:
+    """/, /api/version, /api/tags, /api/ps, /api/show: what Ollama's clients ask before they generate."""
 
     @api.get("/")
     @api.head("/")
@@ -67,12 +62,14 @@ def router(front: Front) -> APIRouter:
 
     @api.post("/api/show")
     async def show_model(req: ShowRequest):
-        check(req)
+        _check(front, req)
         return await asyncio.to_thread(show, front.engine, front.model_name)
 
+
+def _generation_routes(api: APIRouter, front: Front) -> None:
     @api.post("/api/chat")
     async def chat(req: ChatRequest, raw: Request):
-        check(req)
+        _check(front, req)
         front.check_generates()
         engine = front.engine
         try:
@@ -84,12 +81,12 @@ def router(front: Front) -> APIRouter:
         ids = await chat_prompt(engine, messages, True, tool_req.rendered if tool_req else None,
                                 req.template_variables())
         thinking = await asyncio.to_thread(Thinking.of, engine, ids, True)
-        params = steered(params_of(req, raw), thinking, None)
-        return await run(raw, req, ids, params, thinking, tools, "message")
+        params = steered(_params_of(front, req, raw), thinking, None)
+        return await _run(front, raw, req, ids, params, thinking, tools, "message")
 
     @api.post("/api/generate")
     async def generate(req: GenerateRequest, raw: Request):
-        check(req)
+        _check(front, req)
         front.check_generates()
         if req.suffix:
             raise ApiError(400, "suffix (fill-in-the-middle) is not supported")
@@ -111,46 +108,62 @@ def router(front: Front) -> APIRouter:
         front.check_token_ids([req.context or []], "context")
         ids = list(req.context or []) + ids
         thinking = None if req.raw else await asyncio.to_thread(Thinking.of, engine, ids, True)
-        return await run(raw, req, ids, steered(params_of(req, raw), thinking, None), thinking, None, "response")
+        return await _run(front, raw, req, ids, steered(_params_of(front, req, raw), thinking, None), thinking, None, "response")
 
-    async def run(raw: Request, req, ids: list[int], params, thinking, tools, kind: str):
-        """Run one answer and give it in Ollama's shape: NDJSON chunks, or one object (``kind``: chat's
-        ``message`` or generate's ``response``)."""
-        return await front.answer(raw, req, ids, params, "format", "ollama", lambda rid: _Answer(
-            front.model_name, kind, thinking, tools, len(ids), ids if kind == "response" else None), req.stream,
-            "application/x-ndjson")
 
+def _embedding_routes(api: APIRouter, front: Front) -> None:
     @api.post("/api/embed")
     async def embed(req: EmbedRequest, raw: Request):
-        check(req)
+        _check(front, req)
         inputs = [req.input] if isinstance(req.input, str) else req.input
         front.check_fan_out(len(inputs), 1, "input")
-        vectors, tokens, seconds = await embeddings(raw, inputs, req.truncate, req.dimensions)
+        vectors, tokens, seconds = await _embeddings(front, raw, inputs, req.truncate, req.dimensions)
         return {"model": front.model_name, "embeddings": vectors, "total_duration": int(seconds * 1e9),
                 "load_duration": 0, "prompt_eval_count": tokens}
 
     @api.post("/api/embeddings")
     async def embeddings_legacy(req: EmbeddingsRequest, raw: Request):
-        check(req)
-        vectors, _, _ = await embeddings(raw, [req.prompt], True, None)
+        _check(front, req)
+        vectors, _, _ = await _embeddings(front, raw, [req.prompt], True, None)
         return {"embedding": vectors[0]}
 
-    async def embeddings(raw: Request, texts: list[str], truncate: bool, dimensions: int | None):
-        engine = front.engine
-        if engine.model_config.pooling == "rank":
-            raise ApiError(400, "this model is a reranker: it has no embeddings")
-        try:
-            pooling = Pooling(engine.model_config.pooling, dimensions=dimensions)
-        except ValueError as e:
-            raise ApiError(400, f"this model cannot serve embeddings: {e}") from None
-        start = time.monotonic()
-        ids = await encoded("input", lambda: [engine.tokenizer.encode(t) for t in texts])
-        if truncate:  # Ollama cuts an input to the context instead of refusing it
-            ids = [i[: engine.limits.max_model_len] for i in ids]
-        vectors, tokens = await front.pooled(raw, ids, pooling, None, None, "ollama")
-        return vectors, tokens, time.monotonic() - start
 
-    return api
+def _check(front: Front, req) -> None:
+    front.ready_llm()
+    front.check_fields(req)
+    name = getattr(req, "model", None) or getattr(req, "name", None)
+    if name not in (front.model_name, f"{front.model_name}:latest"):
+        raise ApiError(404, f"model {name!r} not found; this server serves {front.model_name!r}")
+
+def _params_of(front: Front, req, raw: Request):
+    try:
+        return req.sampling_params(front.user(raw, None), front.deadline(None))
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+
+
+async def _run(front: Front, raw: Request, req, ids: list[int], params, thinking, tools, kind: str):
+    """Run one answer and give it in Ollama's shape: NDJSON chunks, or one object (``kind``: chat's
+    ``message`` or generate's ``response``)."""
+    return await front.answer(raw, req, ids, params, "format", "ollama", lambda rid: _Answer(
+        front.model_name, kind, thinking, tools, len(ids), ids if kind == "response" else None), req.stream,
+        "application/x-ndjson")
+
+
+async def _embeddings(front: Front, raw: Request, texts: list[str], truncate: bool, dimensions: int | None):
+    engine = front.engine
+    if engine.model_config.pooling == "rank":
+        raise ApiError(400, "this model is a reranker: it has no embeddings")
+    try:
+        pooling = Pooling(engine.model_config.pooling, dimensions=dimensions)
+    except ValueError as e:
+        raise ApiError(400, f"this model cannot serve embeddings: {e}") from None
+    start = time.monotonic()
+    ids = await encoded("input", lambda: [engine.tokenizer.encode(t) for t in texts])
+    if truncate:  # Ollama cuts an input to the context instead of refusing it
+        ids = [i[: engine.limits.max_model_len] for i in ids]
+    vectors, tokens = await front.pooled(raw, ids, pooling, None, None, "ollama")
+    return vectors, tokens, time.monotonic() - start
 
 
 class _Answer:

@@ -21,50 +21,37 @@ from ..serving import (Choice, chat_logprobs, completion_logprobs, embedding_dat
 
 def router(front: Front) -> APIRouter:
     api = APIRouter()
+    _model_routes(api, front)
+    _completion_routes(api, front)
+    _chat_route(api, front)
+    return api
 
-    def checks(req) -> None:
-        """What completions and chat completions check before anything is tokenized."""
-        front.accept(req)
-        front.check_generates()
-        problem = req.unsupported()
-        if problem:
-            raise ApiError(400, problem)
-        if req.n > front.config.max_n:
-            raise ApiError(400, f"n must be at most {front.config.max_n}, got {req.n}", param="n")
 
-    def params_of(req, raw: Request, max_tokens, logprobs) -> SamplingParams:
-        """The engine's settings for a request: its sampling fields, its user and its deadline (server.front)."""
-        if max_tokens is not None and max_tokens < 1:
-            raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
-        try:
-            return req.sampling_params(max_tokens, logprobs, front.user(raw, req.user), front.deadline(req.timeout))
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
-
-    def model_card() -> dict:
-        return {"id": front.model_name, "object": "model", "created": 0, "owned_by": "justapi",
-                "max_model_len": front.engine.limits.max_model_len}
-
+def _model_routes(api: APIRouter, front: Front) -> None:
     @api.get("/v1/models")
     async def models():
         front.ready_llm()  # 503 while loading: clients poll this route for readiness
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [_model_card(front)]}
 
     @api.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         front.ready_llm()
         front.check_model(model_id)
-        return model_card()
+        return _model_card(front)
+
+
+def _completion_routes(api: APIRouter, front: Front) -> None:
+    """/v1/completions and /v1/embeddings: prompts as texts or token ids."""
 
     @api.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
         llm = front.ready_llm()
-        checks(req)
+        _checks(front, req)
         tok = front.engine.tokenizer
         prompts = req.prompt if isinstance(req.prompt, list) and not isinstance(req.prompt[0], int) else [req.prompt]
         front.check_fan_out(len(prompts), req.n, "prompt")
         front.check_token_ids(prompts, "prompt")
-        params = params_of(req, raw, req.max_tokens, req.logprobs)
+        params = _params_of(front, req, raw, req.max_tokens, req.logprobs)
         if req.suffix is not None:  # fill-in-the-middle: the prompt is the prefix
             ids_list, echo = [await _fim(front, req.prompt, req.suffix)], None
         else:
@@ -104,10 +91,12 @@ def router(front: Front) -> APIRouter:
                 "data": [embedding_data(i, v, req.encoding_format) for i, v in enumerate(vectors)],
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
+
+def _chat_route(api: APIRouter, front: Front) -> None:
     @api.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         llm = front.ready_llm()
-        checks(req)
+        _checks(front, req)
         engine = front.engine
         try:
             tool_req = req.tool_request()
@@ -123,7 +112,7 @@ def router(front: Front) -> APIRouter:
         thinking = await asyncio.to_thread(Thinking.of, engine, ids, req.include_reasoning)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
-        params = params_of(req, raw, max_tokens, top)
+        params = _params_of(front, req, raw, max_tokens, top)
         if tools is not None and tools.request.forced:
             if params.structured is not None:
                 raise ApiError(400, "tool_choice required or a named function cannot be combined with "
@@ -146,7 +135,29 @@ def router(front: Front) -> APIRouter:
                 "choices": await asyncio.to_thread(lambda: [_chat_choice(c, tok, tools, thinking) for c in choices]),
                 "usage": usage(choices)}
 
-    return api
+
+def _checks(front: Front, req) -> None:
+    """What completions and chat completions check before anything is tokenized."""
+    front.accept(req)
+    front.check_generates()
+    problem = req.unsupported()
+    if problem:
+        raise ApiError(400, problem)
+    if req.n > front.config.max_n:
+        raise ApiError(400, f"n must be at most {front.config.max_n}, got {req.n}", param="n")
+
+def _params_of(front: Front, req, raw: Request, max_tokens, logprobs) -> SamplingParams:
+    """The engine's settings for a request: its sampling fields, its user and its deadline (server.front)."""
+    if max_tokens is not None and max_tokens < 1:
+        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    try:
+        return req.sampling_params(max_tokens, logprobs, front.user(raw, req.user), front.deadline(req.timeout))
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+
+def _model_card(front: Front) -> dict:
+    return {"id": front.model_name, "object": "model", "created": 0, "owned_by": "justapi",
+            "max_model_len": front.engine.limits.max_model_len}
 
 
 async def _fim(front: Front, prefix: str, suffix: str) -> list[int]:
