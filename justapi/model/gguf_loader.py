@@ -115,26 +115,13 @@ def read_model_config(reader, path: str) -> ModelConfig:
     num_kv_heads = int(field_value(reader, f"{arch}.attention.head_count_kv", num_heads))
     head_dim = int(field_value(reader, f"{arch}.attention.key_length", hidden // num_heads))
     names = {t.name for t in reader.tensors}
-    tokens = field_value(reader, "tokenizer.ggml.tokens")
-    emb = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-    if emb is None:
-        raise ModelLoadError(f"{path}: tensor token_embd.weight is missing")
-    vocab = int(field_value(reader, f"{arch}.vocab_size", int(emb.shape[1]) if tokens is None else len(tokens)))
-    experts = int(field_value(reader, f"{arch}.expert_count", 0) or 0)
-    used = int(field_value(reader, f"{arch}.expert_used_count", 0) or 0)
-    if experts and not 0 < used <= experts:
-        raise ModelLoadError(f"{path}: metadata key {arch}.expert_used_count is {used}, not 1..{experts}")
-    # a mixture of experts' dense MLP width may be absent: its experts' then (the tensor-parallel plan splits it)
-    ffn = field_value(reader, f"{arch}.feed_forward_length") or (
-        field_value(reader, f"{arch}.expert_feed_forward_length") if experts else None)
-    if ffn is None:
-        raise ModelLoadError(f"{path}: metadata key {arch}.feed_forward_length is missing")
+    ffn, experts, used = _mlp_sizes(reader, arch, path)
     return ModelConfig(
         path=path,
         arch=arch,
-        vocab_size=vocab,
+        vocab_size=_vocab_size(reader, arch, path),
         hidden_size=hidden,
-        intermediate_size=int(ffn),
+        intermediate_size=ffn,
         num_layers=int(need("block_count")),
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
@@ -160,6 +147,29 @@ def read_model_config(reader, path: str) -> ModelConfig:
         attention_scale=_attention_scale(reader, arch, hidden, num_heads),
         logit_scale=_positive(field_value(reader, f"{arch}.logit_scale")),
     )
+
+
+def _vocab_size(reader, arch: str, path: str) -> int:
+    """{arch}.vocab_size, else the tokenizer's tokens, else the embedding's rows."""
+    tokens = field_value(reader, "tokenizer.ggml.tokens")
+    emb = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if emb is None:
+        raise ModelLoadError(f"{path}: tensor token_embd.weight is missing")
+    return int(field_value(reader, f"{arch}.vocab_size", int(emb.shape[1]) if tokens is None else len(tokens)))
+
+
+def _mlp_sizes(reader, arch: str, path: str) -> tuple[int, int, int]:
+    """(the MLP's width, experts per layer, experts per token; 0, 0 for a dense MLP)."""
+    experts = int(field_value(reader, f"{arch}.expert_count", 0) or 0)
+    used = int(field_value(reader, f"{arch}.expert_used_count", 0) or 0)
+    if experts and not 0 < used <= experts:
+        raise ModelLoadError(f"{path}: metadata key {arch}.expert_used_count is {used}, not 1..{experts}")
+    # a mixture of experts' dense MLP width may be absent: its experts' then (the tensor-parallel plan splits it)
+    ffn = field_value(reader, f"{arch}.feed_forward_length") or (
+        field_value(reader, f"{arch}.expert_feed_forward_length") if experts else None)
+    if ffn is None:
+        raise ModelLoadError(f"{path}: metadata key {arch}.feed_forward_length is missing")
+    return int(ffn), experts, used
 
 
 def _rope_dim(reader, arch: str, head_dim: int, path: str) -> int | None:
