@@ -19,6 +19,7 @@ from . import hugepages
 from .attention import AttentionMetadata, SeqSpan
 from .llama import LlamaModel
 from .sampler import SampleRow, sample
+from .thinking import after_thinking, steer
 
 log = logging.getLogger("justapi.runner")
 
@@ -173,14 +174,12 @@ class ModelRunner:
         for new in sched.new_requests:
             st = _RequestState(list(new.token_ids), new.num_prompt_tokens, list(new.block_ids), new.sampling_params,
                                new.seed)
+            st.thinking, seen = after_thinking(st.params, st.token_ids[st.num_prompt_tokens :])
             if st.params.structured is not None:  # resumed or handed over: replay the output so far
                 try:
-                    st.thinking, seen = _after_thinking(st.params, st.token_ids[st.num_prompt_tokens :])
                     st.matcher = self._grammars().matcher(st.params.structured, seen)
                 except Exception as e:  # this request's grammar, not the step: it fails alone
                     self._failed[new.request_id] = _failure("its grammar", e)
-            if st.params.structured is None and st.params.think_tokens is not None:
-                st.thinking = _after_thinking(st.params, st.token_ids[st.num_prompt_tokens :])[0]
             self.states[new.request_id] = st
             starts[new.request_id] = new.num_computed_tokens
             if new.kv_import is not None:
@@ -368,26 +367,14 @@ class ModelRunner:
                 self._failed[ids[i]] = _failure("sampling", e)
         return picked
 
-    def _steer_thinking(self, logits: torch.Tensor, ids: list[str]) -> None:
-        """A reasoning request that waits on its thinking (a constraint after it, a thinking budget) opens it with
-        its think-open token first, where the model opens its own (Qwen3 opens every thought with it), and closes it
-        once its budget is spent: its one allowed token is then forced."""
+    def _mask_by_grammar(self, logits: torch.Tensor, ids: list[str]) -> None:
+        """Rows of requests with structured output: only the tokens their grammar allows next keep a logit (a
+        thinking request's: its forced token where model.thinking steers it). If the batch's masking raises, each
+        row is masked alone and only the ones that raise fail."""
         for i, rid in enumerate(ids):
             st = self.states[rid]
-            if not st.thinking:
-                continue
-            open_id, close_id = st.params.think_tokens
-            written = len(st.token_ids) - st.num_prompt_tokens
-            budget = st.params.thinking_budget
-            if written == 0 and open_id >= 0:
-                _force(logits, i, open_id)
-            elif budget is not None and written - (open_id >= 0) >= budget:
-                _force(logits, i, close_id)
-
-    def _mask_by_grammar(self, logits: torch.Tensor, ids: list[str]) -> None:
-        """Rows of requests with structured output: only the tokens their grammar allows next keep a logit. If the
-        batch's masking raises, each row is masked alone and only the ones that raise fail."""
-        self._steer_thinking(logits, ids)
+            if st.thinking:
+                steer(logits, i, st.params, len(st.token_ids) - st.num_prompt_tokens)
         rows = [i for i, rid in enumerate(ids) if self.states[rid].matcher is not None and not self.states[rid].thinking
                 and rid not in self._failed]
         if not rows:
@@ -404,23 +391,6 @@ class ModelRunner:
                     grammars.mask(logits, [i], [self.states[ids[i]].matcher], self.model.kernels)
                 except Exception as e:
                     self._failed[ids[i]] = _failure("its grammar", e)
-
-
-def _after_thinking(params: SamplingParams, output: list[int]) -> tuple[bool, list[int]]:
-    """(whether the request is still thinking, the output tokens after its thinking): all of them where it does
-    not wait on its thinking, those after the close token (none while it thinks)."""
-    if params.think_tokens is None:
-        return False, output
-    close = params.think_tokens[1]
-    return (False, output[output.index(close) + 1:]) if close in output else (True, [])
-
-
-def _force(logits: torch.Tensor, row: int, token: int) -> None:
-    """Row ``row`` of ``logits`` allows ``token`` only (its own logit kept, for its logprob)."""
-    with torch.inference_mode():
-        keep = logits[row, token].clone()
-        logits[row].fill_(float("-inf"))
-        logits[row, token] = keep
 
 
 def _failure(where: str, error: BaseException) -> str:
