@@ -96,6 +96,21 @@ class Front:
         except ValueError as e:
             raise ApiError(400, f"{field}: {e}", param=field) from None
 
+    def embedding_pooling(self, dimensions: int | None = None) -> Pooling:
+        """How the model's file pools an embedding, cut to ``dimensions``: a 400 for a reranker (it scores, it
+        does not embed), a pooling the engine does not compute, or dimensions outside the hidden size."""
+        cfg = self.engine.model_config
+        if dimensions is not None and not 1 <= dimensions <= cfg.hidden_size:
+            raise ApiError(400, f"dimensions must be in 1..{cfg.hidden_size} for this model, got {dimensions}",
+                           param="dimensions")
+        if cfg.pooling == "rank":
+            raise ApiError(400, "this model is a reranker: it scores (query, document) pairs at /v1/rerank and "
+                                "/v1/score, it has no embeddings")
+        try:
+            return Pooling(cfg.pooling, dimensions=dimensions)
+        except ValueError as e:
+            raise ApiError(400, f"this model cannot serve embeddings: {e}") from None
+
     # --- engine settings -----------------------------------------------------------------------------------------
     def user(self, raw: Request, user: str | None) -> str | None:
         """Whose request it is: the API key's name where keys are configured, else the client's own word."""

@@ -86,10 +86,7 @@ def router(front: Front) -> APIRouter:
             vectors, tokens = await front.pooled(raw, ids, Pooling("rank", normalize=False), req.user, req.timeout,
                                                  "score")
             return [v[0] for v in vectors], tokens
-        try:
-            pooling = Pooling(engine.model_config.pooling)
-        except ValueError as e:
-            raise ApiError(400, f"this model cannot score texts: {e}") from None
+        pooling = front.embedding_pooling()
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))  # each distinct text embedded once
         front.check_fan_out(len(texts), 1, field)
         ids = await encoded(field, lambda: [engine.tokenizer.encode(t) for t in texts])

@@ -15,7 +15,6 @@ from datetime import datetime, timezone
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
-from ...sampling_params import Pooling
 from ...structured.tools import tool_request
 from ..chat_tools import ChatTools, Thinking, steered
 from ..errors import ApiError
@@ -152,12 +151,7 @@ async def _run(front: Front, raw: Request, req, ids: list[int], params, thinking
 
 async def _embeddings(front: Front, raw: Request, texts: list[str], truncate: bool, dimensions: int | None):
     engine = front.engine
-    if engine.model_config.pooling == "rank":
-        raise ApiError(400, "this model is a reranker: it has no embeddings")
-    try:
-        pooling = Pooling(engine.model_config.pooling, dimensions=dimensions)
-    except ValueError as e:
-        raise ApiError(400, f"this model cannot serve embeddings: {e}") from None
+    pooling = front.embedding_pooling(dimensions)
     start = time.monotonic()
     ids = await encoded("input", lambda: [engine.tokenizer.encode(t) for t in texts])
     if truncate:  # Ollama cuts an input to the context instead of refusing it

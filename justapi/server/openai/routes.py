@@ -8,7 +8,7 @@ import dataclasses
 
 from fastapi import APIRouter, Request
 
-from ...sampling_params import Pooling, SamplingParams
+from ...sampling_params import SamplingParams
 from ..chat_tools import ChatTools, Thinking, steered
 from ..chunks import ChatChunks, CompletionChunks
 from ..errors import ApiError
@@ -71,17 +71,7 @@ def _completion_routes(api: APIRouter, front: Front) -> None:
         front.ready_llm()
         front.accept(req)
         engine = front.engine
-        hidden = engine.model_config.hidden_size
-        if req.dimensions is not None and not 1 <= req.dimensions <= hidden:
-            raise ApiError(400, f"dimensions must be in 1..{hidden} for this model, got {req.dimensions}",
-                           param="dimensions")
-        if engine.model_config.pooling == "rank":
-            raise ApiError(400, "this model is a reranker: it scores (query, document) pairs at /v1/rerank and "
-                                "/v1/score, it has no embeddings")
-        try:
-            pooling = Pooling(engine.model_config.pooling, dimensions=req.dimensions)
-        except ValueError as e:
-            raise ApiError(400, f"this model cannot serve embeddings: {e}") from None
+        pooling = front.embedding_pooling(req.dimensions)
         inputs = req.inputs()
         front.check_fan_out(len(inputs), 1, "input")
         front.check_token_ids(inputs, "input")
