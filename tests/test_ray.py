@@ -169,6 +169,7 @@ def test_serve_replicas_behind_the_prefix_router(cluster, tiny_model):
 
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             got = list(pool.map(complete, prompts))
+        assert all(g[0] == 200 for g in got), got
         assert [g[1]["choices"][0]["text"] for g in got] == want
         code, too_big = complete([5] * 900, 4)  # within the model's length, beyond a replica's 48 blocks
         assert code == 400 and "block" in too_big["error"]["message"], too_big

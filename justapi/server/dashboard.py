@@ -7,8 +7,6 @@ transfers.
 Nobody watching costs the engine only its step records (kept anyway). A watcher costs the event loop one JSON message
 a tick, and the engine thread a walk of its prefix tree a second (AsyncLLM.watchers)."""
 
-from __future__ import annotations
-
 import asyncio
 import collections
 import dataclasses
@@ -51,7 +49,7 @@ class FinishedRequest:
     reason: str | None
 
     @classmethod
-    def of(cls, rid: str, out: RequestOutput, timing: RequestTiming) -> FinishedRequest:
+    def of(cls, rid: str, out: RequestOutput, timing: RequestTiming) -> "FinishedRequest":
         end = timing.finished or time.monotonic()
         ttft = timing.first_token - timing.arrival if timing.first_token is not None else None
         n = len(out.token_ids)

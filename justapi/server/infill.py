@@ -2,8 +2,6 @@
 completion from ``input_prefix``, ``input_suffix`` and other files (``input_extra``), answered in the shape of
 llama.cpp's /completion (``content``, ``stop``, ``tokens_predicted`` ...), whole or as SSE chunks."""
 
-from __future__ import annotations
-
 import json
 
 from fastapi import APIRouter, Request

@@ -1,8 +1,6 @@
 """JustAPI's own endpoints: /health, /metrics (Prometheus), /engine/steps (the step log), /tokenize and
 /detokenize; the dashboard's routes are installed beside them (server.dashboard)."""
 
-from __future__ import annotations
-
 import asyncio
 
 from fastapi import APIRouter

@@ -6,8 +6,6 @@ one prompt (model.pairs) through its classifier; an embedding model scores the c
 embeddings, as vLLM does. Scores run in the engine's batches with everything else, as embeddings do.
 """
 
-from __future__ import annotations
-
 import math
 
 from fastapi import APIRouter, Request

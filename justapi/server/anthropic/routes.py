@@ -2,8 +2,6 @@
 ``POST /v1/messages/count_tokens``; errors in Anthropic's shape (server.errors). Each request onto the engine
 through server.front; thinking blocks from reasoning models, tool_use blocks from tool calls."""
 
-from __future__ import annotations
-
 import asyncio
 import dataclasses
 import json

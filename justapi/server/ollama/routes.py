@@ -5,8 +5,6 @@ request onto the engine through server.front, as OpenAI's are; tool calls and th
 The served model answers to its name and to ``NAME:latest``; ``keep_alive``, ``num_ctx`` and other load-time
 options are accepted and ignored (one model, loaded with the server's settings)."""
 
-from __future__ import annotations
-
 import asyncio
 import json
 import time

@@ -1,8 +1,6 @@
 """OpenAI's chat completions, completions, embeddings and models: each request's wire format onto the engine's
 requests (server.front's shared steps) and the outputs back, whole or as SSE chunks (server.chunks)."""
 
-from __future__ import annotations
-
 import asyncio
 import dataclasses
 

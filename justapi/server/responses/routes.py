@@ -3,8 +3,6 @@ the chat template, function tools and ``text.format`` as the chat route's, reaso
 request onto the engine through server.front. Nothing is stored: ``previous_response_id`` is refused (send the
 conversation as input items), ``store`` is accepted and ignored."""
 
-from __future__ import annotations
-
 import asyncio
 import dataclasses
 import json
