@@ -116,8 +116,6 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         if self.thinking_budget is not None and (not isinstance(self.thinking_budget, int) or self.thinking_budget < 0):
             raise ValueError(f"thinking_budget must be a non-negative integer, got {self.thinking_budget!r}")
-        if self.think_tokens is not None and (self.structured is not None or self.thinking_budget is not None):
-            self.speculative = False  # a draft tree knows neither a grammar that waits nor a forced close
         if self.structured is not None and self.ignore_eos:
             raise ValueError("ignore_eos cannot be combined with structured output: the output ends where its "
                              "grammar does")

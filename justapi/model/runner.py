@@ -13,13 +13,13 @@ from dataclasses import dataclass
 import torch
 
 from ..core.outputs import RunnerOutput, SchedulerOutput
-from ..spec.tree import DraftTree, spec_decode_tree
+from ..spec.tree import ROOT, DraftTree, spec_decode_tree
 from ..sampling_params import SamplingParams
 from . import hugepages
 from .attention import AttentionMetadata, SeqSpan
 from .llama import LlamaModel
 from .sampler import SampleRow, sample
-from .thinking import after_thinking, steer
+from .thinking import after_thinking, split_emitted, steer, steer_tree
 
 log = logging.getLogger("justapi.runner")
 
@@ -335,16 +335,23 @@ class ModelRunner:
     def _verify(self, rows_logits: torch.Tensor, rid: str, st: _RequestState, row: SampleRow, tree: DraftTree,
                 start: int) -> list[int]:
         """One request's draft tree checked against its logits: the tokens it emits, its accepted path's KV moved."""
-        if st.matcher is not None and not st.thinking:
+        tops = (ROOT,)  # where the grammar starts in the tree
+        if st.thinking:
+            tops = steer_tree(rows_logits, st.params, len(st.token_ids) - st.num_prompt_tokens, tree)
+        if st.matcher is not None and tops:
             with torch.inference_mode():  # the forward pass's inference tensors, masked in place
-                self._grammars().mask_tree(rows_logits, st.matcher, tree.parents, tree.tokens, self.model.kernels)
+                self._grammars().mask_tree(rows_logits, st.matcher, tree.parents, tree.tokens, self.model.kernels,
+                                           tops)
         emitted, path = spec_decode_tree(rows_logits, tree, row)
         moves = [(start + a, start + b) for a, b in tree.path_moves(path)]
         move_kv(self.kv_caches, st.block_ids, self.block_size, moves)
         if self.proposer is not None and rid in self.proposer.positions:
             self.proposer.accepted(rid, st.block_ids, start, tree, path)
+        answered = emitted
+        if st.thinking:
+            st.thinking, answered = split_emitted(st.params, emitted)
         if st.matcher is not None:
-            st.matcher.advance(emitted)
+            st.matcher.advance(answered)
         st.token_ids.extend(emitted)
         return emitted
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..sampling_params import SamplingParams
+from ..spec.tree import DraftTree
 
 
 def after_thinking(params: SamplingParams, output: list[int]) -> tuple[bool, list[int]]:
@@ -17,6 +18,30 @@ def after_thinking(params: SamplingParams, output: list[int]) -> tuple[bool, lis
         return False, output
     close = params.think_tokens[1]
     return (False, output[output.index(close) + 1:]) if close in output else (True, [])
+
+
+def split_emitted(params: SamplingParams, emitted: list[int]) -> tuple[bool, list[int]]:
+    """For a request still thinking: (whether it still thinks after ``emitted``, the tokens after its close)."""
+    close = params.think_tokens[1]
+    return (False, emitted[emitted.index(close) + 1:]) if close in emitted else (True, [])
+
+
+def steer_tree(logits: torch.Tensor, params: SamplingParams, written: int, tree: DraftTree) -> tuple[int, ...]:
+    """Steer, in place, the verification rows of a draft tree (row 0 the request's, row 1 + i after node i's path)
+    of a request still thinking, each row by where its own path leaves the thinking; answer the nodes that close
+    it, whose subtrees the request's grammar then masks."""
+    close = params.think_tokens[1]
+    thinking = []  # node i's path still thinking after it
+    closes = []
+    steer(logits, 0, params, written)
+    for i, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
+        before = parent < 0 or thinking[parent]
+        thinking.append(before and token != close)
+        if thinking[i]:
+            steer(logits, i + 1, params, written + tree.depths[i])
+        elif before:
+            closes.append(i)
+    return tuple(closes)
 
 
 def steer(logits: torch.Tensor, row: int, params: SamplingParams, written: int) -> None:

@@ -135,11 +135,13 @@ class Grammars:
         self._apply(logits, bitmask, rows, kernels)
 
     def mask_tree(self, logits: torch.Tensor, matcher: Matcher, parents: list[int], tokens: list[int],
-                  kernels=None) -> None:
+                  kernels=None, tops: tuple[int, ...] = (-1,)) -> None:
         """Mask, in place, the verification rows of a draft tree (spec.tree: row 0 follows the request's tokens,
-        row 1 + i follows node i's path) by what the grammar allows after each row's path."""
+        row 1 + i follows node i's path) by what the grammar allows after each row's path; with ``tops``, only the
+        subtrees of those nodes (rows elsewhere keep every token: a new bitmask allows all)."""
         bitmask = self._xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)
-        matcher.fill_tree(bitmask, parents, tokens)
+        for top in tops:
+            matcher.fill_tree(bitmask, parents, tokens, top)
         self._apply(logits, bitmask, list(range(logits.shape[0])), kernels)
 
     def _apply(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], kernels) -> None:
@@ -187,10 +189,11 @@ class Matcher:
         else:
             self._m.fill_next_token_bitmask(bitmask, row)
 
-    def fill_tree(self, bitmask: torch.Tensor, parents: list[int], tokens: list[int]) -> None:
+    def fill_tree(self, bitmask: torch.Tensor, parents: list[int], tokens: list[int], top: int = -1) -> None:
         """Row 0: what may follow now; row 1 + i: what may follow draft node i's path, walked depth first and
         rolled back. Below a node the grammar refuses, rows stay all-allowed: its parent's row gives that node no
-        mass, so verification never reaches them."""
+        mass, so verification never reaches them. With ``top`` a node: its subtree only, the grammar starting at
+        that node's row (where a reasoning request's thinking closes in the tree)."""
         children: dict[int, list[int]] = {}
         for i, p in enumerate(parents):
             children.setdefault(p, []).append(i)
@@ -204,7 +207,7 @@ class Matcher:
                     finally:  # the matcher leaves the walk where it entered it, whatever happens below
                         self._m.rollback(1)
 
-        visit(-1)
+        visit(top)
 
 
 _LAX_STRING_CHAR = '[^\\"\\\\\\r\\n]'  # as xgrammar prints it: [^\"\\\r\n]
