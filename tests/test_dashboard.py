@@ -41,9 +41,19 @@ def _complete(url: str, i: int, headers=None) -> str:
     return r.json()["id"] + "-0"  # the engine's request id: the response id and the choice's index
 
 
+def _other_families(url: str) -> None:
+    """One request through Anthropic's Messages API and one through Ollama's."""
+    anthropic = httpx.post(url + "/v1/messages", timeout=120, json={
+        "model": "tiny-llama", "max_tokens": 8, "messages": [{"role": "user", "content": "hello"}]})
+    ollama = httpx.post(url + "/api/generate", timeout=120, json={
+        "model": "tiny-llama", "prompt": "hello", "stream": False, "options": {"num_predict": 8}})
+    assert anthropic.status_code == ollama.status_code == 200, (anthropic.text, ollama.text)
+
+
 def test_event_stream_carries_each_request_s_steps_and_figures(server):
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         rids = list(pool.map(lambda i: _complete(server.url, i), range(6)))
+    _other_families(server.url)
     messages = dashboard_events(server.url, 8)
     first = messages[0]  # a page that connects now gets the latest steps at once
     cells = [c for s in first["steps"] for c in s.get("cells", [])]
@@ -51,7 +61,11 @@ def test_event_stream_carries_each_request_s_steps_and_figures(server):
     assert {kind for _, kind, *_ in cells} >= {"prefill", "decode"}
     assert all(sum(s["kv"]) == first["kv_blocks_total"] for s in first["steps"] if "kv" in s)
     assert {f["rid"] for f in first["finished"]} >= set(rids)
-    assert first["window"]["requests"] >= 6 and first["window"]["ttft_ms"]["p50"] > 0
+    assert first["window"]["requests"] >= 8 and first["window"]["ttft_ms"]["p50"] > 0
+    by_api = first["window"]["by_api"]  # each API family's own requests and latencies
+    assert by_api["openai"]["requests"] >= 6 and by_api["anthropic"]["requests"] == by_api["ollama"]["requests"] == 1
+    assert by_api["anthropic"]["ttft_ms"]["p50"] > 0
+    assert {f["api"] for f in first["finished"]} >= {"openai", "anthropic", "ollama"}
     assert first["output_tokens"] >= sum(40 + 8 * i for i in range(6))
     assert first["cache"]["hits"] > 0  # the prompts share their first words
     # the engine lists shared prefixes once a second while a page watches (--dashboard-prompt-text: with their text)
@@ -139,6 +153,9 @@ def test_the_page_draws_the_schedule_live_in_chromium(server, browser):
     assert set(rids) <= set(seen)
     _wait_for(browser, f"const listed = Array.from(document.querySelectorAll('#requests tr[data-rid]'), "
                        f"r => r.dataset.rid); return {json.dumps(rids)}.every(r => listed.includes(r))")
+    _other_families(server.url)  # the table by API family lists each family the window saw
+    _wait_for(browser, "const apis = Array.from(document.querySelectorAll('#apis tr[data-api]'), r => r.dataset.api);"
+                       " return ['openai', 'anthropic', 'ollama'].every(a => apis.includes(a))")
     # the pool chart moved: the blocks held by requests rose and fell over the steps these requests ran in
     held = browser.execute_script(f"return window.justapiDashboard.columns.filter(c => c.seq > {start_seq} && c.kv)"
                                   f".map(c => c.kv[0])")

@@ -22,6 +22,7 @@ from ..core.stats import PdSnapshot
 from ..engine.async_llm import AsyncLLM, RequestTiming
 from ..engine.output_processor import RequestOutput
 from .errors import ApiError
+from .metrics import api_family
 
 STATIC = importlib.resources.files("justapi.server") / "static"
 PAGES = {"": ("index.html", "text/html; charset=utf-8"), "dashboard.js": ("dashboard.js", "text/javascript"),
@@ -47,6 +48,7 @@ class FinishedRequest:
     tpot: float | None
     latency: float
     reason: str | None
+    api: str  # the API family it came through (server.metrics.api_family)
 
     @classmethod
     def of(cls, rid: str, out: RequestOutput, timing: RequestTiming) -> "FinishedRequest":
@@ -55,7 +57,7 @@ class FinishedRequest:
         n = len(out.token_ids)
         tpot = (end - timing.first_token) / (n - 1) if timing.first_token is not None and n > 1 else None
         return cls(rid, end, out.num_prompt_tokens, n, out.num_cached_tokens, ttft, tpot, end - timing.arrival,
-                   out.stop_reason if out.stop_reason == "timeout" else out.finish_reason)
+                   out.stop_reason if out.stop_reason == "timeout" else out.finish_reason, api_family(rid))
 
 
 class DashboardFeed:
@@ -76,10 +78,16 @@ class DashboardFeed:
         return new, entries[-1][0] + 1 if entries else count
 
     def window(self, now: float) -> dict:
+        """Requests and latency percentiles over the window, all together and per API family."""
         recent = [f for _, f in list(self.finished) if now - f.finished <= WINDOW_S]
-        return {"seconds": WINDOW_S, "requests": len(recent),
-                "ttft_ms": percentiles_ms([f.ttft for f in recent if f.ttft is not None]),
-                "tpot_ms": percentiles_ms([f.tpot for f in recent if f.tpot is not None])}
+        families = sorted({f.api for f in recent})
+        return {"seconds": WINDOW_S, **_latencies(recent),
+                "by_api": {api: _latencies([f for f in recent if f.api == api]) for api in families}}
+
+
+def _latencies(requests: list[FinishedRequest]) -> dict:
+    return {"requests": len(requests), "ttft_ms": percentiles_ms([f.ttft for f in requests if f.ttft is not None]),
+            "tpot_ms": percentiles_ms([f.tpot for f in requests if f.tpot is not None])}
 
 
 class Watch:

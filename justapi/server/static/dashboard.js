@@ -80,6 +80,7 @@ function onMessage(msg) {
   $("f-ttft").textContent = pcts(w.ttft_ms);
   $("f-tpot").textContent = pcts(w.tpot_ms);
   $("f-requests").textContent = w.requests;
+  showApis(w.by_api || {});
   if (msg.output_tokens !== undefined) {
     if (state.lastOutput) {
       const [t0, n0] = state.lastOutput;
@@ -109,13 +110,30 @@ function addRequestRow(f) {
   const tr = document.createElement("tr");
   tr.dataset.rid = f.rid;
   const ms = s => (s === null ? "–" : (s * 1000).toFixed(0));
-  for (const v of [f.rid, f.prompt, f.cached, f.output, ms(f.ttft), ms(f.tpot), ms(f.latency), f.reason || "–"]) {
+  for (const v of [f.rid, f.api, f.prompt, f.cached, f.output, ms(f.ttft), ms(f.tpot), ms(f.latency),
+                   f.reason || "–"]) {
     const td = document.createElement("td");
     td.textContent = v;
     tr.appendChild(td);
   }
   body.insertBefore(tr, body.firstChild);
   while (body.rows.length > REQUEST_ROWS) body.deleteRow(body.rows.length - 1);
+}
+
+// the window's requests and latencies per API family (OpenAI, Responses, Anthropic, Ollama, scoring)
+function showApis(byApi) {
+  const body = $("apis").tBodies[0];
+  body.replaceChildren();
+  for (const [api, w] of Object.entries(byApi)) {
+    const tr = document.createElement("tr");
+    tr.dataset.api = api;
+    for (const v of [api, w.requests, pcts(w.ttft_ms), pcts(w.tpot_ms)]) {
+      const td = document.createElement("td");
+      td.textContent = v;
+      tr.appendChild(td);
+    }
+    body.appendChild(tr);
+  }
 }
 
 function showCache(cache, total) {
