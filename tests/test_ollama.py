@@ -114,3 +114,54 @@ def test_think_parts_the_thinking(tmp_path):
         assert "".join(p.message.thinking or "" for p in parts) == out.message.thinking
     finally:
         assert srv.stop() == 0
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def _says_a_call(engine):
+    """An ``on_engine`` that makes the random model say CALL, through a grammar set on each request the engine
+    receives: the tokens, the text, the parsing and the shapes are the server's own."""
+    import dataclasses
+
+    from justapi.structured.spec import StructuredOutput
+
+    add = engine.add_request
+
+    def forced(rid, ids, params):
+        return add(rid, ids, dataclasses.replace(params, structured=StructuredOutput("choice", json.dumps([CALL]))))
+
+    engine.add_request = forced
+
+
+def test_tool_calls_in_ollamas_shape(tiny_model, tmp_path):
+    """Tools through the ollama client on a template without tools (the generic tool prompt renders them): the
+    model's call comes back as message.tool_calls with its arguments as an object, whole and streamed, and the
+    conversation goes on with the call and the tool's result (tool_name)."""
+    from server_helpers import InProcessServer
+
+    srv = InProcessServer(["--model", tiny_model, "--pool-blocks", "64", "--served-model-name", "tiny"],
+                          str(tmp_path / "s.log"), on_engine=_says_a_call)
+    try:
+        client = ollama.Client(host=srv.url)
+        ask = [{"role": "user", "content": "weather in Oslo?"}]
+        options = {"num_predict": 160, "temperature": 0}
+        whole = client.chat(model="tiny", messages=ask, tools=[WEATHER], options=options)
+        bare = client.chat(model="tiny", messages=ask, options=options)
+        assert whole.prompt_eval_count > bare.prompt_eval_count + 20  # the tool's description is in the prompt
+        assert bare.message.tool_calls is None and "<tool_call>" in bare.message.content  # no tools: text
+        (call,) = whole.message.tool_calls
+        assert (call.function.name, call.function.arguments) == ("get_weather", {"city": "Oslo"})
+        assert whole.message.content == "" and whole.done_reason == "stop"
+        parts = list(client.chat(model="tiny", messages=ask, tools=[WEATHER], options=options, stream=True))
+        assert [c.function for p in parts for c in p.message.tool_calls or []] == [call.function]
+        assert parts[-1].done and "".join(p.message.content for p in parts) == ""
+        follow = ask + [{"role": "assistant", "content": "", "tool_calls": [call.model_dump()]},
+                        {"role": "tool", "content": "sunny, 21 C", "tool_name": "get_weather"}]
+        again = client.chat(model="tiny", messages=follow, tools=[WEATHER], options=options)
+        assert again.prompt_eval_count > whole.prompt_eval_count + 10  # the call and its result rendered
+    finally:
+        assert srv.stop() == 0

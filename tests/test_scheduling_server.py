@@ -239,3 +239,45 @@ def test_ttft_slo_refuses_with_retry_after_and_measures_its_error(tiny_model, tm
         assert metric(m, "justapi_ttft_prediction_error_seconds_count") >= codes.count(200)
     finally:
         assert srv.stop() == 0
+
+
+def test_every_api_family_carries_priority_and_timeout(priority_server):
+    """JustAPI's scheduling fields on Anthropic's, Ollama's and the Responses API's requests: urgent ones sent
+    through each family after two queued low-priority OpenAI requests are all served before them; an Ollama
+    request's timeout ends it behind the queue with what it has."""
+    srv = priority_server
+    auth = {"Authorization": f"Bearer {KEYS[0]}"}
+    ask = [{"role": "user", "content": "who goes first"}]
+    urgent = {"anthropic": ("/v1/messages", {"max_tokens": 8, "messages": ask}),
+              "ollama": ("/api/chat", {"messages": ask, "stream": False, "options": {"num_predict": 8}}),
+              "responses": ("/v1/responses", {"input": "who goes first", "max_output_tokens": 8})}
+    finished: list[str] = []
+
+    async def post(c, who, path, body):
+        r = await c.post(srv.url + path, json=body)
+        assert r.status_code == 200, r.text
+        finished.append(who)
+        return r.json()
+
+    async def run(model):
+        async with httpx.AsyncClient(timeout=60, headers=auth) as c:
+            before = (await c.get(srv.url + "/metrics")).text
+            low = {"prompt": "low", "max_tokens": 8, "temperature": 0, "ignore_eos": True, "priority": 5}
+            filler = asyncio.create_task(post(c, "filler", "/v1/completions", dict(low, max_tokens=30, priority=0)))
+            await until(c, srv.url, running=1)
+            tasks = [asyncio.create_task(post(c, f"low{i}", "/v1/completions", low)) for i in range(2)]
+            await until(c, srv.url, running=1, waiting=2)
+            for who, (path, body) in urgent.items():
+                tasks.append(asyncio.create_task(post(c, who, path, dict(body, model=model, priority=-1))))
+            await until(c, srv.url, running=1, waiting=5)
+            late = asyncio.create_task(post(c, "late", "/api/generate", {
+                "model": model, "prompt": "too late", "stream": False, "timeout": 0.3, "priority": 9}))
+            await asyncio.gather(filler, *tasks)
+            return before, await late, await wait_idle(c, srv.url)
+
+    model = httpx.get(srv.url + "/v1/models", headers=auth).json()["data"][0]["id"]
+    before, late, after = asyncio.run(run(model))
+    assert max(finished.index(who) for who in urgent) < min(finished.index(f"low{i}") for i in range(2)), finished
+    assert labelled(after, "justapi_time_to_first_token_by_priority_seconds_count", priority="-1") >= 3
+    assert late["done"] and late["response"] == ""  # its deadline passed in the queue
+    assert metric(after, "justapi_request_timeouts_total") - metric(before, "justapi_request_timeouts_total") == 1

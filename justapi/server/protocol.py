@@ -38,7 +38,15 @@ class StreamOptions(WireModel):
     continuous_usage_stats: bool = False
 
 
-class _SamplingRequest(WireModel):
+class Scheduled(WireModel):
+    """JustAPI's scheduling fields, accepted beside every API family's own on its generating requests: how urgent
+    the request is and how long it may take."""
+
+    priority: int = 0  # vLLM's field: lower is more urgent (read under --scheduling-policy priority)
+    timeout: float | None = Field(default=None, gt=0)  # JustAPI: seconds, then it ends with what it has
+
+
+class _SamplingRequest(Scheduled):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -60,8 +68,6 @@ class _SamplingRequest(WireModel):
     skip_special_tokens: bool = True
     speculative: bool = True  # JustAPI extension: false turns speculative decoding off for this request
     user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
-    priority: int = 0  # vLLM's field: lower is more urgent (read under --scheduling-policy priority)
-    timeout: float | None = Field(default=None, gt=0)  # JustAPI: seconds, then it ends with what it has
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's form) -> bias in -100..100
     min_tokens: int = 0  # vLLM's: no EOS, stop token or stop string ends the output before this many tokens
     best_of: int | None = None

@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import Field
 
 from ...sampling_params import SamplingParams
-from ..protocol import MAX_USER_CHARS, WireModel
+from ..protocol import MAX_USER_CHARS, Scheduled, WireModel
 
 
 class Metadata(WireModel):
@@ -69,7 +69,7 @@ class CountTokensRequest(WireModel):
         return budget
 
 
-class MessagesRequest(CountTokensRequest):
+class MessagesRequest(CountTokensRequest, Scheduled):
     model: str
     max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = None
@@ -78,13 +78,12 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = None
     top_k: int | None = None
     metadata: Metadata | None = None
-    timeout: float | None = Field(default=None, gt=0)  # JustAPI: seconds, then it ends with what it has
 
     def sampling_params(self, user: str | None, deadline: float | None) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_tokens, temperature=1.0 if self.temperature is None else
                               self.temperature, top_p=1.0 if self.top_p is None else self.top_p,
                               top_k=self.top_k or 0, stop=list(self.stop_sequences or []), user=user,
-                              deadline=deadline)
+                              deadline=deadline, priority=self.priority)
 
 
 def _text(content, where: str) -> str:

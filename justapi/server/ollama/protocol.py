@@ -8,7 +8,7 @@ from pydantic import Field
 
 from ...sampling_params import SamplingParams
 from ...structured.spec import StructuredOutput
-from ..protocol import WireModel
+from ..protocol import Scheduled, WireModel
 
 # Ollama's defaults where a request's options say nothing (its documented Modelfile defaults)
 DEFAULT_OPTIONS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
@@ -40,7 +40,7 @@ class OllamaMessage(WireModel):
     tool_name: str | None = None
 
 
-class _Generating(WireModel):
+class _Generating(Scheduled):
     model: str
     format: str | dict | None = None  # "json" or a JSON schema
     options: Options | None = None
@@ -58,7 +58,7 @@ class _Generating(WireModel):
             temperature=o["temperature"], top_k=o["top_k"], top_p=o["top_p"], min_p=o.get("min_p", 0.0),
             seed=o.get("seed"), stop=o.get("stop") or [], repetition_penalty=o.get("repeat_penalty", 1.0),
             presence_penalty=o.get("presence_penalty", 0.0), frequency_penalty=o.get("frequency_penalty", 0.0),
-            structured=self.structured(), user=user, deadline=deadline)
+            structured=self.structured(), user=user, deadline=deadline, priority=self.priority)
 
     def structured(self) -> StructuredOutput | None:
         if self.format is None or self.format == "":

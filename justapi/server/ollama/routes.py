@@ -132,9 +132,10 @@ def _check(front: Front, req) -> None:
     if name not in (front.model_name, f"{front.model_name}:latest"):
         raise ApiError(404, f"model {name!r} not found; this server serves {front.model_name!r}")
 
+
 def _params_of(front: Front, req, raw: Request):
     try:
-        return req.sampling_params(front.user(raw, None), front.deadline(None))
+        return req.sampling_params(front.user(raw, None), front.deadline(req.timeout))
     except ValueError as e:
         raise ApiError(400, str(e)) from None
 

@@ -10,10 +10,10 @@ from pydantic import Field
 
 from ...sampling_params import SamplingParams
 from ...structured.spec import StructuredOutput, from_response_format
-from ..protocol import MAX_USER_CHARS, WireModel
+from ..protocol import MAX_USER_CHARS, Scheduled
 
 
-class ResponsesRequest(WireModel):
+class ResponsesRequest(Scheduled):
     model: str | None = None
     input: str | list[dict]
     instructions: str | None = None
@@ -30,7 +30,6 @@ class ResponsesRequest(WireModel):
     previous_response_id: str | None = None
     metadata: dict | None = None
     user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
-    timeout: float | None = Field(default=None, gt=0)
 
     def template_messages(self) -> list[dict]:
         """The input as OpenAI chat messages (ValueError naming a malformed or unsupported item)."""
@@ -74,7 +73,7 @@ class ResponsesRequest(WireModel):
         return SamplingParams(max_tokens=self.max_output_tokens,
                               temperature=1.0 if self.temperature is None else self.temperature,
                               top_p=1.0 if self.top_p is None else self.top_p, structured=self.structured(),
-                              user=user, deadline=deadline)
+                              user=user, deadline=deadline, priority=self.priority)
 
 
 def _text_of(content, where: str) -> str:
