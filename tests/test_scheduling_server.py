@@ -222,20 +222,31 @@ def test_ttft_slo_refuses_with_retry_after_and_measures_its_error(tiny_model, tm
                 waiting = await asyncio.gather(*(post() for _ in range(2)))  # a slot wait, nothing finished yet:
                 warm = await asyncio.gather(*first)  # no finish rate to predict by, so no refusal (it was a 500)
                 assert [r.status_code for r in warm + waiting] == [200] * 6, [r.text for r in warm + waiting]
-                burst = await asyncio.gather(*(c.post(srv.url + "/v1/completions", json=body) for _ in range(20)))
+                burst = [asyncio.create_task(post()) for _ in range(20)]
+                while metric((await c.get(srv.url + "/metrics")).text, "justapi_slo_refusals_total") == 0:
+                    await asyncio.sleep(0.01)
+                # the queue is at the SLO: longer prompts through the other families are refused in their shapes
+                ask = [{"role": "user", "content": prompt * 4}]
+                others = await asyncio.gather(
+                    c.post(srv.url + "/v1/messages", json={"model": "tiny-llama", "max_tokens": 4, "messages": ask}),
+                    c.post(srv.url + "/api/chat", json={"model": "tiny-llama", "messages": ask, "stream": False}))
+                burst = await asyncio.gather(*burst)
                 gate.clear()
                 m = await wait_idle(c, srv.url)
                 later = await c.post(srv.url + "/v1/completions", json=dict(body, prompt="a short one"))
-                return burst, m, later
+                return burst, m, later, others
 
-        burst, m, later = asyncio.run(run())
+        burst, m, later, (anthropic, ollama) = asyncio.run(run())
+        assert anthropic.status_code == ollama.status_code == 429, (anthropic.text, ollama.text)
+        assert anthropic.json()["error"]["type"] == "rate_limit_error" and "retry-after" in anthropic.headers
+        assert "predicted time to first token" in ollama.json()["error"]
         codes = [r.status_code for r in burst]
         assert 200 in codes and 429 in codes, codes
         refused = next(r for r in burst if r.status_code == 429)
         assert int(refused.headers["retry-after"]) >= 1
         assert "predicted time to first token" in refused.json()["error"]["message"]
         assert later.status_code == 200, later.text  # with the queue drained a short prompt is admitted again
-        assert metric(m, "justapi_slo_refusals_total") == codes.count(429)
+        assert metric(m, "justapi_slo_refusals_total") == codes.count(429) + 2
         assert metric(m, "justapi_ttft_prediction_error_seconds_count") >= codes.count(200)
     finally:
         assert srv.stop() == 0
