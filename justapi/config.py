@@ -18,7 +18,8 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "fair", "shortest")
 ROUTER_POLICIES = ("prefix", "round-robin")  # core.router.PrefixRouter
 DISTRIBUTED_EXECUTORS = ("mp", "ray")  # distributed.launch
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's placement-group strategies
-DEFAULT_PREFIX_SLACK = 2  # a prefix hit may go to a replica with this many more requests in flight than the least loaded
+# a prefix hit may go to a replica with this many more requests in flight than the least loaded
+DEFAULT_PREFIX_SLACK = 2
 DEFAULT_PRIORITY_AGING_S = 30.0
 DEFAULT_GAMMA = 4  # draft tokens per speculative step
 # speculation only while at most this many requests decode. benchmarks/spec_decode.py (docs/benchmarks.md) measured
@@ -103,8 +104,8 @@ class EngineConfig:
     gpu: bool = flag(False, "run on CUDA (default: CPU)")
     dtype: str = flag("auto", "auto: 4-bit GGUF weights stay 4-bit (bf16 activations; fp32 where the CPU has no bf16 "
                       "matmul), F32 files run in fp32; float32: every weight dequantized, exact", choices=DTYPES)
-    kv_cache_dtype: str = flag("auto", "KV cache element type; auto: bf16 on a quantized model or a bf16 one, else fp32",
-                               choices=KV_CACHE_DTYPES)
+    kv_cache_dtype: str = flag("auto", "KV cache element type; auto: bf16 on a quantized model or a bf16 one, "
+                               "else fp32", choices=KV_CACHE_DTYPES)
     block_size: int = flag(DEFAULT_BLOCK_SIZE, "tokens per KV block")
     pool_blocks: int | None = flag(None, "KV pool size in blocks (default: a quarter of available memory)")
     max_seqs: int = flag(DEFAULT_MAX_SEQS, "concurrent sequences")
@@ -140,7 +141,8 @@ class EngineConfig:
     branch: int | None = flag(None, f"draft-tree branching factor, the draft's top-B tokens at every level (default: "
                               f"{DEFAULT_BRANCH}, a chain); needs --draft-model")
     spec_tree_nodes: int = flag(DEFAULT_SPEC_TREE_NODES, "node budget of a draft tree, branch + ... + branch^gamma")
-    spec_max_batch: int = flag(DEFAULT_SPEC_MAX_BATCH, "speculate only in steps where at most this many requests decode")
+    spec_max_batch: int = flag(DEFAULT_SPEC_MAX_BATCH,
+                               "speculate only in steps where at most this many requests decode")
     disaggregate: bool = flag(False, "prefill and decode on separate worker processes, KV shipped between them")
     prefill_workers: int | None = flag(None, "prefill worker processes with --disaggregate (default: 1)")
     decode_workers: int | None = flag(None, "decode worker processes with --disaggregate (default: 1)")
@@ -151,11 +153,11 @@ class EngineConfig:
                        "round-robin", choices=ROUTER_POLICIES)
     router_prefix_slack: int = flag(DEFAULT_PREFIX_SLACK, "requests in flight beyond the least loaded replica's that a "
                                     "prefix hit may still be routed to")
-    distributed_executor: str = flag("mp", "where worker processes and tensor-parallel ranks run: mp (processes on this "
-                                     "host) or ray (Ray actors over a Ray cluster: RAY_ADDRESS, else a local Ray; "
-                                     "pip install 'justapi[ray]')", choices=DISTRIBUTED_EXECUTORS)
-    placement_strategy: str = flag("PACK", "with --distributed-executor ray: how the processes' bundles (--threads CPUs "
-                                   "each) are placed over the nodes, Ray's placement-group strategy",
+    distributed_executor: str = flag("mp", "where worker processes and tensor-parallel ranks run: mp (processes on "
+                                     "this host) or ray (Ray actors over a Ray cluster: RAY_ADDRESS, else a local "
+                                     "Ray; pip install 'justapi[ray]')", choices=DISTRIBUTED_EXECUTORS)
+    placement_strategy: str = flag("PACK", "with --distributed-executor ray: how the processes' bundles (--threads "
+                                   "CPUs each) are placed over the nodes, Ray's placement-group strategy",
                                    choices=PLACEMENT_STRATEGIES)
     max_replicas: int | None = flag(None, "with --data-parallel N --distributed-executor ray: Ray Serve autoscales the "
                                     "replicas between N and this many on ongoing requests")
@@ -194,13 +196,16 @@ class EngineConfig:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         bad = [k for k in self.disabled_kernels if k not in OPTIONAL_KERNELS]
         if bad:
-            raise ValueError(f"--disable-kernels: unknown kernel {bad[0]!r}; the kernels are {', '.join(OPTIONAL_KERNELS)}")
+            raise ValueError(f"--disable-kernels: unknown kernel {bad[0]!r}; the kernels are "
+                             f"{', '.join(OPTIONAL_KERNELS)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}")
+            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"not {self.kv_cache_dtype!r}")
         if self.batch_invariant and self.dtype not in ("auto", "float32"):
             # bf16 rounding turns last-bit differences of shape-dependent reductions (attention, norms) into
             # different tokens; only the fp32 path is tested bit-identical across batchings
-            raise ValueError(f"--batch-invariant runs the float32 path; it cannot be combined with --dtype {self.dtype}")
+            raise ValueError("--batch-invariant runs the float32 path; it cannot be combined with "
+                             f"--dtype {self.dtype}")
         for name in ("block_size", "max_seqs", "max_prefill", "max_decode", "chunk_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -368,7 +373,8 @@ class SchedulerConfig:
     max_model_len: int = 8192
     prefix_cache: bool = True
     whole_prompts: bool = False  # an encoder's: each prompt in one step, never in chunks (bidirectional attention)
-    spec_method: str | None = None  # "ngram": drafts by prompt lookup; "draft": a draft model's tree, built by the runner
+    # "ngram": drafts by prompt lookup; "draft": a draft model's tree, built by the runner
+    spec_method: str | None = None
     gamma: int = DEFAULT_GAMMA  # draft tokens per step at most (a tree's depth)
     branch: int = DEFAULT_BRANCH  # children per draft-tree node
     spec_max_batch: int = DEFAULT_SPEC_MAX_BATCH  # no speculation in steps with more decoding requests than this
@@ -377,7 +383,8 @@ class SchedulerConfig:
     user_weights: tuple[tuple[str, float], ...] = ()  # fair shares' weights (others: 1)
 
     def __post_init__(self) -> None:
-        for name in ("num_blocks", "block_size", "max_seqs", "max_prefill", "max_decode", "chunk_size", "max_model_len"):
+        for name in ("num_blocks", "block_size", "max_seqs", "max_prefill", "max_decode", "chunk_size",
+                     "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, not {getattr(self, name)}")
 
@@ -440,4 +447,5 @@ class ServerConfig:
             if value is not None and not value > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds, not {value!r}")
         if self.log_level.lower() not in ("critical", "error", "warning", "info", "debug"):
-            raise ValueError(f"--log-level must be one of critical, error, warning, info, debug, not {self.log_level!r}")
+            raise ValueError("--log-level must be one of critical, error, warning, info, debug, "
+                             f"not {self.log_level!r}")

@@ -86,7 +86,8 @@ class EngineReplica:
         """Stream (the request's new EngineCoreOutputs, this replica's id, its last load) until it finishes."""
         if self.broken is not None:
             raise RuntimeError(self.broken)
-        self.engine.scheduler.limits.check(len(prompt_token_ids), params.max_tokens, params.pooling is not None)  # ValueError: a 400
+        # ValueError: a 400
+        self.engine.scheduler.limits.check(len(prompt_token_ids), params.max_tokens, params.pooling is not None)
         q: asyncio.Queue = asyncio.Queue()
         self.dispatch.loop = asyncio.get_running_loop()
         self.dispatch.streams[request_id] = q

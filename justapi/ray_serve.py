@@ -1,11 +1,12 @@
 """Data-parallel replicas on a Ray cluster through Ray Serve (``justapi serve --data-parallel N --distributed-executor
 ray``, or ``serve run justapi.ray_serve:app_builder model=PATH data-parallel=N``). Needs the Ray extra.
 
-- ``EngineReplica`` (justapi.ray_replica; a Serve deployment, N replicas or autoscaled between ``--data-parallel`` and ``--max-replicas`` on
-  ongoing requests by Serve's own autoscaler): a whole engine, the loop of a worker process (engine.pd_worker) run
-  in a thread of the replica; ``generate`` streams a request's EngineCoreOutputs (token ids) with the replica's load.
-- ``PrefixAwareRequestRouter`` (justapi.ray_replica): Serve's request-router extension point, choosing the replica with core.router's
-  PrefixRouter (the policy of every mode) from the request's token ids and the replicas' queue lengths.
+- ``EngineReplica`` (justapi.ray_replica; a Serve deployment, N replicas or autoscaled between ``--data-parallel`` and
+  ``--max-replicas`` on ongoing requests by Serve's own autoscaler): a whole engine, the loop of a worker process
+  (engine.pd_worker) run in a thread of the replica; ``generate`` streams a request's EngineCoreOutputs (token ids) with
+  the replica's load.
+- ``PrefixAwareRequestRouter`` (justapi.ray_replica): Serve's request-router extension point, choosing the replica with
+  core.router's PrefixRouter (the policy of every mode) from the request's token ids and the replicas' queue lengths.
 - ``Ingress``: the OpenAI server (server.api.build_app, the same routes, metrics and admission) over ``ServeEngine``
   (engine.serve_engine),
   which tokenizes, sends each request to the replicas through a deployment handle, detokenizes what streams back,

@@ -22,9 +22,9 @@ MAX_LOGIT_BIAS = 1024  # OpenAI's cap on logit_bias entries is 300; each is one 
 @dataclass(frozen=True)
 class Pooling:
     """An embedding request: nothing is sampled; the prompt's final hidden states (after the last norm) are pooled,
-    the last token's, the first's ("cls") or the mean of all, L2-normalized unless told not to, and cut to ``dimensions`` first (then
-    normalized) where given. "rank": a reranker's score, the last token's state through the model's classifier
-    (model.blocks.Classifier): one number, never normalized."""
+    the last token's, the first's ("cls") or the mean of all, L2-normalized unless told not to, and cut to
+    ``dimensions`` first (then normalized) where given. "rank": a reranker's score, the last token's state through the
+    model's classifier (model.blocks.Classifier): one number, never normalized."""
 
     kind: str = "last"
     normalize: bool = True
@@ -39,7 +39,8 @@ class Pooling:
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens for one request. ``temperature=0`` is greedy; ``None`` for max_tokens means "to the context end"."""
+    """How to pick tokens for one request. ``temperature=0`` is greedy; ``None`` for max_tokens means "to the
+    context end"."""
 
     max_tokens: int | None = 16
     temperature: float = 1.0

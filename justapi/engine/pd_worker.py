@@ -3,8 +3,8 @@
 Each worker is a whole engine (model replica, KV pool, continuous-batching scheduler) in its own process. The
 server (engine.pd_engine) talks to it over one connection (distributed.channel: a pipe, or a TCP socket when the
 worker is a Ray actor on another host): commands in (add, abort, send KV, receive KV, stop) and reports out (new
-token ids per request, hand-offs, transfer figures, load), each a dataclass of engine.pd_messages. KV itself goes worker to worker over torch.distributed (distributed.kv_transfer),
-never through the server.
+token ids per request, hand-offs, transfer figures, load), each a dataclass of engine.pd_messages. KV itself goes worker
+to worker over torch.distributed (distributed.kv_transfer), never through the server.
 
 A prefill worker's scheduler hands a request off after its first token, keeping the prompt's blocks until the
 send completed (then they go to its prefix cache); a decode worker admits a received request straight into
@@ -74,7 +74,8 @@ def worker_main(spec: WorkerSpec, link) -> None:
     worker's end of a pipe to the server, or (address, key, rank) to dial it (distributed.launch)."""
     link = WorkerLink(link if not isinstance(link, tuple) else connect(*link))
     outbox = inbox = link
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {spec.role}-worker-{spec.rank}: %(message)s")
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s %(levelname)s {spec.role}-worker-{spec.rank}: %(message)s")
     try:
         from .engine_core import EngineCore
 
@@ -96,7 +97,8 @@ def worker_main(spec: WorkerSpec, link) -> None:
 def follower_main(spec: WorkerSpec) -> None:
     """Entry point of a worker's tensor-parallel rank > 0: its shard, then the steps its leader broadcasts."""
     logging.basicConfig(level=logging.INFO,
-                        format=f"%(asctime)s %(levelname)s {spec.role}-worker-{spec.rank}-tp{spec.tp_rank}: %(message)s")
+                        format="%(asctime)s %(levelname)s "
+                               f"{spec.role}-worker-{spec.rank}-tp{spec.tp_rank}: %(message)s")
     from ..model.gguf_loader import open_gguf, read_model_config
     from .executor import follow
 

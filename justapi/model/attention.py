@@ -60,7 +60,8 @@ class AttentionMetadata:
     decode_max_context: int = 0
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slots: torch.Tensor) -> None:
     """Store new keys/values [num_tokens, num_kv_heads, head_dim] at their slots, in the cache's dtype."""
     heads, _, _, dim = k_cache.shape
     k_cache.view(heads, -1, dim).index_copy_(1, slots, k.transpose(0, 1).to(k_cache.dtype))

@@ -88,7 +88,8 @@ class EncoderModel:
                 [b if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(biases, parts)])
         return EncoderLayer(
             qkv=qkv, qkv_bias=bias, o=take(p + "attn_output.weight"), o_bias=take(p + "attn_output.bias", False),
-            attn_norm=norm(p + "attn_output_norm"), up=take(p + "ffn_up.weight"), up_bias=take(p + "ffn_up.bias", False),
+            attn_norm=norm(p + "attn_output_norm"), up=take(p + "ffn_up.weight"),
+            up_bias=take(p + "ffn_up.bias", False),
             gate=take(p + "ffn_gate.weight", False), down=take(p + "ffn_down.weight"),
             down_bias=take(p + "ffn_down.bias", False), out_norm=norm(p + "layer_output_norm"))
 

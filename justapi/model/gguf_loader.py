@@ -313,12 +313,13 @@ def load_tensors(
     With ``keep_packed``, the 2-D weights the engine's integer kernels multiply stay packed, other than the token
     embedding (looked up, not multiplied): Q4_0/Q4_1/Q4_K as Q4Unpacked, for the 4-bit kernels (with ``dtype``
     fp32, carrying the file's fp32 dequantization too, for the dense copy that larger batches multiply), Q8_0,
-    Q5_0, Q5_1, Q5_K, Q6_K, Q3_K and Q2_K as Q8Unpacked, for the 8-bit ones; and a Q8_0 LM head (``output.weight``, or the token embedding, which a
-    model without one uses as its head) of an 8-bit type comes both dequantized and, under its name + ``Q8_SUFFIX``,
-    as Q8Unpacked.
-    A 3-D tensor of such a type (a mixture of experts' stacked experts) comes as a list, one packed matrix per expert. ``select(name)`` → None (the whole tensor) or a Selection: only
-    those rows or columns are read from the file and dequantized (a tensor-parallel rank's shard, model.llama
-    ``shard_selection``), so a rank never holds more of a tensor than its slice and whole quantization blocks.
+    Q5_0, Q5_1, Q5_K, Q6_K, Q3_K and Q2_K as Q8Unpacked, for the 8-bit ones; and a Q8_0 LM head (``output.weight``, or
+    the token embedding, which a model without one uses as its head) of an 8-bit type comes both dequantized and, under
+    its name + ``Q8_SUFFIX``, as Q8Unpacked.
+    A 3-D tensor of such a type (a mixture of experts' stacked experts) comes as a list, one packed matrix per expert.
+    ``select(name)`` → None (the whole tensor) or a Selection: only those rows or columns are read from the file and
+    dequantized (a tensor-parallel rank's shard, model.llama ``shard_selection``), so a rank never holds more of a
+    tensor than its slice and whole quantization blocks.
     """
     import gguf
 

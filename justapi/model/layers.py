@@ -22,7 +22,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor | Int4Weight | Int8Weight | Int8RowWeight, bias: torch.Tensor | None, batch_invariant: bool
+    x: torch.Tensor, weight: torch.Tensor | Int4Weight | Int8Weight | Int8RowWeight, bias: torch.Tensor | None,
+    batch_invariant: bool
 ) -> torch.Tensor:
     """``x @ weight.T + bias``; with ``batch_invariant``, row tiles of fixed height, padded at the end.
 

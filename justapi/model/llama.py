@@ -127,7 +127,8 @@ class LlamaModel:
         cfg, p = self.config, f"blk.{i}."
         post = cfg.traits.post_norms
         return DecoderLayer(
-            attn_norm=w.norm(p + "attn_norm.weight"), attn=self._attention(w, i), ffn_norm=w.norm(p + "ffn_norm.weight"),
+            attn_norm=w.norm(p + "attn_norm.weight"), attn=self._attention(w, i),
+            ffn_norm=w.norm(p + "ffn_norm.weight"),
             mlp=self._mlp(w, p), post_attn_norm=w.norm(p + "post_attention_norm.weight") if post else None,
             post_ffn_norm=w.norm(p + "post_ffw_norm.weight") if post else None, residual_scale=cfg.residual_scale)
 

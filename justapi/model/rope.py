@@ -1,7 +1,7 @@
 """RoPE as a GGUF file states it: the rotary frequencies (the base, stretched linearly, by YaRN, or by per-frequency
 factors: the ``rope_freqs`` tensor of Llama 3.x files, LongRoPE's short and long factors of Phi-3.5 and Phi-4-mini)
-and the attention factor that scales cos and sin (YaRN's, LongRoPE's). Every route (the torch path, the C++ ``rope_write_kv``, draft trees) reads the same cos/sin tables, built
-once per model here."""
+and the attention factor that scales cos and sin (YaRN's, LongRoPE's). Every route (the torch path, the C++
+``rope_write_kv``, draft trees) reads the same cos/sin tables, built once per model here."""
 
 from __future__ import annotations
 

@@ -55,7 +55,8 @@ def new_kv_caches(model: LlamaModel, num_blocks: int, block_size: int, device: s
         hugepages.prefault(flat)  # the pool's memory in now, in the background: first writes while serving are slow
         return list(zip(flat[0::2], flat[1::2]))
     return [
-        (torch.zeros(shape, dtype=model.kv_dtype, device=device), torch.zeros(shape, dtype=model.kv_dtype, device=device))
+        (torch.zeros(shape, dtype=model.kv_dtype, device=device),
+         torch.zeros(shape, dtype=model.kv_dtype, device=device))
         for _ in range(cfg.num_layers)
     ]
 
@@ -192,7 +193,8 @@ class ModelRunner:
         return starts
 
     def export_kv(self, block_ids: list[int]) -> torch.Tensor:
-        """The K/V of ``block_ids`` in every layer, one tensor [layers, 2, kv_heads, len(block_ids), block_size, dim]."""
+        """The K/V of ``block_ids`` in every layer, one tensor
+        [layers, 2, kv_heads, len(block_ids), block_size, dim]."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         return torch.stack([torch.stack([k.index_select(1, idx), v.index_select(1, idx)]) for k, v in self.kv_caches])
 

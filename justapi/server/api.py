@@ -1,5 +1,6 @@
 """The HTTP server: the app, its middleware and lifespan (the engine loaded in the background), and one router per
-API family over the shared Front (server.front): OpenAI (server.openai, server.responses), Anthropic (server.anthropic), Ollama (server.ollama), scoring, JustAPI's own (server.native)."""
+API family over the shared Front (server.front): OpenAI (server.openai, server.responses), Anthropic (server.anthropic),
+Ollama (server.ollama), scoring, JustAPI's own (server.native)."""
 
 from __future__ import annotations
 

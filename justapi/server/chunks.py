@@ -17,7 +17,8 @@ class CompletionChunks:
     def start(self, c: Choice):
         self.offsets[c.index] = len(c.prefix)
         if c.prefix:
-            return dict(self.base, choices=[{"index": c.index, "text": c.prefix, "logprobs": None, "finish_reason": None}])
+            return dict(self.base, choices=[{"index": c.index, "text": c.prefix, "logprobs": None,
+                                             "finish_reason": None}])
         return None
 
     def delta(self, c: Choice, out):

@@ -10,7 +10,8 @@ from ..core.stats import PdSnapshot, SchedulerSnapshot
 from ..engine.async_llm import RequestTiming
 from ..engine.output_processor import RequestOutput
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 20.0,
+                    40.0, 80.0)
 _ERROR_BUCKETS = (-20.0, -10.0, -5.0, -2.5, -1.0, -0.5, -0.25, -0.1, 0.0, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0)
 MAX_CLASS_LABELS = 64  # distinct users (or priorities) with labels of their own; the rest share "other"
 MAX_LABEL_CHARS = 64  # a label value's length: a name's first characters (every scrape repeats it per series)
@@ -86,12 +87,14 @@ def _scheduler_metrics(snap: SchedulerSnapshot):
                                      "the prefix cache")
     yield GaugeMetricFamily("justapi_requests_running", "Requests being computed", value=snap.num_running)
     yield GaugeMetricFamily("justapi_requests_waiting", "Requests queued or preempted", value=snap.num_waiting)
-    yield GaugeMetricFamily("justapi_kv_blocks_used", "KV blocks in use (requests and cache)", value=snap.kv_blocks_used)
+    yield GaugeMetricFamily("justapi_kv_blocks_used", "KV blocks in use (requests and cache)",
+                            value=snap.kv_blocks_used)
     yield GaugeMetricFamily("justapi_kv_blocks_total", "KV blocks in the pool", value=snap.kv_blocks_total)
     yield GaugeMetricFamily("justapi_kv_blocks_used_by_requests", "KV blocks owned by running requests",
                             value=snap.kv_blocks_used_by_requests)
     st = snap.counters
-    yield CounterMetricFamily("justapi_preemptions", "Requests preempted for lack of KV blocks", value=st.num_preemptions)
+    yield CounterMetricFamily("justapi_preemptions", "Requests preempted for lack of KV blocks",
+                              value=st.num_preemptions)
     yield CounterMetricFamily("justapi_engine_steps", "Engine iterations", value=st.num_steps)
     yield GaugeMetricFamily("justapi_step_tokens", "Tokens computed in the last step", value=st.last_step_tokens)
     yield CounterMetricFamily("justapi_scheduled_tokens", "Tokens computed over all steps",
@@ -120,7 +123,8 @@ def _pd_metrics(snap: PdSnapshot):
     entry = [w for w in snap.workers if w.role == snap.entry_role]
     # the prefix cache that matters is where prompts are computed: the prefill workers', or the replicas'
     yield from _prefix_cache_metrics(sum(w.cache_hits for w in entry), sum(w.cache_misses for w in entry),
-                                     sum(w.cached_blocks for w in entry), f"the {snap.entry_role} workers' prefix caches")
+                                     sum(w.cached_blocks for w in entry),
+                                     f"the {snap.entry_role} workers' prefix caches")
     st = snap.counters
     if snap.entry_role == "prefill":
         yield CounterMetricFamily("justapi_pd_kv_transfers", "Requests whose KV moved to a decode worker",
@@ -160,7 +164,8 @@ def _per_worker_metrics(snap: PdSnapshot):
         (GaugeMetricFamily, "justapi_worker_alive", "1 while the worker process lives", lambda w: float(w.alive)),
         (GaugeMetricFamily, "justapi_worker_requests_running", "Requests being computed", lambda w: w.running),
         (GaugeMetricFamily, "justapi_worker_requests_waiting", "Requests queued or preempted", lambda w: w.waiting),
-        (GaugeMetricFamily, "justapi_worker_utilization", "Share of wall time in engine steps", lambda w: w.busy_fraction),
+        (GaugeMetricFamily, "justapi_worker_utilization", "Share of wall time in engine steps",
+         lambda w: w.busy_fraction),
         (GaugeMetricFamily, "justapi_worker_prefix_cache_hits", "Prompt KV blocks found in its prefix cache",
          lambda w: w.cache_hits),
         (GaugeMetricFamily, "justapi_worker_prefix_cache_misses", "Prompt KV blocks looked up and not found",
@@ -183,14 +188,15 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram("justapi_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("justapi_time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("justapi_time_per_output_token_seconds", "Time per output token after the first",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("justapi_e2e_request_latency_seconds", "End-to-end request latency",
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("justapi_prompt_tokens", "Prompt tokens processed", registry=r)
-        self.cached_prompt_tokens = Counter("justapi_cached_prompt_tokens", "Prompt tokens served from the prefix cache",
-                                            registry=r)
+        self.cached_prompt_tokens = Counter("justapi_cached_prompt_tokens",
+                                            "Prompt tokens served from the prefix cache", registry=r)
         self.generation_tokens = Counter("justapi_generation_tokens", "Tokens generated", registry=r)
         self.finished = Counter("justapi_requests_finished", "Requests finished", ["finish_reason"], registry=r)
         self.by_api = Counter("justapi_requests_by_api", "Requests finished, per API family (openai, responses, "

@@ -29,7 +29,8 @@ def unknown_fields(model: BaseModel, prefix: str = "") -> list[str]:
     for name, value in model:
         for i, item in enumerate(value if isinstance(value, list) else [value]):
             if isinstance(item, WireModel):
-                names += unknown_fields(item, f"{prefix}{name}[{i}]." if isinstance(value, list) else f"{prefix}{name}.")
+                names += unknown_fields(item, f"{prefix}{name}[{i}]." if isinstance(value, list)
+                                        else f"{prefix}{name}.")
     return names
 
 

@@ -42,7 +42,8 @@ def make_choices(prompts: list[list[int]], params: SamplingParams, echo_texts: l
     return choices
 
 
-async def run_choices(llm: AsyncLLM, request_id: str, choices: list[Choice]) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+async def run_choices(llm: AsyncLLM, request_id: str,
+                      choices: list[Choice]) -> AsyncIterator[tuple[Choice, RequestOutput]]:
     """Run every choice at once and yield outputs as they arrive; closing the iterator aborts them all."""
     queue: asyncio.Queue = asyncio.Queue()
 

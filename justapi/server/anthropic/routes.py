@@ -163,7 +163,8 @@ def _empty_block(kind: str) -> dict:
 
 
 def _delta(kind: str, value: str) -> dict:
-    return {"type": "thinking_delta", "thinking": value} if kind == "thinking" else {"type": "text_delta", "text": value}
+    return ({"type": "thinking_delta", "thinking": value} if kind == "thinking"
+            else {"type": "text_delta", "text": value})
 
 
 def _event(name: str, data: dict) -> str:

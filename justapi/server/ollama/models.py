@@ -61,7 +61,8 @@ def capabilities(engine) -> list[str]:
     cfg = engine.model_config
     if cfg.is_encoder or cfg.pooling == "rank":
         return ["embedding"]
-    caps = ["completion"] + (["tools"] if engine.tool_parser else []) + (["thinking"] if engine.reasoning_parser else [])
+    caps = (["completion"] + (["tools"] if engine.tool_parser else [])
+            + (["thinking"] if engine.reasoning_parser else []))
     return caps + (["embedding"] if cfg.pooling != "last" else [])
 
 

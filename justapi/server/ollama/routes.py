@@ -105,7 +105,8 @@ def _generation_routes(api: APIRouter, front: Front) -> None:
         front.check_token_ids([req.context or []], "context")
         ids = list(req.context or []) + ids
         thinking = None if req.raw else await asyncio.to_thread(Thinking.of, engine, ids, True)
-        return await _run(front, raw, req, ids, steered(_params_of(front, req, raw), thinking, None), thinking, None, "response")
+        return await _run(front, raw, req, ids, steered(_params_of(front, req, raw), thinking, None), thinking, None,
+                          "response")
 
 
 def _embedding_routes(api: APIRouter, front: Front) -> None:

@@ -69,7 +69,8 @@ class _Answer:
         req = self.req
         usage = None
         if out is not None:
-            usage = {"input_tokens": self.input_tokens, "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
+            usage = {"input_tokens": self.input_tokens,
+                     "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
                      "output_tokens": len(out.token_ids), "output_tokens_details": {"reasoning_tokens": 0},
                      "total_tokens": self.input_tokens + len(out.token_ids)}
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
