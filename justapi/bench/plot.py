@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 
-def draw_sweep(sweep: dict, path: str) -> None:
-    """``sweep``: {"servers": [{"name", "points": [{"rate", "figures"}...]}...]} → a two-panel PNG at ``path``."""
-    import matplotlib
-
+def pyplot():
+    """matplotlib's pyplot, drawing to files only; a one-line error where it is not installed (it comes with the
+    bench extra, so that the server's own install does not pull it)."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("charts need matplotlib: pip install 'justapi[bench]'") from None
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def draw_sweep(sweep: dict, path: str) -> None:
+    """``sweep``: {"servers": [{"name", "points": [{"rate", "figures"}...]}...]} → a two-panel PNG at ``path``."""
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for server in sweep["servers"]:
         pts = [p for p in server["points"] if p["figures"]["completed"] > 0]

@@ -49,10 +49,9 @@ def assign_lanes(steps: list[dict]) -> tuple[list[list[int]], int]:
 
 def draw_timeline(runs: dict[str, list[dict]], path: str, title: str = "") -> None:
     """One panel per run (name → steps) on a shared time axis, the KV pool under each, as a PNG at ``path``."""
-    import matplotlib
+    from .plot import pyplot
 
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.patches import Patch
 
     span = max((s["t"] + s["seconds"] for steps in runs.values() for s in steps), default=1.0)

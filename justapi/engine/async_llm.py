@@ -20,7 +20,7 @@ from ..core.limits import AdmissionError
 from ..core.stats import PdSnapshot, SchedulerSnapshot
 from ..sampling_params import SamplingParams
 from .output_processor import RequestOutput
-from .protocol import Engine
+from .protocol import Engine, EngineDeadError, RequestFailedError
 from .step_log import StepLog
 
 log = logging.getLogger("justapi.engine")
@@ -43,14 +43,6 @@ class SloRefusal(QueueFullError):
         super().__init__(f"the server is overloaded: the predicted time to first token is {predicted:.1f} s, over "
                          f"the server's limit of {slo:g} s")
         self.retry_after = max(1, math.ceil(predicted - slo))  # by then the queue ahead has drained that much
-
-
-class EngineDeadError(Exception):
-    """The engine loop failed; no more requests can be served."""
-
-
-class RequestFailedError(Exception):
-    """One request failed alone (its sampling, grammar or text raised); the engine serves the others on."""
 
 
 @dataclass

@@ -32,13 +32,13 @@ from ..distributed.group import describe
 from ..distributed.launch import make_launcher
 from ..model.gguf_loader import ModelLoadError
 from ..sampling_params import SamplingParams
-from .async_llm import EngineDeadError
 from .model_front import ModelFront
 from .output_processor import OutputProcessor, RequestOutput
 from .pd_messages import (AbortRequest, AddRequest, CheckIntegrity, Checked, Failed, Load, Outputs, Prefilled,
                           PrefilledRequest, Ready, Received, RecvKv, RequestFailed, SendKv, Sent, Stop,
                           seconds_left)
 from .pd_worker import WorkerSpec, follower_main, worker_main
+from .protocol import EngineDeadError
 
 log = logging.getLogger("justapi.pd")
 

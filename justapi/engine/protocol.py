@@ -17,6 +17,14 @@ from .output_processor import RequestOutput
 from .step_log import StepWork
 
 
+class EngineDeadError(Exception):
+    """The engine loop failed; no more requests can be served."""
+
+
+class RequestFailedError(Exception):
+    """One request failed alone (its sampling, grammar or text raised); the engine serves the others on."""
+
+
 @dataclass(frozen=True)
 class EngineLimits:
     """What a request may ask of this engine."""

@@ -19,10 +19,10 @@ from ..core.outputs import EngineCoreOutput
 from ..core.pd_scheduler import PdStats
 from ..core.stats import PdSnapshot, WorkerSnapshot
 from ..sampling_params import SamplingParams
-from .async_llm import EngineDeadError
 from .model_front import ModelFront
 from .output_processor import OutputProcessor, RequestOutput
 from .pd_messages import Load, seconds_left
+from .protocol import EngineDeadError
 
 
 @dataclasses.dataclass

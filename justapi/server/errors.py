@@ -12,7 +12,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..core.limits import AdmissionError
-from ..engine.async_llm import EngineDeadError, QueueFullError, RequestFailedError
+from ..engine.async_llm import QueueFullError
+from ..engine.protocol import EngineDeadError, RequestFailedError
 
 
 log = logging.getLogger("justapi.server")
