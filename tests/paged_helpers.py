@@ -7,7 +7,8 @@ import torch
 from justapi.model.attention import AttentionMetadata, SeqSpan
 
 
-def paged_prefill_logits(model, token_ids: list[int], block_size: int = 4, chunk: int = 5, seed: int = 0) -> torch.Tensor:
+def paged_prefill_logits(model, token_ids: list[int], block_size: int = 4, chunk: int = 5,
+                         seed: int = 0) -> torch.Tensor:
     """Logits for every position of ``token_ids``, computed chunk by chunk through a shuffled block table."""
     cfg = model.config
     num_blocks = -(-len(token_ids) // block_size) + 3

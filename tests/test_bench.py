@@ -74,8 +74,10 @@ def test_serve_counts_add_up_against_a_real_server(bench, server, tiny_model, tm
         for key in LATENCIES:
             assert f[key]["p50"] <= f[key]["p90"] <= f[key]["p99"], key
     # what the tool counted is what the server says it generated and read, over both runs
-    assert sum(f["output_tokens"] for f in figs) == after["justapi_generation_tokens_total"] - before["justapi_generation_tokens_total"]
-    assert sum(f["prompt_tokens"] for f in figs) == after["justapi_prompt_tokens_total"] - before["justapi_prompt_tokens_total"]
+    assert (sum(f["output_tokens"] for f in figs)
+            == after["justapi_generation_tokens_total"] - before["justapi_generation_tokens_total"])
+    assert (sum(f["prompt_tokens"] for f in figs)
+            == after["justapi_prompt_tokens_total"] - before["justapi_prompt_tokens_total"])
     assert figs[0]["output_tokens"] == figs[1]["output_tokens"]  # same seeded workload, ignore_eos
     assert data["servers"][1]["ratio_to_first"]["completed"] == 1.0
 

@@ -81,7 +81,8 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    assert_clean_error(cli_in_process("serve", "--model", path), "unsupported architecture 'gpt2'", "llama, qwen2, qwen3")
+    assert_clean_error(cli_in_process("serve", "--model", path), "unsupported architecture 'gpt2'",
+                       "llama, qwen2, qwen3")
 
 
 def rewrite_gguf(src: str, dst: str, drop_keys=(), drop_tensors=(), replace=None, extra_tensors=None,
@@ -128,7 +129,8 @@ def test_unsupported_tensor_type_is_named(tmp_path):
     import gguf.quants
 
     qtype = next(q for q in gguf.GGMLQuantizationType
-                 if q not in gguf.quants._type_traits and q not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
+                 if q not in gguf.quants._type_traits
+                 and q not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
                  and q in gguf.GGML_QUANT_SIZES)
     block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
     path = write_tiny_model(str(tmp_path / "odd.gguf"), hidden=256, intermediate=256)

@@ -143,7 +143,8 @@ def _wait_for(driver, script: str, timeout_s: float = 60):
 def test_the_page_draws_the_schedule_live_in_chromium(server, browser):
     browser.get(server.url + "/dashboard")
     _wait_for(browser, "return window.justapiDashboard && window.justapiDashboard.messages > 0")
-    start_seq = browser.execute_script("const c = window.justapiDashboard.columns; return c.length ? c[c.length - 1].seq : -1")
+    start_seq = browser.execute_script("const c = window.justapiDashboard.columns; "
+                                       "return c.length ? c[c.length - 1].seq : -1")
     pool_drawn = browser.execute_script("return document.getElementById('pool').toDataURL()")
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
         rids = list(pool.map(lambda i: _complete(server.url, 100 + i), range(12)))

@@ -122,8 +122,8 @@ def test_embeddings_endpoint_on_smollm2(real_model_path, tmp_path):
 
 def test_cls_pooling_takes_the_first_state_and_an_unknown_pooling_type_is_refused(tmp_path):
     """A file pooling by cls gets its first token's final state (as llama.cpp pools it, whatever the model),
-    normalized, equal to transformers', also when the prompt is in the prefix cache; a pooling type llama.cpp does not define is refused at start-up, naming it
-    and the ones it knows."""
+    normalized, equal to transformers', also when the prompt is in the prefix cache; a pooling type llama.cpp does
+    not define is refused at start-up, naming it and the ones it knows."""
     from justapi.model.gguf_loader import ModelLoadError
     from test_cli_and_inputs import rewrite_gguf
 

@@ -77,7 +77,8 @@ def test_wordpiece_tokenizer_rebuilt_from_the_file_matches_berts(tmp_path):
     old = LLM(legacy, show_progress=False, pool_blocks=32).tokenizer
     assert [old.encode(t) for t in TEXTS] == [ref(t)["input_ids"] for t in TEXTS]  # [CLS] ... [SEP] all the same
     ids = ref(TEXTS[0])["input_ids"]
-    assert llm.tokenizer.decode(ids) == ref.decode(ids, skip_special_tokens=True) == "the cat sat on the mat, hello world!"
+    assert (llm.tokenizer.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+            == "the cat sat on the mat, hello world!")
 
 
 @pytest.mark.parametrize("arch,pooling", [("bert", "mean"), ("bert", "cls"), ("nomic-bert", "mean")])

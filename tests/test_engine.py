@@ -272,9 +272,11 @@ def test_smollm2_batching_and_preemption_equivalence(real_model_path, smollm2_ex
     assert [base.generate([p], params)[0].token_ids for p in prompts[:2]] == batched[:2]
     torch_path = LLM(real_model_path, pool_blocks=256, batch_invariant=True, show_progress=False,
                      cpu_kernels=False)
-    assert tokens(torch_path.generate(prompts, params)) == batched  # the C++ kernels (attention, norm, rotary) change no token
+    # the C++ kernels (attention, norm, rotary) change no token
+    assert tokens(torch_path.generate(prompts, params)) == batched
     del torch_path
-    chunked = LLM(real_model_path, pool_blocks=10, block_size=4, chunk_size=3, batch_invariant=True, show_progress=False)
+    chunked = LLM(real_model_path, pool_blocks=10, block_size=4, chunk_size=3, batch_invariant=True,
+                  show_progress=False)
     assert tokens(chunked.generate(prompts[:6], params)) == batched[:6]
     assert chunked.engine.scheduler.stats.num_preemptions > 0
 

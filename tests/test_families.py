@@ -147,7 +147,8 @@ def test_scaled_rope_matches_transformers(tmp_path, kind):
 def _longrope(dim: int) -> dict:
     """Phi-3's rope_parameters for ``dim`` rotated dimensions, trained at 16 tokens: short and long factors apart."""
     return {"rope_type": "longrope", "original_max_position_embeddings": 16,
-            "short_factor": [1.0 + 0.1 * i for i in range(dim // 2)], "long_factor": [1.0 + 2.0 * i for i in range(dim // 2)]}
+            "short_factor": [1.0 + 0.1 * i for i in range(dim // 2)],
+            "long_factor": [1.0 + 2.0 * i for i in range(dim // 2)]}
 
 
 @pytest.mark.parametrize("rope_dim", [None, 8], ids=["phi3.5", "phi4-mini-partial"])
@@ -214,7 +215,8 @@ def test_granite_applies_its_four_multipliers(tmp_path):
     path, llama = _same_weights_as_llama(tmp_path, "granite", seed=12, tied=False)
     model = load_model(path)
     cfg = model.config
-    assert (cfg.embedding_scale, cfg.residual_scale, cfg.logit_scale) == pytest.approx((s["embedding"], s["residual"], s["logits"]))
+    assert (cfg.embedding_scale, cfg.residual_scale, cfg.logit_scale) == pytest.approx(
+        (s["embedding"], s["residual"], s["logits"]))
     ref_model = _reference(GraniteForCausalLM, GraniteConfig, llama, embedding_multiplier=s["embedding"],
                            residual_multiplier=s["residual"], attention_multiplier=s["attention"],
                            logits_scaling=s["logits"])

@@ -78,8 +78,8 @@ def test_gemma3_served_with_dtype_auto_stays_close_to_the_exact_path(gemma3_path
       chat is a 400 that says so;
     - the served model against the exact path: per-position KL of a prompt's next-token distribution below 0.05
       nats with at least 90% argmax agreement, and greedy answers that mostly begin the same. Measured on an Intel
-      Xeon (bf16 compute, Q4_K/Q5_0/Q8_0 kept packed): KL at most 0.0060 (mean 0.0006), argmax agreement 1.0, 11 of 12 answers with the same
-      first 4 tokens (greedy text flips at near-ties).
+      Xeon (bf16 compute, Q4_K/Q5_0/Q8_0 kept packed): KL at most 0.0060 (mean 0.0006), argmax agreement 1.0, 11 of
+      12 answers with the same first 4 tokens (greedy text flips at near-ties).
     """
     import httpx
 

@@ -28,7 +28,8 @@ def test_rope_write_kv_is_bit_identical_to_the_torch_path(cpp_kernels, style, ac
     slots = torch.randperm(blocks * bs, generator=g)[:n]
     rope = RotaryEmbedding(dim, 10000.0, 512, style, "cpu")
     cos, sin = rope.tables(positions)
-    want_k, want_v = torch.zeros(kv_heads, blocks, bs, dim, dtype=cache), torch.zeros(kv_heads, blocks, bs, dim, dtype=cache)
+    want_k, want_v = (torch.zeros(kv_heads, blocks, bs, dim, dtype=cache),
+                      torch.zeros(kv_heads, blocks, bs, dim, dtype=cache))
     qk = rope.rotate(qkv[:, : (heads + kv_heads) * dim].view(n, heads + kv_heads, dim).float(), cos, sin)
     write_kv(want_k, want_v, qk[:, heads:], qkv[:, (heads + kv_heads) * dim :].view(n, kv_heads, dim), slots)
     got_k, got_v = torch.zeros_like(want_k), torch.zeros_like(want_v)

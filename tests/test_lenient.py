@@ -38,7 +38,8 @@ def test_unknown_fields_are_ignored_with_a_warning_naming_them(lenient):
         "prediction": {"type": "content", "content": "x"}})
     assert chat.status_code == 200, chat.text
     log = open(lenient.log_path).read()
-    for name in ("metadata", "store", "prompt_cache_key", "service_tier", "stream_options.shiny", "web_search_options", "prediction"):
+    for name in ("metadata", "store", "prompt_cache_key", "service_tier", "stream_options.shiny", "web_search_options",
+                 "prediction"):
         assert name in log
     assert log.count("prompt_cache_key") == 1  # once a name, not once a request
 

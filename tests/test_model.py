@@ -129,8 +129,10 @@ def test_paged_attention_equals_dense_for_mixed_batch(kernel, dim, bs, cache_dty
         assert all(s.biases[key] is b for s, held in biases for key, b in held.items())
     for span in spans:
         n, ctx = span.num_query_tokens, span.context_len
-        k = k_cache[:, span.block_table].flatten(1, 2)[:, :ctx].transpose(0, 1).repeat_interleave(heads // kv_heads, dim=1)
-        v = v_cache[:, span.block_table].flatten(1, 2)[:, :ctx].transpose(0, 1).repeat_interleave(heads // kv_heads, dim=1)
+        k = (k_cache[:, span.block_table].flatten(1, 2)[:, :ctx].transpose(0, 1)
+             .repeat_interleave(heads // kv_heads, dim=1))
+        v = (v_cache[:, span.block_table].flatten(1, 2)[:, :ctx].transpose(0, 1)
+             .repeat_interleave(heads // kv_heads, dim=1))
         own = span.mask if span.mask is not None else torch.ones(n, n, dtype=torch.bool).tril()
         allowed = torch.cat([torch.ones(n, ctx - n, dtype=torch.bool), own], dim=1)
         if window is not None:  # query i at position ctx - n + i sees the slots after its position - window
@@ -182,7 +184,8 @@ def test_decode_kernel_gives_a_sequence_the_same_bits_alone_in_a_batch_and_on_an
         torch.testing.assert_close(batch[i].double(), torch.einsum("hk,hkd->hd", p, v), atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_quantized_tensor_types_load_and_run(tmp_path, qtype):
     import gguf
 
@@ -520,10 +523,10 @@ def test_smollm2_greedy_output_is_the_same_with_and_without_onednn_prepacked_wei
     """The dense weights of --dtype auto (bf16, or fp32 where the CPU has no bf16 matmul) are reordered once into
     oneDNN's layout (quant.prepack_linear); batches of 6+ rows (a batch of 8, and the prompts' prefill) then
     multiply the prepacked copy. Greedy text must not change. (q_matmul, which takes batches of up to 64 rows on
-    a CPU without a bf16 matmul, and the AMX kernels are turned off here so that they reach the dense copy.) In fp32 the two orders of
-    the sums differ in the last bits, so the KV cache is fp32 there: a bf16 cache would round those bits to 8,
-    now and then onto different values, and the text then forks at a near-tie (measured: 1 chat of 8, at its
-    10th token)."""
+    a CPU without a bf16 matmul, and the AMX kernels are turned off here so that they reach the dense copy.) In fp32
+    the two orders of the sums differ in the last bits, so the KV cache is fp32 there: a bf16 cache would round
+    those bits to 8, now and then onto different values, and the text then forks at a near-tie (measured: 1 chat
+    of 8, at its 10th token)."""
     from justapi import LLM
     from justapi.model.kernel_policy import cpu_has_bf16_matmul
 
@@ -592,10 +595,11 @@ def test_smollm2_with_the_cpp_prefill_attention_agrees_with_torchs_flash_kernel(
     rounding points in other orders of the sums, so greedy
     text may fork at a near-tie, and only there. Over a prompt prefilled whole and in chunks of 48 after a prefix
     (block size 4, shuffled blocks), the next-token distributions are as close to the exact path's (fp32 weights
-    and cache, plain matmuls: the session's ``smollm2_exact``) as the torch path's are (KL from the exact ones, worst and mean position, within 1.25x of the torch
-    path's; measured on a Zen 4: 0.0058 and 0.00054 against 0.0058 and 0.00060), and the two pick the same token
-    wherever the top two logits are 0.1 apart; generated greedily, each text is the torch path's, or forks at a
-    near-tie of the torch path's (assert_greedy_forks_only_at_near_ties)."""
+    and cache, plain matmuls: the session's ``smollm2_exact``) as the torch path's are (KL from the exact ones, worst
+    and mean position, within 1.25x of the torch path's; measured on a Zen 4: 0.0058 and 0.00054 against 0.0058
+    and 0.00060), and the two pick the same token wherever the top two logits are 0.1 apart; generated greedily,
+    each text is the torch path's, or forks at a near-tie of the torch path's
+    (assert_greedy_forks_only_at_near_ties)."""
     from justapi import LLM
 
     opts = dict(pool_blocks=256, show_progress=False)
@@ -727,7 +731,8 @@ def test_smollm2_greedy_output_is_the_same_with_and_without_padded_keys_in_fp32(
     out); the softmax then runs over other key tiles. In fp32 that moves results by rounding only, and greedy text
     must not change (prompts of ragged lengths, some sharing a cached prefix). The test fails when the padding is
     left unmasked. In bf16 (--dtype auto) a last-bit change flips near-ties, so text is not expected to match token
-    for token there (measured in docs/benchmarks-archive.md); the tolerance tests against fp32 above run with the padding."""
+    for token there (measured in docs/benchmarks-archive.md); the tolerance tests against fp32 above run with the
+    padding."""
     from justapi import LLM
     from justapi.model import attention
 

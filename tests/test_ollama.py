@@ -53,7 +53,8 @@ def test_chat_and_generate_whole_and_streamed(served, tiny_model):
 
 def test_format_json_and_a_schema(served):
     srv, client = served
-    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"], "additionalProperties": False}
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"],
+              "additionalProperties": False}
     out = client.chat(model="tiny", messages=ASK, format=schema, options={"num_predict": 40, "temperature": 0})
     assert isinstance(json.loads(out.message.content)["a"], bool)
     out = client.generate(model="tiny", prompt="x", format="json", options={"num_predict": 60, "temperature": 0})

@@ -57,8 +57,8 @@ def test_function_tools_calls_and_outputs(served):
     """A required function call (the grammar) comes as a function_call item, whole and streamed; the next request
     carries it and its function_call_output back as input items."""
     srv, client = served
-    kw = dict(model="tiny", input="weather in Oslo?", tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
-              max_output_tokens=120, temperature=0)
+    kw = dict(model="tiny", input="weather in Oslo?", tools=[WEATHER], tool_choice="required",
+              parallel_tool_calls=False, max_output_tokens=120, temperature=0)
     r = client.responses.create(**kw)
     call = next(o for o in r.output if o.type == "function_call")
     assert call.name == "get_weather" and set(json.loads(call.arguments)) == {"city"}

@@ -28,8 +28,8 @@ def make(num_blocks=64, block_size=4, chunk_size=8, max_seqs=32, max_prefill=4, 
 
 
 def add(s, rid, n_prompt, max_tokens=4, base=100):
-    return s.add_request(rid, [base + i for i in range(n_prompt)], SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                         {EOS}, seed=0)
+    return s.add_request(rid, [base + i for i in range(n_prompt)],
+                         SamplingParams(max_tokens=max_tokens, ignore_eos=True), {EOS}, seed=0)
 
 
 def fake_run(s, out, token=7):

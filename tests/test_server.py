@@ -51,7 +51,8 @@ def assert_still_serving(client):
 
 
 def test_completions_and_chat_with_the_openai_client(client):
-    r = client.completions.create(model=NAME, prompt="the cat sat", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    r = client.completions.create(model=NAME, prompt="the cat sat", max_tokens=8, temperature=0,
+                                  extra_body={"ignore_eos": True})
     assert r.object == "text_completion" and r.model == NAME
     assert r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens > 0
@@ -74,7 +75,8 @@ def test_streamed_text_equals_non_streamed(client):
     assert "".join(pieces) == whole
     assert usage.completion_tokens == 20
     msgs = [{"role": "user", "content": "tell me a story"}]
-    whole = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=15, temperature=0).choices[0].message.content
+    whole = client.chat.completions.create(
+        model=NAME, messages=msgs, max_tokens=15, temperature=0).choices[0].message.content
     streamed = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
         model=NAME, messages=msgs, max_tokens=15, temperature=0, stream=True) if ch.choices)
     assert streamed == whole
@@ -109,7 +111,8 @@ def test_usage_reports_cached_prompt_tokens_and_streamed_chat_usage(client):
 
 def test_32_concurrent_streaming_clients_each_get_their_own_text(server, client):
     prompts = [f"story number {i} begins with" for i in range(32)]
-    expected = [client.completions.create(model=NAME, prompt=p, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    expected = [client.completions.create(model=NAME, prompt=p, max_tokens=12, temperature=0,
+                                          extra_body={"ignore_eos": True})
                 .choices[0].text for p in prompts]
 
     async def one(aclient, prompt):
@@ -144,13 +147,17 @@ def test_n_logprobs_echo_and_token_prompts(client):
 
 
 def test_stop_strings_and_seeds(client):
-    base = client.completions.create(model=NAME, prompt="once upon", max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    base = client.completions.create(model=NAME, prompt="once upon", max_tokens=20, temperature=0,
+                                     extra_body={"ignore_eos": True})
     text = base.choices[0].text
     stop = text[5:7]
-    r = client.completions.create(model=NAME, prompt="once upon", max_tokens=20, temperature=0, extra_body={"ignore_eos": True}, stop=[stop])
+    r = client.completions.create(model=NAME, prompt="once upon", max_tokens=20, temperature=0,
+                                  extra_body={"ignore_eos": True}, stop=[stop])
     assert r.choices[0].text == text[: text.index(stop)] and r.choices[0].finish_reason == "stop"
-    a = client.completions.create(model=NAME, prompt="x", max_tokens=10, temperature=1.0, seed=42, extra_body={"ignore_eos": True})
-    b = client.completions.create(model=NAME, prompt="x", max_tokens=10, temperature=1.0, seed=42, extra_body={"ignore_eos": True})
+    a = client.completions.create(model=NAME, prompt="x", max_tokens=10, temperature=1.0, seed=42,
+                                  extra_body={"ignore_eos": True})
+    b = client.completions.create(model=NAME, prompt="x", max_tokens=10, temperature=1.0, seed=42,
+                                  extra_body={"ignore_eos": True})
     assert a.choices[0].text == b.choices[0].text
 
 
@@ -234,7 +241,8 @@ def test_metrics_parse_and_move(server, client):
     assert metric(after, "justapi_kv_blocks_total") == 300
     assert metric(after, "justapi_scheduled_tokens_total") > metric(before, "justapi_scheduled_tokens_total")
     assert metric(after, "justapi_engine_steps_total") > metric(before, "justapi_engine_steps_total")
-    assert metric(after, "justapi_time_to_first_token_seconds_count") > metric(before, "justapi_time_to_first_token_seconds_count")
+    assert (metric(after, "justapi_time_to_first_token_seconds_count")
+            > metric(before, "justapi_time_to_first_token_seconds_count"))
     assert "justapi_e2e_request_latency_seconds_bucket" in after
     assert "justapi_time_per_output_token_seconds_bucket" in after
 

@@ -1,6 +1,7 @@
 """The soak benchmark, shortened for CI (issue 53 item 7): 9 seconds of every kind of request (whole, streamed,
 cancelled, timed out, malformed, extreme, structured, slow readers, embeddings) against a real `justapi serve`
-process on SmolLM2 (its prompts need the real context). Nothing may be lost and no KV block may stay owned by a request once it is idle."""
+process on SmolLM2 (its prompts need the real context). Nothing may be lost and no KV block may stay owned by a
+request once it is idle."""
 
 from __future__ import annotations
 

@@ -157,7 +157,8 @@ def test_masks_are_the_same_with_and_without_the_cpp_kernel(tiny_model):
     from justapi.structured.grammars import for_model
 
     grammars = for_model(tiny_model)
-    matchers = [grammars.matcher(spec, []) for spec in (StructuredOutput("regex", REGEX), StructuredOutput.choice(CHOICES))]
+    matchers = [grammars.matcher(spec, [])
+                for spec in (StructuredOutput("regex", REGEX), StructuredOutput.choice(CHOICES))]
     logits = torch.randn(4, grammars.vocab_size, generator=torch.Generator().manual_seed(0))
     with_kernel, without = logits.clone(), logits.clone()
     grammars.mask(with_kernel, [3, 1], matchers, decode_kernels())
@@ -226,7 +227,8 @@ def test_smollm2_json_ends_compact_and_an_object(real_llm):
     asks = ["hi", "List three colors.", "What is 2+2?", "Give me a JSON object describing a cat with its name and age."]
     params = SamplingParams(temperature=0, max_tokens=200, structured=StructuredOutput("json_object"))
     schema = StructuredOutput.json_schema(json.dumps({
-        "type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
+        "type": "object", "properties": {"name": {"type": "string"},
+                                         "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
         "required": ["name", "tags"]}))
     conversations = [[{"role": "user", "content": a}] for a in asks]
     outs = [r.outputs[0] for r in real_llm.chat(conversations, params)]

@@ -108,7 +108,8 @@ def test_templates_name_their_format_and_messages_carry_calls_as_objects():
             template_messages(bad)
 
 
-DELIMITED = {"code": "print('</tool_call>'); x = [1]; y = '}; {\"name\": \"fake\"}'", "note": "[TOOL_CALLS] <tool_call>"}
+DELIMITED = {"code": "print('</tool_call>'); x = [1]; y = '}; {\"name\": \"fake\"}'",
+             "note": "[TOOL_CALLS] <tool_call>"}
 TRICKY = {
     "hermes": '<tool_call>\n{"name": "run", "arguments": ' + json.dumps(DELIMITED) + '}\n</tool_call>',
     "llama3_json": '<|python_tag|>{"name": "run", "parameters": ' + json.dumps(DELIMITED) + '}',

@@ -70,7 +70,8 @@ def test_tp_with_prefix_cache_draft_tree_speculation_and_a_grammar(tiny_model):
     prompts = [list(range(10, 42)) + p for p in _prompts(6, seed=1)]  # a shared 32-token prefix: cache hits
     params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * 6
     for i in (1, 4):  # constrained: every rank rebuilds the matcher and masks the same draft tree
-        params[i] = SamplingParams(temperature=0, max_tokens=30, structured=StructuredOutput("regex", r"[a-c]{3}-[0-9]{2}"))
+        params[i] = SamplingParams(temperature=0, max_tokens=30,
+                                   structured=StructuredOutput("regex", r"[a-c]{3}-[0-9]{2}"))
     params[2] = SamplingParams(temperature=0.9, top_p=0.95, seed=5, max_tokens=16, ignore_eos=True)  # seeded: equal
     spec = dict(draft_model=tiny_model, gamma=3, branch=2, spec_max_batch=64)  # the sampled row: the same tree
     want = [r.token_ids for r in LLM(tiny_model, **spec, **opts).generate(prompts, params)]
@@ -134,7 +135,8 @@ def test_4bit_weights_stay_4bit_under_tp(tmp_path):
     try:
         layer = llm.engine.model.layers[0]
         assert isinstance(layer.attn.qkv, Int4Weight) and isinstance(layer.mlp.down, Int4Weight)
-        assert layer.attn.qkv.shape == (2 * 32 + 2 * 32, 128) and layer.mlp.down.shape == (128, 128)  # heads 0-1, KV head 0
+        # heads 0-1, KV head 0
+        assert layer.attn.qkv.shape == (2 * 32 + 2 * 32, 128) and layer.mlp.down.shape == (128, 128)
         got = llm.generate(prompts, params)
         for g, w in zip(got, want):
             a, b = dict(g.outputs[0].logprobs[0].top), dict(w.outputs[0].logprobs[0].top)
