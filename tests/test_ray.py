@@ -176,9 +176,10 @@ def test_serve_replicas_behind_the_prefix_router(cluster, tiny_model):
         shared = list(range(3, 67))  # 4 blocks, one request after another: one replica, whose cache then hits
         for i in range(3):
             assert complete(shared + [100 + i], 2)[0] == 200
-        time.sleep(1.5)  # the replicas' load reports ride on their streams
-        m = httpx.get(url + "/metrics").text
-        assert metric(m, "prefix_cache_hits") >= 8
+        deadline = time.monotonic() + 30  # the replicas' load reports ride on their streams: wait for them
+        while metric(httpx.get(url + "/metrics").text, "prefix_cache_hits") < 8:
+            assert time.monotonic() < deadline, "the shared prefix never hit one replica's cache"
+            time.sleep(0.05)
         # kill the replica serving a long request mid-stream
         body = {"prompt": [9, 9, 9], "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
         with httpx.Client(timeout=120) as client, client.stream("POST", url + "/v1/completions", json=body) as r:
