@@ -1,7 +1,7 @@
 """Ray Serve's side of data-parallel replicas (justapi.ray_serve builds the application):
 
-- ``EngineReplica`` (a Serve deployment): a whole engine, the loop of a worker process (engine.pd_worker) run in a
-  thread of the replica; ``generate`` streams a request's EngineCoreOutputs (token ids) with the replica's load.
+- ``EngineReplica`` (a Serve deployment): a whole engine, the loop of a worker process (engine.worker_loop) run in
+  a thread of the replica; ``generate`` streams a request's EngineCoreOutputs (token ids) with the replica's load.
 - ``PrefixAwareRequestRouter``: Serve's request-router extension point, choosing the replica with core.router's
   PrefixRouter (the policy of every mode) from the request's token ids and the replicas' queue lengths.
 """
@@ -54,15 +54,14 @@ class EngineReplica:
 
     def __init__(self, config: EngineConfig) -> None:
         from .engine.engine_core import EngineCore
-        from .engine.pd_worker import WorkerSpec, _Worker
+        from .engine.worker_loop import WorkerLoop
 
         self.engine = EngineCore(config)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.inbox: queue.Queue = queue.Queue()
         self.dispatch = _Dispatch()
-        spec = WorkerSpec(0, 1, "replica", config, None, config.num_threads or 1, ((0,),))
-        worker = _Worker(spec, self.engine, self.inbox, self.dispatch)
-        worker.report_every = 0.0  # the load rides on the request streams: let each chunk carry the latest
+        # the load rides on the request streams: each step's report, so that each chunk carries the latest
+        worker = WorkerLoop(0, self.engine, self.inbox, self.dispatch, report_every=0.0)
         self.broken: str | None = None  # why the engine loop died: every stream fails, Serve replaces the replica
         self.thread = threading.Thread(target=self._run, args=(worker,), name="justapi-replica", daemon=True)
         self.thread.start()

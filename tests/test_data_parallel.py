@@ -13,7 +13,7 @@ import pytest
 from justapi import LLM, SamplingParams
 from justapi.config import EngineConfig
 from justapi.core.router import PrefixRouter
-from justapi.engine.pd_worker import REPORT_INTERVAL_S
+from justapi.engine.worker_loop import REPORT_INTERVAL_S
 from justapi.sampling_params import Pooling
 
 from test_pd import mixed_requests, run_all

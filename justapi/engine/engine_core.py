@@ -22,6 +22,8 @@ from .step_log import StepWork
 
 log = logging.getLogger("justapi.engine")
 
+ROLES = ("replica", "prefill", "decode")  # which steps an engine takes (EngineCore's role)
+
 
 def available_memory_bytes() -> int:
     """MemAvailable from /proc/meminfo (host memory the KV pool may take a share of)."""
@@ -38,9 +40,13 @@ def available_memory_bytes() -> int:
 class EngineCore(ModelFront):
     """A loaded model with its scheduler and executor; ``step()`` runs one iteration of continuous batching."""
 
-    def __init__(self, config: EngineConfig, tp_group=None) -> None:
+    def __init__(self, config: EngineConfig, tp_group=None, role: str = "replica") -> None:
         """``tp_group``: with ``config.tp`` > 1, the sub-group this engine's ranks already form in a disaggregated
-        engine's world; None: the executor starts the ranks itself (engine.executor)."""
+        engine's world; None: the executor starts the ranks itself (engine.executor). ``role`` (ROLES): a replica
+        serves requests whole; a prefill worker hands each off after its first token, keeping its prompt's blocks
+        until they are sent; a decode worker also admits requests whose prompt was computed elsewhere."""
+        if role not in ROLES:
+            raise ValueError(f"an engine's role is one of {', '.join(ROLES)}, not {role!r}")
         if config.gpu and not torch.cuda.is_available():
             raise ModelLoadError("--gpu was given but torch sees no CUDA device (torch.cuda.is_available() is False)")
         set_threads(config)
@@ -48,6 +54,8 @@ class EngineCore(ModelFront):
         self.executor = make_executor(config, self.model_config, tp_group)
         num_blocks = self.executor.size_pool(self._num_blocks(), config.branch or DEFAULT_BRANCH)
         self.scheduler = (StaticScheduler if config.static_batching else Scheduler)(self._scheduler_config(num_blocks))
+        self.role = role
+        self.scheduler.hand_off_after_prefill = role == "prefill"
         self.outputs = OutputProcessor(self.tokenizer)
         self.last_step: StepWork | None = None  # what the latest step() computed and where its time went
         self._core_times = (0.0, 0.0, 0.0)  # step_core's schedule, execute, update seconds
@@ -210,6 +218,70 @@ class EngineCore(ModelFront):
         """The K/V of ``block_ids`` with every KV head of the model, [layers, 2, kv_heads, blocks, block_size, dim]:
         with --tp, each rank holds some heads, and rank 0 gathers them."""
         return self.executor.export_kv(block_ids)
+
+    # --- a worker's steps (engine.worker_loop): requests the front already checked, hand-offs, KV in and out ---
+    def queue_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int) -> None:
+        """Queue a request its front already checked and defaulted; its outputs leave as token ids (step_core)."""
+        self.scheduler.add_request(request_id, prompt_token_ids, params, self.tokenizer.eos_token_ids, seed)
+
+    def drop_request(self, request_id: str) -> None:
+        """Abort a queued request (or a hand-off not yet sent) and free its blocks at once."""
+        self.scheduler.abort_request(request_id)
+
+    @property
+    def handed_off(self) -> set[str]:
+        """A prefill worker's requests whose prompt is computed, waiting for their KV to be sent."""
+        return set(self.scheduler.handoffs)
+
+    def handoff_kv(self, request_id: str) -> torch.Tensor | None:
+        """A handed-off request's prompt KV (export_kv), or None where it was aborted meanwhile or is not here."""
+        req = self.scheduler.handoffs.get(request_id)
+        if req is None:
+            return None
+        return self.export_kv(req.block_ids[: -(-req.num_prompt_tokens // self.scheduler.block_size)])
+
+    def release_handoff(self, request_id: str) -> None:
+        """Its KV was sent (or failed to be): the prompt's blocks go to the prefix cache."""
+        self.scheduler.release_handoff(request_id)
+
+    def admit_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token: int, params: SamplingParams,
+                        seed: int, kv: torch.Tensor, num_cached_tokens: int) -> None:
+        """A decode worker's request computed elsewhere, straight into decoding with its prompt's KV copied in;
+        ValueError where it can never fit."""
+        self.scheduler.add_prefilled_request(request_id, prompt_token_ids, first_token, params,
+                                             self.tokenizer.eos_token_ids, seed, kv, num_cached_tokens)
+
+    def last_step_shape(self) -> tuple[int, int]:
+        """The latest step's prefill tokens and decode rows (what its time is fitted by: core.admission)."""
+        stats = self.scheduler.stats
+        return stats.last_step_prefill_tokens, stats.last_step_decodes
+
+    def load(self) -> dict:
+        """What routing and admission read of this engine: free blocks (cached ones can be evicted), queues, the
+        prefix cache's hits, the prompt tokens left to prefill, the requests decoding."""
+        sched = self.scheduler
+        cache = sched.cache
+        return dict(
+            free_blocks=sched.pool.num_free + sched.num_cached_blocks, running=len(sched.running),
+            waiting=len(sched.waiting), cache_hits=cache.hits if cache is not None else 0,
+            cache_misses=cache.misses if cache is not None else 0, cached_blocks=sched.num_cached_blocks,
+            prefill_backlog=sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
+                                for r in (*sched.waiting, *sched.running)),
+            num_decoding=sum(r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running))
+
+    def integrity(self) -> tuple[str | None, dict]:
+        """The scheduler's integrity check (its failure, or None) and the counts a test reads once idle."""
+        sched = self.scheduler
+        try:
+            sched.check_integrity()
+            problem = None
+        except AssertionError as e:
+            problem = f"integrity check failed: {e}"
+        held = sum(len(r.block_ids) for r in (*sched.running, *sched.handoffs.values()))
+        return problem, dict(
+            running=len(sched.running), waiting=len(sched.waiting), handoffs=len(sched.handoffs),
+            blocks_held_by_requests=held, free_blocks=sched.pool.num_free, cached_blocks=sched.num_cached_blocks,
+            num_blocks=sched.pool.num_blocks)
 
     def close(self) -> None:
         """Stop the executor's other ranks, if any."""
