@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .core.radix_cache import _Node
 
 
 class RequestStatus(enum.Enum):
@@ -38,7 +42,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first admission; -1 before it
     num_preemptions: int = 0
-    cache_node: object = None  # the radix node this request holds locked
+    cache_node: _Node | None = None  # the radix node this request holds locked
     spec_token_ids: list[int] = field(default_factory=list)  # prompt-lookup draft tokens for the next step
     spec_depth: int = 0  # draft-model tree levels the runner proposes next step (slots reserved here)
     imported_kv: object = None  # disaggregation: the prompt's KV computed by a prefill worker, until admission

@@ -78,4 +78,5 @@ class StepCostModel:
                     a[r] = [v - f * w for v, w in zip(a[r], a[col])]
         coef = [a[i][3] / a[i][i] if abs(a[i][i]) >= 1e-12 else 0.0 for i in range(3)]
         rate = self._finished / self._seconds if self._seconds > 0 else 0.0
-        return StepCosts(*(max(0.0, c) for c in coef), rate)  # a negative cost is noise, not a saving
+        base, per_prefill_token, per_decode = (max(0.0, c) for c in coef)  # a negative cost is noise, not a saving
+        return StepCosts(base, per_prefill_token, per_decode, rate)

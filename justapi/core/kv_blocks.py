@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from ..request import Request
 from .block_pool import BlockPool
-from .radix_cache import RadixPrefixCache
+from .radix_cache import RadixPrefixCache, _Node
 
 
 class KvBlocks:
@@ -69,6 +69,7 @@ class KvBlocks:
         """Undo ``match_prefix`` (or an imported prompt's blocks) for a request that stays in the queue: waiting
         requests hold nothing."""
         if req.cache_node is not None:
+            assert self.cache is not None  # a request holds a radix node only when there is a prefix cache
             self.cache.unlock(req.cache_node)
             req.cache_node = None
         self.pool.decref(req.block_ids)
@@ -99,8 +100,8 @@ class KvBlocks:
     def check_integrity(self, holders: Iterable[Request], waiting: Iterable[Request]) -> None:
         """Assert every block is free, cached or held by one of ``holders``, with matching reference counts and
         locks, and that no waiting request holds anything."""
-        owners = Counter()
-        locks = Counter()
+        owners: Counter[int] = Counter()
+        locks: Counter[_Node] = Counter()
         for req in holders:
             owners.update(req.block_ids)
             assert len(req.block_ids) * self.block_size >= req.num_computed_tokens

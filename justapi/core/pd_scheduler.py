@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .admission import StepCosts
 from .router import PrefixRouter
 
 
@@ -38,7 +39,7 @@ class WorkerInfo:
     cache_hits: int = 0
     cache_misses: int = 0
     cached_blocks: int = 0
-    costs: object = None  # core.admission.StepCosts the worker fitted to its steps, None before its first
+    costs: StepCosts | None = None  # what the worker fitted to its steps, None before its first
     prefill_backlog: int = 0  # prompt tokens still to compute, reported plus routed here since the report
     num_decoding: int = 0
     routed: int = 0  # requests sent here (retries included)

@@ -108,12 +108,12 @@ class FairPolicy(FcfsPolicy):
         if queued:
             floor = min(self.counters.get(u, 0.0) for u in queued)
         else:
-            floor = self.counters.get(self._last_left, 0.0)
+            floor = self.counters.get(self._last_left, 0.0) if self._last_left is not None else 0.0
         self.counters[user] = max(self.counters.pop(user, 0.0), floor)  # the dict runs least to most recently active
         if len(self.counters) > 2 * MAX_IDLE_COUNTERS + len(queued):
-            self._forget_idle(queued | {user, self._last_left})
+            self._forget_idle({*queued, user, self._last_left})
 
-    def _forget_idle(self, keep: set) -> None:
+    def _forget_idle(self, keep: set[str | None]) -> None:
         """Keep the counters of the MAX_IDLE_COUNTERS most recently active users outside ``keep``. A forgotten user
         who returns is lifted to the floor, losing what its counter had above it: only a user idle while thousands
         of others were served gains that (API keys as users bound who one client can be)."""

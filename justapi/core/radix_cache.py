@@ -81,9 +81,10 @@ class RadixPrefixCache:
 
     def count_hit(self, node: _Node) -> None:
         """A request starts from the prefix ending at ``node``: count it on every node of the path."""
-        while node is not self.root:
-            node.hits += 1
-            node = node.parent
+        cur: _Node | None = node
+        while cur is not None and cur is not self.root:
+            cur.hits += 1
+            cur = cur.parent
 
     @property
     def hit_ratio(self) -> float:
@@ -124,22 +125,24 @@ class RadixPrefixCache:
 
     def lock(self, node: _Node) -> None:
         """Protect the path from ``node`` to the root from eviction (one more running request uses it)."""
-        while node is not None:
-            node.lock_ref += 1
-            if node.lock_ref == 1:
-                self.num_locked_blocks += len(node.block_ids)
-            self._evictable.discard(node)
-            node = node.parent
+        cur: _Node | None = node
+        while cur is not None:
+            cur.lock_ref += 1
+            if cur.lock_ref == 1:
+                self.num_locked_blocks += len(cur.block_ids)
+            self._evictable.discard(cur)
+            cur = cur.parent
 
     def unlock(self, node: _Node) -> None:
         """Undo one ``lock``; leaves nobody uses become evictable."""
-        while node is not None:
-            assert node.lock_ref > 0
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
-                self.num_locked_blocks -= len(node.block_ids)
-            self._update_evictable(node)
-            node = node.parent
+        cur: _Node | None = node
+        while cur is not None:
+            assert cur.lock_ref > 0
+            cur.lock_ref -= 1
+            if cur.lock_ref == 0:
+                self.num_locked_blocks -= len(cur.block_ids)
+            self._update_evictable(cur)
+            cur = cur.parent
 
     def evict(self, num_blocks: int) -> int:
         """Free at least ``num_blocks`` blocks if possible, least recently used unlocked leaves first."""
@@ -151,6 +154,7 @@ class RadixPrefixCache:
             if node not in self._evictable:
                 continue
             parent = node.parent
+            assert parent is not None  # the root is never evictable, every other node has a parent
             del parent.children[node.token_ids[: self.block_size]]
             self._evictable.discard(node)
             self.pool.decref(node.block_ids)
@@ -175,11 +179,13 @@ class RadixPrefixCache:
         """Cut ``node`` after ``num_blocks`` blocks; return the new upper part (same parent, same locks)."""
         assert 0 < num_blocks < len(node.block_ids)
         cut = num_blocks * self.block_size
-        upper = _Node(node.parent, node.token_ids[:cut], node.block_ids[:num_blocks])
+        parent = node.parent
+        assert parent is not None  # only a child (never the root) is split
+        upper = _Node(parent, node.token_ids[:cut], node.block_ids[:num_blocks])
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
         upper.hits = node.hits
-        node.parent.children[upper.token_ids[: self.block_size]] = upper
+        parent.children[upper.token_ids[: self.block_size]] = upper
         node.token_ids = node.token_ids[cut:]
         node.block_ids = node.block_ids[num_blocks:]
         node.parent = upper
@@ -196,8 +202,8 @@ class RadixPrefixCache:
         """The ``limit`` prefixes that saved the most prompt tokens (length times requests): (token ids, requests
         that started from all of them). A prefix ends where fewer requests went on (its node's hits exceed each
         child's). Walks the tree: for the dashboard, about once a second."""
-        found = []
-        stack = [(self.root, ())]
+        found: list[tuple[tuple[int, ...], int]] = []
+        stack: list[tuple[_Node, tuple[int, ...]]] = [(self.root, ())]
         while stack:
             node, path = stack.pop()
             hit_children = [c for c in node.children.values() if c.hits]
@@ -207,9 +213,9 @@ class RadixPrefixCache:
         found.sort(key=lambda f: len(f[0]) * f[1], reverse=True)
         return found[:limit]
 
-    def block_owners(self) -> Counter:
+    def block_owners(self) -> Counter[int]:
         """One reference per block held by the tree (for the pool's integrity check)."""
-        owners: Counter = Counter()
+        owners: Counter[int] = Counter()
         stack = [self.root]
         while stack:
             node = stack.pop()
@@ -217,7 +223,7 @@ class RadixPrefixCache:
             stack.extend(node.children.values())
         return owners
 
-    def check_integrity(self, locks: Counter | None = None) -> None:
+    def check_integrity(self, locks: Counter[_Node] | None = None) -> None:
         """Assert the tree's shape: block-aligned edges, keys, block counts, lock counts, the evictable set."""
         bs = self.block_size
         count = locked = 0
@@ -228,7 +234,7 @@ class RadixPrefixCache:
             locked += len(node.block_ids) if node.lock_ref else 0
             if node is not self.root:
                 assert len(node.token_ids) == len(node.block_ids) * bs > 0
-                assert node.parent.children[node.token_ids[:bs]] is node
+                assert node.parent is not None and node.parent.children[node.token_ids[:bs]] is node
                 child_locks = sum(c.lock_ref for c in node.children.values())
                 own = locks.get(node, 0) if locks is not None else None
                 if own is not None:

@@ -16,9 +16,12 @@ engine is the number of its leading full blocks in that shadow. Choice:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator, Mapping
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from typing import TypeVar
 
 from ..config import DEFAULT_PREFIX_SLACK, ROUTER_POLICIES
+
+E = TypeVar("E", bound=Hashable)  # an engine's key: the pick is one of the keys of ``loads``
 
 
 class PrefixRouter:
@@ -26,7 +29,7 @@ class PrefixRouter:
         if policy not in ROUTER_POLICIES:
             raise ValueError(f"router policy must be one of {', '.join(ROUTER_POLICIES)}, not {policy!r}")
         self.policy, self.slack, self.block_size = policy, slack, block_size
-        self._shadows: dict[Hashable, OrderedDict] = {}  # engine → block-chain hash → None, least recent first
+        self._shadows: dict[Hashable, OrderedDict[int, None]] = {}  # engine → block-chain hashes, least recent first
         self._capacity: dict[Hashable, int] = {}
         self._turn = 0
 
@@ -42,14 +45,14 @@ class PrefixRouter:
     def engines(self) -> list[Hashable]:
         return list(self._shadows)
 
-    def choose(self, prompt: list[int], loads: Mapping[Hashable, int]) -> Hashable:
+    def choose(self, prompt: Sequence[int], loads: Mapping[E, int]) -> E:
         """The engine for ``prompt`` among ``loads`` (engine → requests in flight there, not empty); it is
         remembered as holding the prompt from now on."""
         best = self.best(prompt, loads)
         self.remember(best, prompt)
         return best
 
-    def best(self, prompt: list[int], loads: Mapping[Hashable, int]) -> Hashable:
+    def best(self, prompt: Sequence[int], loads: Mapping[E, int]) -> E:
         """The engine ``choose`` would pick, remembering nothing (the caller calls ``remember`` where it went)."""
         order = {e: i for i, e in enumerate(self._shadows)}
         candidates = sorted(loads, key=lambda e: order.get(e, len(order)))
@@ -62,9 +65,9 @@ class PrefixRouter:
                                                   else -1, -loads[e], -order.get(e, len(order))))
         return best
 
-    def prefix_blocks(self, engine: Hashable, prompt: list[int]) -> int:
+    def prefix_blocks(self, engine: Hashable, prompt: Sequence[int]) -> int:
         """Leading full blocks of ``prompt`` the engine was last sent (as far as the shadow remembers)."""
-        shadow = self._shadows.get(engine, {})
+        shadow: Mapping[int, None] = self._shadows.get(engine, {})
         hit = 0
         for h in self._chain(prompt):
             if h not in shadow:
@@ -72,7 +75,7 @@ class PrefixRouter:
             hit += 1
         return hit
 
-    def remember(self, engine: Hashable, prompt: list[int]) -> None:
+    def remember(self, engine: Hashable, prompt: Sequence[int]) -> None:
         if engine not in self._shadows:
             self.add(engine, self._capacity.get(engine, 1 << 16))
         shadow = self._shadows[engine]
@@ -82,7 +85,7 @@ class PrefixRouter:
         while len(shadow) > self._capacity[engine]:
             shadow.popitem(last=False)
 
-    def _chain(self, prompt: list[int]) -> Iterator[int]:
+    def _chain(self, prompt: Sequence[int]) -> Iterator[int]:
         """One hash per full block, each covering every block before it (as the radix cache keys blocks)."""
         h, bs = 0, self.block_size
         for i in range(len(prompt) // bs):

@@ -48,7 +48,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._finished_ids: set[str] = set()  # runner state to drop at the next step
         self._new_ids: set[str] = set()  # admitted (or resumed) since the last step
-        self._out_data: dict = {}  # this step's NewRequestData / CachedRequestData by request id
+        self._out_data: dict[str, NewRequestData | CachedRequestData] = {}  # this step's entries by request id
         # the latest step as the dashboard draws it (engine.step_log): one cell per scheduled request, the requests
         # preempted while scheduling it, and those aborted since the step before (between steps)
         self.last_cells: list[tuple] = []
@@ -157,7 +157,7 @@ class Scheduler:
         self.last_cells, self.last_preempted = [], []
         self.last_aborted, self._aborted = self._aborted, []
         budget = [self.config.chunk_size]  # prefill tokens left this step
-        counts = Counter()
+        counts: Counter[str] = Counter()  # rows this step: "decode", "prefill"
         now = self.clock()
         self.policy.order_running(self.running, now)
         self._displace(now)
@@ -177,7 +177,7 @@ class Scheduler:
         self.stats.num_scheduled_tokens_total += out.total_num_scheduled_tokens
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: list[int], counts: Counter,
+    def _schedule_running(self, out: SchedulerOutput, budget: list[int], counts: Counter[str],
                           now: float) -> tuple[bool, list[Request]]:
         """Decodes and prefill chunks of running requests; returns whether any was preempted, and the prefilling
         requests the policy puts after the next waiting one (their chunks wait for the admissions)."""
@@ -235,7 +235,7 @@ class Scheduler:
             new_blocks = self.kv.grow(req, req.num_computed_tokens + n)
         return new_blocks, preempted
 
-    def _schedule_deferred(self, out: SchedulerOutput, budget: list[int], counts: Counter,
+    def _schedule_deferred(self, out: SchedulerOutput, budget: list[int], counts: Counter[str],
                            deferred: list[Request]) -> None:
         """What the admissions left of the prefill budget, to the running prompts deferred for them. Everyone else
         is scheduled by now, so one short of blocks is itself preempted (the policy put it after the admissions)."""
@@ -272,7 +272,7 @@ class Scheduler:
             else:
                 self.policy.charge(req, n, 0)
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: list[int], counts: Counter, now: float) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: list[int], counts: Counter[str], now: float) -> None:
         self._short_of_blocks = False
         while self.waiting and len(self.running) < self.config.max_seqs:
             req = self.policy.next_waiting(self.waiting, now)
@@ -325,6 +325,7 @@ class Scheduler:
 
     def _add_to_output(self, out: SchedulerOutput, req: Request, num_tokens: int, new_blocks: list[int]) -> None:
         rid = req.request_id
+        data: NewRequestData | CachedRequestData
         if rid in self._new_ids:
             self._new_ids.discard(rid)
             data = NewRequestData(

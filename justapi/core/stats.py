@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .admission import StepCosts
 from .pd_scheduler import PdScheduler, PdStats
 
 if TYPE_CHECKING:
@@ -126,7 +127,7 @@ class SchedulerSnapshot:
 class WorkerSnapshot:
     """A worker (disaggregated pool member or data-parallel replica) as its last report left it."""
 
-    rank: int
+    rank: int | str  # a worker process's rank, or a Ray Serve replica's id (engine.serve_engine)
     role: str
     alive: bool
     running: int
@@ -136,7 +137,7 @@ class WorkerSnapshot:
     cache_misses: int
     cached_blocks: int
     load: int
-    costs: object = None  # core.admission.StepCosts, as last reported
+    costs: StepCosts | None = None  # as last reported
     prefill_backlog: int = 0
     num_decoding: int = 0
     routed: int = 0

@@ -125,7 +125,9 @@ class TpExecutor(Executor):
 
     def export_kv(self, block_ids: list[int]) -> torch.Tensor:
         self._send(ExportKv(tuple(block_ids)))
-        return self.comm.gather_kv(self.worker.export_kv(block_ids))
+        kv = self.comm.gather_kv(self.worker.export_kv(block_ids))
+        assert kv is not None  # None only on the other ranks: this executor is rank 0 (TpPlan.make(..., 0, ...))
+        return kv
 
     def close(self) -> None:
         """Tell the other ranks to leave; stop the processes started here."""

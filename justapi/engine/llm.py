@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from ..config import EngineConfig
 from ..core.outputs import Logprob
 from ..model.gguf_loader import ModelLoadError, default_model_path
 from ..sampling_params import Pooling, SamplingParams
 from .engine_core import EngineCore
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
 
 Prompt = str | list[int]
 
@@ -53,6 +58,16 @@ class GenerationResult:
         return self.outputs[0].logprobs
 
 
+def _one_prompt(prompts: Prompt | Sequence[Prompt]) -> TypeIs[Prompt]:
+    """A single prompt (a string or token ids), not a list of them."""
+    return isinstance(prompts, str) or (isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int))
+
+
+def _one_conversation(messages: list[dict] | list[list[dict]]) -> TypeIs[list[dict]]:
+    """A single conversation (a list of messages), not a list of them."""
+    return bool(messages) and isinstance(messages[0], dict)
+
+
 def child_seed(seed: int, index: int) -> int:
     """The seed of completion ``index`` of a request seeded with ``seed`` (n > 1)."""
     return seed if index == 0 else (seed * 1_000_003 + index * 7919) % (1 << 62)
@@ -71,20 +86,22 @@ class LLM:
         self._ids = itertools.count()
 
     def generate(
-        self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None
+        self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[GenerationResult]:
         """Complete every prompt (a string or a list of token ids); results in the order of the prompts."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if _one_prompt(prompts):
             prompts = [prompts]
         params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
         results: list[GenerationResult] = []
+        slots: list[list[CompletionOutput | None]] = []  # per prompt, its completions as they finish
         pending: dict[str, tuple[int, int]] = {}
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
             params = params or SamplingParams()
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            results.append(GenerationResult(prompt if isinstance(prompt, str) else None, ids, [None] * params.n))
+            results.append(GenerationResult(prompt if isinstance(prompt, str) else None, ids, []))
+            slots.append([None] * params.n)
             seed = params.seed if params.seed is not None else self.engine.new_seed()
             for j in range(params.n):
                 rid = f"offline-{next(self._ids)}"
@@ -94,18 +111,26 @@ class LLM:
             for out in self.engine.step():
                 if out.finished:
                     i, j = pending.pop(out.request_id)
-                    results[i].outputs[j] = CompletionOutput(
+                    slots[i][j] = CompletionOutput(
                         j, out.text, out.token_ids, out.finish_reason, out.logprobs, out.stop_reason, out.embedding
                     )
                     results[i].num_cached_tokens = out.num_cached_tokens
+        for result, outputs in zip(results, slots):
+            result.outputs = [o for o in outputs if o is not None]  # all: the loop ran until none was unfinished
         return results
 
-    def embed(self, prompts: Prompt | list[Prompt], dimensions: int | None = None,
+    def embed(self, prompts: Prompt | Sequence[Prompt], dimensions: int | None = None,
               normalize: bool = True) -> list[list[float]]:
         """The embedding of each prompt, pooled as the model's file says (ModelConfig.pooling), in one batch."""
         pooling = Pooling(self.engine.model_config.pooling, normalize, dimensions)
         results = self.generate(prompts, SamplingParams.for_embedding(pooling))
-        return [r.outputs[0].embedding for r in results]
+        vectors = []
+        for i, r in enumerate(results):
+            embedding = r.outputs[0].embedding
+            if embedding is None:  # the request failed alone (finish reason "error"): no vector to give
+                raise RuntimeError(f"the embedding of prompt {i} failed (finish reason {r.finish_reason!r})")
+            vectors.append(embedding)
+        return vectors
 
     def score(self, query: str, documents: list[str]) -> list[float]:
         """Each document's relevance to ``query``: a reranker's score (pooling rank), in one batch."""
@@ -119,7 +144,7 @@ class LLM:
         self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None
     ) -> list[GenerationResult]:
         """Apply the model's chat template to each conversation and complete it."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = [messages] if _one_conversation(messages) else messages
         prompts = [self.apply_chat_template(c) for c in conversations]
         return self.generate(prompts, sampling_params)
 

@@ -5,6 +5,7 @@ server sees the same answers whichever engine serves."""
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 from ..config import EngineConfig
 from ..model.chat_template import ChatTemplate
@@ -51,7 +52,8 @@ class ModelFront:
         chat_template_kwargs) set (ChatTemplateError for a bad template or one that renders no tools)."""
         return self.chat_template.encode(self.tokenizer, messages, add_generation_prompt, tools, variables)
 
-    def fim_prompt(self, prefix: str, suffix: str, extra: list[tuple[str, str]] = (), middle: str = "") -> list[int]:
+    def fim_prompt(self, prefix: str, suffix: str, extra: Sequence[tuple[str, str]] = (),
+                   middle: str = "") -> list[int]:
         """Token ids of a fill-in-the-middle prompt (model.fim; ValueError for a model without FIM tokens)."""
         return self.fim.prompt(prefix, suffix, extra, middle)
 

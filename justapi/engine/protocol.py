@@ -5,6 +5,7 @@ only what never changes, or a count) is called on the engine thread alone."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -51,7 +52,8 @@ class Engine(Protocol):
                     variables: dict | None = None) -> list[int]:
         """Token ids of a conversation in the model's chat template (ChatTemplateError for a bad one)."""
 
-    def fim_prompt(self, prefix: str, suffix: str, extra: list[tuple[str, str]] = (), middle: str = "") -> list[int]:
+    def fim_prompt(self, prefix: str, suffix: str, extra: Sequence[tuple[str, str]] = (),
+                   middle: str = "") -> list[int]:
         """Token ids of a fill-in-the-middle prompt (ValueError for a model without FIM tokens)."""
 
     def pair_prompt(self, query: str, document: str) -> list[int]:

@@ -6,10 +6,12 @@ was streamed yet, else fails it."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import queue
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from ray import serve
 
@@ -24,6 +26,9 @@ from .output_processor import OutputProcessor, RequestOutput
 from .pd_messages import Load, seconds_left
 from .protocol import EngineDeadError
 
+if TYPE_CHECKING:
+    from ray.serve.handle import DeploymentResponseGenerator
+
 
 @dataclasses.dataclass
 class _Pending:
@@ -31,8 +36,8 @@ class _Pending:
     params: SamplingParams
     seed: int
     replica: str | None = None
-    task: object = None  # the consuming coroutine's future (concurrent.futures)
-    gen: object = None  # the current response stream (DeploymentResponseGenerator), to cancel on the replica
+    task: concurrent.futures.Future[None] | None = None  # the consuming coroutine's, set once it is queued
+    gen: DeploymentResponseGenerator | None = None  # the current response stream, to cancel on the replica
 
 
 class ServeEngine(ModelFront):
@@ -92,6 +97,7 @@ class ServeEngine(ModelFront):
                     self._events.put(("out", rid, outs, replica, load))
                 return
             except asyncio.CancelledError:
+                assert req.gen is not None  # set before the stream's first await, where a cancel lands
                 req.gen.cancel()  # the replica aborts the request and frees its blocks
                 raise
             except (ActorDiedError, RayActorError) as e:  # Ray reports the replica's death
@@ -170,6 +176,7 @@ class ServeEngine(ModelFront):
 
     def _cancel(self, req: _Pending) -> None:
         """Stop consuming the request's stream; cancelling the stream's task cancels it on the replica too."""
+        assert req.task is not None  # add_request sets it as it registers the request, before any cancel
         req.task.cancel()
 
     def _mark_dead(self, replica: str | None) -> None:

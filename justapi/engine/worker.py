@@ -34,7 +34,7 @@ class Worker:
         # the context served, not the file's: the RoPE tables' length, and LongRoPE's choice of factors
         model_config = dataclasses.replace(model_config,
                                            context_length=config.max_model_len or model_config.context_length)
-        self.draft_model = self._load_draft(model_config) if config.draft_model else None
+        self.draft_model = self._load_draft(config.draft_model, model_config) if config.draft_model else None
         select = None
         if plan is not None:
             select = lambda name: shard_selection(name, plan, model_config)  # noqa: E731
@@ -42,7 +42,7 @@ class Worker:
         self.runner: ModelRunner | None = None
 
     def _load(self, reader, path: str, model_config: ModelConfig, lead: bool, select=None, plan=None,
-              comm=None) -> LlamaModel:
+              comm=None) -> LlamaModel | EncoderModel:
         """A model's weights in the dtype and kernel routes the flags and the CPU decide (logged by the lead)."""
         config = self.config
         kernels = decode_kernels() if config.cpu_kernels and not config.gpu else None
@@ -59,14 +59,15 @@ class Worker:
                           kv_dtype=kv_cache_dtype(config.kv_cache_dtype, dtype, keep_packed), policy=policy,
                           huge_pages=config.huge_pages)
 
-    def _load_draft(self, target: ModelConfig) -> LlamaModel:
+    def _load_draft(self, path: str, target: ModelConfig) -> LlamaModel:
         """The --draft-model: same vocabulary as the target (checked first), weights under the same policy."""
-        path = self.config.draft_model
         try:
             reader = open_gguf(path)
             draft_config = read_model_config(reader, path)
         except ModelLoadError as e:
             raise ModelLoadError(f"--draft-model: {e}") from None
+        if draft_config.is_encoder:  # it would load as an EncoderModel, which has no KV cache and drafts nothing
+            raise ModelLoadError(f"--draft-model {path}: an encoder ({draft_config.arch}) cannot draft tokens")
         check_same_vocabulary(open_gguf(self.config.model), self.config.model, reader, path)
         if draft_config.vocab_size != target.vocab_size:
             raise ModelLoadError(f"--draft-model {path}: its embedding has {draft_config.vocab_size} rows, the "
@@ -75,7 +76,9 @@ class Worker:
         # shorter one only drafts worse there; verification keeps the output exact)
         draft_config = dataclasses.replace(draft_config, context_length=target.context_length)
         log.info("draft model %s: %d layers, hidden %d", path, draft_config.num_layers, draft_config.hidden_size)
-        return self._load(reader, path, draft_config, lead=False)
+        draft = self._load(reader, path, draft_config, lead=False)
+        assert isinstance(draft, LlamaModel)  # an encoder was refused above
+        return draft
 
     def kv_bytes_per_block(self) -> int:
         """KV bytes of one block: the model's, plus the draft's own cache at the same block ids."""
@@ -94,8 +97,10 @@ class Worker:
                                   grammars=lambda: grammars_for(model_path))
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        assert self.runner is not None  # the executor allocates before the first step
         return self.runner.execute(sched)
 
     def export_kv(self, block_ids: list[int]) -> torch.Tensor:
         """This rank's K/V of ``block_ids`` (see ModelRunner.export_kv)."""
+        assert self.runner is not None  # the executor allocates before the first step
         return self.runner.export_kv(block_ids)

@@ -20,6 +20,7 @@ from .gguf_loader import ModelLoadError
 from .blocks import Classifier
 from .layers import RotaryEmbedding, linear
 from .kernel_policy import KernelPolicy
+from .unpack import Q4Unpacked, Q8Unpacked
 
 
 @dataclass
@@ -43,9 +44,10 @@ class EncoderModel:
 
     kv_layers = 0  # the runner allocates no KV cache
 
-    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], device: str, batch_invariant: bool,
-                 tp=None, comm=None, kv_dtype: torch.dtype = torch.float32, policy: KernelPolicy | None = None,
-                 huge_pages: bool = False):
+    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor | Q4Unpacked | Q8Unpacked], device: str,
+                 batch_invariant: bool, tp=None, comm=None, kv_dtype: torch.dtype = torch.float32,
+                 policy: KernelPolicy | None = None, huge_pages: bool = False):
+        """``tensors``: as gguf_loader.load_tensors returns them, all dense (an encoder is loaded unpacked)."""
         if tp is not None:
             raise ModelLoadError(f"{config.path}: an encoder ({config.arch}) is not split by --tp; serve it whole")
         self.config = config

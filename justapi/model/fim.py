@@ -5,6 +5,8 @@ or, for files older than them, by the tokens' text as llama.cpp finds them; the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from .gguf_loader import field_value
 
 _KEYS = {"pre": ("fim_pre_token_id", "prefix_token_id"), "suf": ("fim_suf_token_id", "suffix_token_id"),
@@ -33,7 +35,7 @@ class FimTokens:
     def available(self) -> bool:
         return all(part in self.ids for part in ("pre", "suf", "mid"))
 
-    def prompt(self, prefix: str, suffix: str, extra: list[tuple[str, str]] = (), middle: str = "") -> list[int]:
+    def prompt(self, prefix: str, suffix: str, extra: Sequence[tuple[str, str]] = (), middle: str = "") -> list[int]:
         """The PSM prompt's token ids: ``extra`` (other files, (name, text): llama.cpp's input_extra) each after a
         file separator first, ``middle`` the start of the answer (ValueError for a model without the tokens;
         TextError for text that is not Unicode)."""

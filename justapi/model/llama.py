@@ -74,9 +74,9 @@ class _FileWeights:
 class LlamaModel:
     """Weights and the forward pass of a decoder-only model (module docstring)."""
 
-    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], device: str, batch_invariant: bool,
-                 tp=None, comm=None, kv_dtype: torch.dtype = torch.float32, policy: KernelPolicy | None = None,
-                 huge_pages: bool = False):
+    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor | Q4Unpacked | Q8Unpacked], device: str,
+                 batch_invariant: bool, tp=None, comm=None, kv_dtype: torch.dtype = torch.float32,
+                 policy: KernelPolicy | None = None, huge_pages: bool = False):
         """``tp``: a distributed.tp.TpPlan; ``tensors`` are then this rank's slices (loaded with
         ``shard_selection``) and ``comm`` (a TpComm) combines the ranks' partial results. ``config`` stays the
         whole model's. ``kv_dtype``: the element type of the KV cache this model's runner allocates (fp32 or

@@ -17,6 +17,7 @@ from ..spec.tree import ROOT, DraftTree, spec_decode_tree
 from ..sampling_params import SamplingParams
 from . import hugepages
 from .attention import AttentionMetadata, SeqSpan
+from .encoder import EncoderModel
 from .llama import LlamaModel
 from .sampler import SampleRow, sample
 from .thinking import after_thinking, split_emitted, steer, steer_tree
@@ -35,14 +36,14 @@ class _RequestState:
     pooled: torch.Tensor | None = None  # an embedding request's pooled hidden states so far (mean: their sum)
 
 
-def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
+def kv_bytes_per_block(model: LlamaModel | EncoderModel, block_size: int) -> int:
     """Bytes of K and V that one block takes across all layers (in the model's KV dtype); 0 for an encoder,
     which keeps none (its blocks only count tokens)."""
     cfg = model.config
     return 2 * model.kv_layers * block_size * cfg.num_kv_heads * cfg.head_dim * model.kv_dtype.itemsize
 
 
-def new_kv_caches(model: LlamaModel, num_blocks: int, block_size: int, device: str):
+def new_kv_caches(model: LlamaModel | EncoderModel, num_blocks: int, block_size: int, device: str):
     """Per layer (K, V), each [num_kv_heads, num_blocks, block_size, head_dim]; on huge pages where the model's
     weights are (decode attention reads scattered blocks: fewer TLB misses)."""
     cfg = model.config
@@ -155,7 +156,7 @@ class ModelRunner:
     ``grammars``: called once a request with structured output arrives, the process's structured.grammars.Grammars.
     """
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, device: str, proposer=None,
+    def __init__(self, model: LlamaModel | EncoderModel, num_blocks: int, block_size: int, device: str, proposer=None,
                  grammars=None) -> None:
         self.model = model
         self.block_size = block_size
