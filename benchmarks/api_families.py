@@ -110,8 +110,8 @@ def measure(runs: dict, rounds: int) -> dict:
                    "texts": sorted(g["texts"])} for name, g in got.items()}
 
 
-JSON_ASKS = ["hi", "List three colors.", "What is 2+2?", "Give me a JSON object describing a cat with its name and age.",
-             "Describe a cat as JSON."]
+JSON_ASKS = ["hi", "List three colors.", "What is 2+2?",
+             "Give me a JSON object describing a cat with its name and age.", "Describe a cat as JSON."]
 
 
 def json_mode(url: str, model: str) -> list[dict]:

@@ -58,7 +58,8 @@ def main() -> None:
         base_name = f"{args.disable} off"
         off = LLM(default_model_path(), pool_blocks=16, disabled_kernels=(args.disable,),
                   show_progress=False).engine.model
-        old_forward, old_rope, old_head, old_layers, old_policy = new_forward, new_rope, off.lm_head, off.layers, off.policy
+        old_forward, old_rope = new_forward, new_rope
+        old_head, old_layers, old_policy = off.lm_head, off.layers, off.policy
     else:
         base_name = args.base
         old_forward, OldRope = old_version(args.base)

@@ -231,7 +231,8 @@ def attention(args) -> None:
                 best[name] = min(best[name], (time.perf_counter() - t) / (2 * layers))
         nbytes = 2 * kv_heads * int(ctx.sum()) * dim * dtype.itemsize
         for name, _ in usable:
-            print(f"  {name:>14}, {str(dtype):>14}: {best[name] * 1e3:6.3f} ms a layer, {nbytes / best[name] / 1e9:5.1f} GB/s of K/V")
+            print(f"  {name:>14}, {str(dtype):>14}: {best[name] * 1e3:6.3f} ms a layer, "
+                  f"{nbytes / best[name] / 1e9:5.1f} GB/s of K/V")
 
 
 
@@ -270,7 +271,8 @@ def prefill(args) -> None:
             pairs = sum(min(p + 1, window or p + 1) for p in range(ctx - n, ctx))  # query-key pairs seen
             rate = lambda sec: 4 * heads * dim * pairs / sec / 1e9  # noqa: E731
             print(f"  {name}, {n:3d} new of {ctx:3d}{f', window {window}' if window else ''}: torch "
-                  f"{best['torch'] * 1e3:6.3f} ms ({rate(best['torch']):4.0f} GFLOP/s), C++ {best['C++'] * 1e3:6.3f} ms "
+                  f"{best['torch'] * 1e3:6.3f} ms ({rate(best['torch']):4.0f} GFLOP/s), "
+                  f"C++ {best['C++'] * 1e3:6.3f} ms "
                   f"({rate(best['C++']):4.0f}), {best['C++'] / best['torch']:.2f}x"
                   + (f"; {args.base} {best[args.base] * 1e3:6.3f} ms, now {best['C++'] / best[args.base]:.2f}x"
                      if args.base else ""))
@@ -361,12 +363,14 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 5, 8, 28, 64, 128, 512], help="weights: row counts")
     ap.add_argument("--model", default=None, help="weights: a GGUF file (default: SmolLM2)")
     ap.add_argument("--fp32", action="store_true", help="weights: the fp32 route of a CPU without a bf16 matmul")
-    ap.add_argument("--disable", nargs="*", default=None, help="weights: kernels to time off (default: each one in use)")
+    ap.add_argument("--disable", nargs="*", default=None,
+                    help="weights: kernels to time off (default: each one in use)")
     ap.add_argument("--torch-small-rows", type=int, nargs="*", default=[],
                     help="weights: also time the routes with torch's int4/int8 kernels taking up to N rows (where they "
                          "take 1-5, as beside AMX tiles; 0: the units' route from 1 row)")
     ap.add_argument("--base", default=None, help="attention, weights: a git revision whose kernels are timed alongside")
-    ap.add_argument("--block-size", type=int, default=16, help="attention: tokens per KV block (the engine's --block-size)")
+    ap.add_argument("--block-size", type=int, default=16,
+                    help="attention: tokens per KV block (the engine's --block-size)")
     ap.add_argument("--block-order", choices=["random", "in-order"], default="random",
                     help="attention: the blocks in random order or each sequence's contiguous")
     ap.add_argument("--huge-pages", action="store_true", help="attention: caches on huge pages against ordinary ones")

@@ -5,8 +5,8 @@ for the step log and the dashboard costs.
 
 usage: python benchmarks/step_profile.py [--steps 10] [--base REV | --disable KERNEL]
 
-The server's defaults (continuous batching, --dtype auto). Each mixed step adds the prompt with max_tokens=1, so the request
-is prefilled, samples its one token and finishes within that step: every measured step has the same shape.
+The server's defaults (continuous batching, --dtype auto). Each mixed step adds the prompt with max_tokens=1, so the
+request is prefilled, samples its one token and finishes within that step: every measured step has the same shape.
 
 With ``--base REV``: no profile; the C++ kernels as built at that git revision (justapi/kernels/*.cpp) against the
 working tree's, swapped into the same engine (the model's layer ops and attention, every packed weight's matmul,
@@ -94,7 +94,8 @@ def steps_of(engine):
     counter = iter(range(1 << 30))
 
     def mixed() -> float:
-        engine.add_request(f"m{next(counter)}", prompt(345), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        engine.add_request(f"m{next(counter)}", prompt(345),
+                           SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
         t = time.perf_counter()
         engine.step()
         return time.perf_counter() - t

@@ -64,10 +64,10 @@ def main() -> None:
     attn = 4 * cfg.num_heads * d * cfg.num_layers  # per (query, key) pair
 
     prefill = decode = 0.0
-    for L in args.prompt:
-        for O in args.output:
-            prefill += L * 2 * weights + 2 * head + attn * L * (L + 1) / 2
-            decode += (O - 1) * (2 * weights + 2 * head) + attn * sum(range(L + 1, L + O))
+    for n_in in args.prompt:
+        for n_out in args.output:
+            prefill += n_in * 2 * weights + 2 * head + attn * n_in * (n_in + 1) / 2
+            decode += (n_out - 1) * (2 * weights + 2 * head) + attn * sum(range(n_in + 1, n_in + n_out))
     pairs = len(args.prompt) * len(args.output)
     prefill, decode = prefill / pairs * args.requests, decode / pairs * args.requests
     prompt_tokens = args.requests * sum(args.prompt) / len(args.prompt)

@@ -309,7 +309,8 @@ def busiest_python_thread(used: dict[int, float], before_run: dict[int, float], 
 def report(workload: str, plain: dict, spied: dict, cores: int, rate: int) -> str:
     wall, b = plain["wall"], plain["bench"]
     lines = [f"## {workload}: wall {wall:.1f} s, {b['output_throughput']:.1f} output tok/s, TTFT p50 "
-             f"{b['ttft_ms']['p50']:.0f} ms, TPOT p99 {b['tpot_ms']['p99']:.1f} ms, {b['failed']} failed (profiled run: "
+             f"{b['ttft_ms']['p50']:.0f} ms, TPOT p99 {b['tpot_ms']['p99']:.1f} ms, {b['failed']} failed "
+             "(profiled run: "
              f"{spied['bench']['output_throughput']:.1f} tok/s, {spied['wall']:.1f} s)",
              "", "engine thread (step log, unprofiled run) | s | % of wall", "---|---|---"]
     phases = plain["steps"]["phases"]

@@ -86,7 +86,7 @@ class EngineReplica:
         if self.broken is not None:
             raise RuntimeError(self.broken)
         # ValueError: a 400
-        self.engine.scheduler.limits.check(len(prompt_token_ids), params.max_tokens, params.pooling is not None)
+        self.engine.request_limits.check(len(prompt_token_ids), params.max_tokens, params.pooling is not None)
         q: asyncio.Queue = asyncio.Queue()
         self.dispatch.loop = asyncio.get_running_loop()
         self.dispatch.streams[request_id] = q

@@ -117,13 +117,16 @@ class AsyncLLM:
         return self.engine.num_waiting + self._pending_adds
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       group: str | None = None, check_queue: bool = True) -> AsyncIterator[RequestOutput]:
+                       group: str | None = None, check_queue: bool = True,
+                       admitted: bool = False) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; abandoning the iterator (client gone) aborts the request. ``group``: the
         client request this sequence is one choice of (its choices count once against the queue: only the first is
-        checked, ``check_queue``); None: a request of its own."""
+        checked, ``check_queue``); None: a request of its own. ``admitted``: ``params`` are ``validate``'s (the
+        server's front admitted it before its stream started), not checked again."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine stopped: {self._dead}")
-        self.validate(prompt_token_ids, params)
+        if not admitted:
+            params = self.validate(prompt_token_ids, params)
         if check_queue:
             self.check_queue()
         loop = asyncio.get_running_loop()
@@ -214,10 +217,10 @@ class AsyncLLM:
         if predicted is not None and predicted > self.ttft_slo:
             raise SloRefusal(predicted, self.ttft_slo)
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Raise AdmissionError/ValueError now for a request that could never run (reads engine state only); its
-        max_tokens (by default, as many as fit)."""
-        return self.engine.check_request(prompt_token_ids, params)
+        params admitted (the engine's ``admit``: max_tokens by default as many as fit, a seed where none)."""
+        return self.engine.admit(prompt_token_ids, params)
 
     def timing(self, request_id: str) -> RequestTiming | None:
         """A streaming request's timing (read by the dashboard; the engine thread updates it in place)."""
@@ -296,7 +299,7 @@ class AsyncLLM:
                 if rid not in self._streams:
                     continue  # aborted before it was added
                 try:
-                    self.engine.add_request(rid, ids, params)
+                    self.engine.queue(rid, ids, params)
                 except (AdmissionError, ValueError, EngineDeadError) as e:
                     self._fail(rid, e)
             else:

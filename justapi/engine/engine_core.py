@@ -8,6 +8,7 @@ import time
 import torch
 
 from ..config import DEFAULT_BRANCH, DEFAULT_GAMMA, DEFAULT_MAX_POOL_TOKENS, EngineConfig, SchedulerConfig
+from ..core.limits import RequestLimits
 from ..core.outputs import EngineCoreOutput
 from ..core.scheduler import Scheduler
 from ..core.static_scheduler import StaticScheduler
@@ -113,19 +114,15 @@ class EngineCore(ModelFront):
         return max(1, min(budget // per_block, cap))
 
     # --- requests ---------------------------------------------------------------------------------------------
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Raise ValueError (AdmissionError) for a request that can never be served; its max_tokens.
-        Reads state only."""
-        self.check_task(params)
-        self.check_token_ids(prompt_token_ids)
-        return self.scheduler.limits.check(len(prompt_token_ids), params.max_tokens, params.pooling is not None)
+    @property
+    def request_limits(self) -> RequestLimits:
+        return self.scheduler.limits
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request; raises AdmissionError (a ValueError) when it can never be served."""
-        self.check_request(prompt_token_ids, params)
-        self.prepare(params)  # at once where the server already compiled its grammar (cached)
-        seed = params.seed if params.seed is not None else self.new_seed()
-        req = self.scheduler.add_request(request_id, prompt_token_ids, params, self.tokenizer.eos_token_ids, seed)
+    def queue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue an admitted request (ModelFront.admit), its outputs detokenized by step()."""
+        assert params.seed is not None, "queue() takes admitted params: ModelFront.admit sets the seed"
+        req = self.scheduler.add_request(request_id, prompt_token_ids, params, self.tokenizer.eos_token_ids,
+                                         params.seed)
         self.outputs.add_request(request_id, prompt_token_ids, req.sampling_params)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

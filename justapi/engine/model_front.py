@@ -1,13 +1,16 @@
-"""What both engines (EngineCore, PdEngine) know of the model without running it: its config, tokenizer and chat
-template, the limits a request must respect, and the seeds of requests that give none. One place, so that the
-server sees the same answers whichever engine serves."""
+"""What every engine (EngineCore, PdEngine, ServeEngine) knows of the model without running it: its config,
+tokenizer and chat template, the limits a request must respect, and the seeds of requests that give none; and the
+one place a request is checked and defaulted (``admit``). One place, so that the server sees the same answers
+whichever engine serves."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Sequence
 
 from ..config import EngineConfig
+from ..core.limits import RequestLimits
 from ..model.chat_template import ChatTemplate
 from ..model.gguf_loader import ModelLoadError, open_gguf, read_model_config
 from ..model.fim import FimTokens
@@ -69,6 +72,36 @@ class ModelFront:
 
     def new_seed(self) -> int:
         return self._seeds.getrandbits(62)
+
+    # --- requests: checked and defaulted once, here ---------------------------------------------------------
+    @property
+    def request_limits(self) -> RequestLimits:
+        """What a request may ask of this engine's KV pool (or of its smallest worker's): each engine's own."""
+        raise NotImplementedError
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Raise ValueError (AdmissionError) for a request this engine can never serve: its task, its token ids,
+        its length; its max_tokens (by default as many as fit). Reads state only."""
+        self.check_task(params)
+        self.check_token_ids(prompt_token_ids)
+        return self.request_limits.check(len(prompt_token_ids), params.max_tokens, params.pooling is not None)
+
+    def admit(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """The request checked (check_request), its grammar prepared, its max_tokens and seed set where it gave
+        none: what ``queue`` takes. The server's front calls it before a stream starts (a 4xx then), the offline
+        API through add_request; nothing after it checks the request again."""
+        max_tokens = self.check_request(prompt_token_ids, params)
+        self.prepare(params)
+        seed = params.seed if params.seed is not None else self.new_seed()
+        return dataclasses.replace(params, max_tokens=max_tokens, seed=seed)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Admit and queue a request; ValueError for one that can never be served."""
+        self.queue(request_id, prompt_token_ids, self.admit(prompt_token_ids, params))
+
+    def queue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue an admitted request (``admit``'s params) on the engine thread; each engine's own."""
+        raise NotImplementedError
 
     def check_task(self, params: SamplingParams) -> None:
         """An encoder serves embeddings and scores only, a reranker scores, other models embed (ValueError for a

@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import multiprocessing.connection as mp_connection
 import time
+import typing
 
 from ..config import EngineConfig, usable_cores
 from ..core.limits import RequestLimits
@@ -65,6 +66,8 @@ class PdEngine(ModelFront):
             roles, sizes = ["replica"] * cfg.data_parallel, [cfg.tp] * cfg.data_parallel
         else:
             p, d = cfg.prefill_workers, cfg.decode_workers
+            # EngineConfig sets them under --disaggregate (1 worker each, --tp ranks each, by default)
+            assert p is not None and d is not None and cfg.prefill_tp is not None and cfg.decode_tp is not None
             roles = ["prefill"] * p + ["decode"] * d
             sizes = [cfg.prefill_tp] * p + [cfg.decode_tp] * d  # each worker's tensor-parallel ranks
         mode = "--data-parallel" if cfg.data_parallel is not None else "--disaggregate"
@@ -78,7 +81,7 @@ class PdEngine(ModelFront):
         # under Ray, each process a bundle of this many CPUs (--threads sets it; the default splits this host's cores)
         self.launcher = make_launcher(cfg, world, threads)
         init_method = self.launcher.rendezvous(0)  # on the node of global rank 0, worker 0's leader
-        self.procs = []  # the workers' leaders, by worker index
+        self.procs: list = []  # the workers' leaders (processes or Ray actors), by worker index
         self.followers: list[list] = []  # the workers' tensor-parallel ranks > 0
         workers = len(roles)
         try:
@@ -168,7 +171,7 @@ class PdEngine(ModelFront):
         dead = [f"{w.role} worker {w.rank}" for w in self.pd.workers.values() if not w.alive]
         roles = dict.fromkeys(w.role for w in self.pd.workers.values())
         serving = all(self.pd.pool(role) for role in roles)
-        detail = {f"{role}_workers_alive": len(self.pd.pool(role)) for role in roles} | {
+        detail: dict[str, object] = {f"{role}_workers_alive": len(self.pd.pool(role)) for role in roles} | {
                   "workers": [{"rank": w.rank, "role": w.role, "alive": w.alive, "pid": self._pids.get(w.rank),
                                "tp": len(self.followers[w.rank]) + 1,
                                "requests": w.load} for w in self.pd.workers.values()]}
@@ -196,29 +199,30 @@ class PdEngine(ModelFront):
         return answers
 
     # --- requests -----------------------------------------------------------------------------------------------
+    @property
+    def request_limits(self) -> RequestLimits:
+        return self._limits  # the smallest worker pool's
+
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """As EngineCore.check_request, against the smallest worker pool."""
+        """ModelFront's check, against the smallest worker pool; embeddings need a whole engine."""
         if params.pooling is not None and self.pd.entry_role == "prefill":
             raise ValueError("embeddings are not served with --disaggregate (a prompt's prefill is all they are: "
                              "serve them from a plain server)")
-        self.check_task(params)
-        self.check_token_ids(prompt_token_ids)
-        return self._limits.check(len(prompt_token_ids), params.max_tokens, params.pooling is not None)
+        return super().check_request(prompt_token_ids, params)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def queue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Route an admitted request (ModelFront.admit) to a worker."""
         if request_id in self.pd.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        max_tokens = self.check_request(prompt_token_ids, params)
-        self.prepare(params)  # a bad grammar is refused here; the workers compile it again for their runners
-        params = dataclasses.replace(params, max_tokens=max_tokens)
-        seed = params.seed if params.seed is not None else self.new_seed()
+        assert params.seed is not None, "queue() takes admitted params: ModelFront.admit sets the seed"
         try:
             rank = self.pd.route(request_id, prompt_token_ids)
         except RuntimeError as e:
             raise EngineDeadError(str(e)) from None
-        self._first[request_id] = (list(prompt_token_ids), -1, params, seed)
+        self._first[request_id] = (list(prompt_token_ids), -1, params, params.seed)
         self.outputs.add_request(request_id, prompt_token_ids, params)
-        self.inboxes[rank].put(AddRequest(request_id, list(prompt_token_ids), params, seed, seconds_left(params)))
+        self.inboxes[rank].put(AddRequest(request_id, list(prompt_token_ids), params, params.seed,
+                                          seconds_left(params)))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         if request_id not in self.pd.requests:
@@ -281,7 +285,8 @@ class PdEngine(ModelFront):
         """Every message the workers sent, waiting up to ``timeout`` for the first. A pipe that ends (its worker
         died, maybe mid-message) is dropped; _check_workers handles the worker."""
         msgs = []
-        for conn in mp_connection.wait(list(self._pipes), timeout):
+        for ready in mp_connection.wait(list(self._pipes), timeout):
+            conn = typing.cast(mp_connection.Connection, ready)  # wait() gives back the pipes it was given
             try:
                 while conn.poll():
                     msgs.append(conn.recv())

@@ -67,7 +67,14 @@ class Engine(Protocol):
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Raise ValueError for a request that can never be served; its max_tokens."""
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
+    def admit(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """The request checked once and defaulted (max_tokens, seed), or ValueError: what ``queue`` takes."""
+
+    def queue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue an admitted request."""
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """``queue(admit(...))``: the offline API's way in."""
 
     def abort_request(self, request_id: str) -> RequestOutput | None: ...
 

@@ -64,19 +64,16 @@ class ServeEngine(ModelFront):
         threading.Thread(target=self._watch_status, name="justapi-serve-status", daemon=True).start()
 
     # requests
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """The length checks of a scheduler; a replica checks its own KV pool when the request gets there."""
-        self.check_task(params)
-        self.check_token_ids(prompt_token_ids)
-        return self._limits.check(len(prompt_token_ids), params.max_tokens, params.pooling is not None)
+    @property
+    def request_limits(self) -> RequestLimits:
+        return self._limits  # the length checks of a scheduler; a replica checks its own KV pool on arrival
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def queue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Send an admitted request (ModelFront.admit) to the replicas' deployment."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        max_tokens = self.check_request(prompt_token_ids, params)
-        self.prepare(params)
-        params = dataclasses.replace(params, max_tokens=max_tokens)
-        seed = params.seed if params.seed is not None else self.new_seed()
+        assert params.seed is not None, "queue() takes admitted params: ModelFront.admit sets the seed"
+        seed = params.seed
         req = self.requests[request_id] = _Pending(list(prompt_token_ids), params, seed)
         self.outputs.add_request(request_id, prompt_token_ids, params)
         req.task = asyncio.run_coroutine_threadsafe(self._stream(request_id, req), self._loop)

@@ -125,11 +125,11 @@ class Front:
         """Refuse now (4xx) a request that could never run or finds the queue full: before a stream starts, since
         once it has, errors can only travel inside it. Its choices count once against the queue, as one request."""
         try:
-            for c in choices:
+            for c in choices:  # each admitted once, here: the engine queues what this gives
                 if self.config.clamp_max_tokens and c.params.max_tokens is not None:
-                    room = llm.validate(c.prompt_ids, dataclasses.replace(c.params, max_tokens=None))
+                    room = llm.validate(c.prompt_ids, dataclasses.replace(c.params, max_tokens=None)).max_tokens
                     c.params = dataclasses.replace(c.params, max_tokens=min(c.params.max_tokens, room))
-                llm.validate(c.prompt_ids, c.params)
+                c.params, c.admitted = llm.validate(c.prompt_ids, c.params), True
             llm.check_queue()
             llm.check_slo(choices[0].prompt_ids, choices[0].params)
         except (QueueFullError, ValueError) as e:

@@ -29,6 +29,7 @@ class Choice:
         self.params = params
         self.prefix = prefix  # echoed prompt text
         self.final: RequestOutput | None = None
+        self.admitted = False  # its params are the engine's admitted ones (server.front.Front.validate)
 
 
 def make_choices(prompts: list[list[int]], params: SamplingParams, echo_texts: list[str] | None = None) -> list[Choice]:
@@ -50,7 +51,8 @@ async def run_choices(llm: AsyncLLM, request_id: str,
     async def pump(choice: Choice) -> None:
         try:
             async for out in llm.generate(f"{request_id}-{choice.index}", choice.prompt_ids, choice.params,
-                                          group=request_id, check_queue=choice is choices[0]):
+                                          group=request_id, check_queue=choice is choices[0],
+                                          admitted=choice.admitted):
                 await queue.put((choice, out))
         except BaseException as e:  # delivered to the consumer, which re-raises it
             await queue.put((choice, e))
