@@ -13,7 +13,7 @@ The blocks themselves are kept by ``KvBlocks``; ``StaticScheduler`` (static_sche
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import deque
 from dataclasses import replace
 
 from ..config import SchedulerConfig
@@ -25,6 +25,7 @@ from .limits import RequestLimits
 from .outputs import CachedRequestData, EngineCoreOutput, NewRequestData, RunnerOutput, SchedulerOutput
 from .policy import make_policy
 from .stats import SchedulerStats
+from .step_budget import StepBudget
 
 
 class Scheduler:
@@ -156,28 +157,27 @@ class Scheduler:
         self._out_data = {}
         self.last_cells, self.last_preempted = [], []
         self.last_aborted, self._aborted = self._aborted, []
-        budget = [self.config.chunk_size]  # prefill tokens left this step
-        counts: Counter[str] = Counter()  # rows this step: "decode", "prefill"
+        budget = StepBudget(self.config)
         now = self.clock()
         self.policy.order_running(self.running, now)
         self._displace(now)
         self._admit_batch()
         propose_drafts(self.running, self.config)
-        preempted, deferred = self._schedule_running(out, budget, counts, now)
+        preempted, deferred = self._schedule_running(out, budget, now)
         if not preempted and self._may_admit():
-            self._schedule_waiting(out, budget, counts, now)
-        self._schedule_deferred(out, budget, counts, deferred)
+            self._schedule_waiting(out, budget, now)
+        self._schedule_deferred(out, budget, deferred)
         self._charge(out)
         out.finished_request_ids = self._finished_ids
         self._finished_ids = set()
         self.stats.num_steps += 1
         self.stats.last_step_tokens = out.total_num_scheduled_tokens
-        self.stats.last_step_prefill_tokens = self.config.chunk_size - budget[0]
-        self.stats.last_step_decodes = counts["decode"]
+        self.stats.last_step_prefill_tokens = self.config.chunk_size - budget.tokens
+        self.stats.last_step_decodes = budget.decodes
         self.stats.num_scheduled_tokens_total += out.total_num_scheduled_tokens
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: list[int], counts: Counter[str],
+    def _schedule_running(self, out: SchedulerOutput, budget: StepBudget,
                           now: float) -> tuple[bool, list[Request]]:
         """Decodes and prefill chunks of running requests; returns whether any was preempted, and the prefilling
         requests the policy puts after the next waiting one (their chunks wait for the admissions)."""
@@ -189,12 +189,12 @@ class Scheduler:
             req = self.running[i]
             remaining = req.num_tokens - req.num_computed_tokens
             if remaining == 1:
-                if counts["decode"] >= self.config.max_decode:
+                if not budget.may_decode():
                     i += 1
                     continue
                 n = 1
             else:
-                if counts["prefill"] >= self.config.max_prefill or budget[0] == 0:
+                if not budget.may_prefill():
                     i += 1
                     continue
                 if self.waiting and self.policy.prefill_after(req, self.waiting, now):
@@ -202,18 +202,14 @@ class Scheduler:
                     deferred.append(req)
                     i += 1
                     continue
-                n = min(remaining, budget[0])
+                n = min(remaining, budget.tokens)
             new_blocks, lost = self._grow_or_preempt(req, n)
             preempted |= lost
             if new_blocks is None:
                 break  # req itself was preempted; it was the last one
-            if remaining == 1:
-                counts["decode"] += 1
-                if draft_slots(req, self.config.branch):
-                    drafting.append(req)
-            else:
-                counts["prefill"] += 1
-                budget[0] -= n
+            budget.spend(n, decode=remaining == 1)
+            if remaining == 1 and draft_slots(req, self.config.branch):
+                drafting.append(req)
             self._add_to_output(out, req, n, new_blocks)
             i += 1
         for req in drafting:
@@ -235,20 +231,18 @@ class Scheduler:
             new_blocks = self.kv.grow(req, req.num_computed_tokens + n)
         return new_blocks, preempted
 
-    def _schedule_deferred(self, out: SchedulerOutput, budget: list[int], counts: Counter[str],
-                           deferred: list[Request]) -> None:
+    def _schedule_deferred(self, out: SchedulerOutput, budget: StepBudget, deferred: list[Request]) -> None:
         """What the admissions left of the prefill budget, to the running prompts deferred for them. Everyone else
         is scheduled by now, so one short of blocks is itself preempted (the policy put it after the admissions)."""
         for req in deferred:
-            if counts["prefill"] >= self.config.max_prefill or budget[0] == 0:
+            if not budget.may_prefill():
                 return
-            n = min(req.num_tokens - req.num_computed_tokens, budget[0])
+            n = min(req.num_tokens - req.num_computed_tokens, budget.tokens)
             new_blocks = self.kv.grow(req, req.num_computed_tokens + n)
             if new_blocks is None:
                 self._preempt(req)
                 continue
-            counts["prefill"] += 1
-            budget[0] -= n
+            budget.spend(n, decode=False)
             self._add_to_output(out, req, n, new_blocks)
 
     def _displace(self, now: float) -> None:
@@ -272,7 +266,7 @@ class Scheduler:
             else:
                 self.policy.charge(req, n, 0)
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: list[int], counts: Counter[str], now: float) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: StepBudget, now: float) -> None:
         self._short_of_blocks = False
         while self.waiting and len(self.running) < self.config.max_seqs:
             req = self.policy.next_waiting(self.waiting, now)
@@ -282,15 +276,15 @@ class Scheduler:
                 self.kv.match_prefix(req)
             remaining = req.num_tokens - req.num_computed_tokens
             is_decode = remaining == 1
-            if is_decode and counts["decode"] >= self.config.max_decode:
+            if is_decode and not budget.may_decode():
                 new_blocks = None
-            elif not is_decode and (counts["prefill"] >= self.config.max_prefill or budget[0] == 0):
+            elif not is_decode and not budget.may_prefill():
                 new_blocks = None
-            elif not is_decode and self.config.whole_prompts and remaining > budget[0] and counts["prefill"]:
+            elif not is_decode and self.config.whole_prompts and remaining > budget.tokens and budget.prefills:
                 new_blocks = None  # a whole prompt over what this step has left waits for a step of its own
             else:
                 # a whole prompt takes a step's budget or more: the first prefill of its step, bounded by the context
-                n = 1 if is_decode else remaining if self.config.whole_prompts else min(remaining, budget[0])
+                n = 1 if is_decode else remaining if self.config.whole_prompts else min(remaining, budget.tokens)
                 new_blocks = self.kv.grow(req, req.num_computed_tokens + n)
                 self._short_of_blocks = new_blocks is None
             if new_blocks is None:
@@ -302,9 +296,7 @@ class Scheduler:
                 self.waiting.remove(req)
             self.policy.on_admit(req, self.waiting)
             self._admit(req)
-            counts["decode" if is_decode else "prefill"] += 1
-            if not is_decode:
-                budget[0] = max(0, budget[0] - n)
+            budget.spend(n, decode=is_decode)
             self._add_to_output(out, req, n, new_blocks)
 
     def _admit(self, req: Request) -> None:
