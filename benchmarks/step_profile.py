@@ -62,14 +62,14 @@ def main() -> None:
 
 def record_cost(engine, reps: int = 2000) -> float:
     """Seconds to record the last step as the step log keeps it: its cells, appended one per request as
-    Scheduler.update appends them, then EngineCore's StepWork (the cells' tuple, the pool split, the counters)."""
-    cells = list(engine.scheduler.last_cells)
+    Scheduler.update records them, then EngineCore's StepWork (the cells' tuple, the pool split, the counters)."""
+    record = engine.scheduler.record
+    cells = list(record.cells)
     t0 = time.perf_counter()
     for _ in range(reps):
-        rebuilt = []
+        record.begin_update()
         for rid, kind, start, n, accepted in cells:
-            rebuilt.append((rid, kind, start, n, accepted))
-        engine.scheduler.last_cells = rebuilt
+            record.cell(rid, kind, start, n, accepted)
         engine._step_work(0.0, [])
     return (time.perf_counter() - t0) / reps
 

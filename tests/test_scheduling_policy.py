@@ -190,7 +190,7 @@ def test_a_deferred_prompt_short_of_blocks_gives_way_and_finishes_later():
     add(s, "short", n_prompt=5, max_tokens=2)
     out, _ = step(s)
     assert out.num_scheduled_tokens == {"short": 5}
-    assert s.last_preempted == ["long"]
+    assert s.record.preempted == ["long"]
     done = run_all(s)
     assert sorted(done) == ["long", "short"]
     assert s.pool.num_free == 9

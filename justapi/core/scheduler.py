@@ -26,6 +26,7 @@ from .outputs import CachedRequestData, EngineCoreOutput, NewRequestData, Runner
 from .policy import make_policy
 from .stats import SchedulerStats
 from .step_budget import StepBudget
+from .step_record import StepRecord
 
 
 class Scheduler:
@@ -50,12 +51,7 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # runner state to drop at the next step
         self._new_ids: set[str] = set()  # admitted (or resumed) since the last step
         self._out_data: dict[str, NewRequestData | CachedRequestData] = {}  # this step's entries by request id
-        # the latest step as the dashboard draws it (engine.step_log): one cell per scheduled request, the requests
-        # preempted while scheduling it, and those aborted since the step before (between steps)
-        self.last_cells: list[tuple] = []
-        self.last_preempted: list[str] = []
-        self.last_aborted: list[str] = []
-        self._aborted: list[str] = []
+        self.record = StepRecord()  # the latest step as the step log keeps it (cells, preemptions, aborts)
         # prefill/decode disaggregation (core.pd_scheduler): a prefill worker hands a request off after its first
         # token, keeping its blocks until they are shipped; a decode worker admits requests with imported KV
         self.hand_off_after_prefill = False
@@ -117,7 +113,7 @@ class Scheduler:
         if req is None:
             return None
         self._finish(req, RequestStatus.FINISHED_ABORTED)
-        self._aborted.append(request_id)
+        self.record.abort(request_id)
         return self._output(req, [], None, "abort")
 
     def expire(self) -> list[EngineCoreOutput]:
@@ -155,8 +151,7 @@ class Scheduler:
         """Decide this step's work: running decodes first, then prefill chunks, then admissions."""
         out = SchedulerOutput()
         self._out_data = {}
-        self.last_cells, self.last_preempted = [], []
-        self.last_aborted, self._aborted = self._aborted, []
+        self.record.begin()
         budget = StepBudget(self.config)
         now = self.clock()
         self.policy.order_running(self.running, now)
@@ -334,10 +329,10 @@ class Scheduler:
 
     # --- after the runner ---------------------------------------------------------------------------------
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
-        """Advance ``num_computed_tokens``, append sampled tokens, retire finished requests. Keeps the step's cells
-        (``last_cells``: request id, kind, first position computed, tokens computed, drafts accepted)."""
+        """Advance ``num_computed_tokens``, append sampled tokens, retire finished requests; each request's cell
+        goes to the step record."""
         outputs = []
-        self.last_cells = cells = []
+        self.record.begin_update()
         for rid, n in sched.num_scheduled_tokens.items():
             req = self.requests.get(rid)
             if req is None or req.status is not RequestStatus.RUNNING:
@@ -354,10 +349,10 @@ class Scheduler:
                 req.num_computed_tokens += len(new_ids)
                 depth = len(sched.spec_token_ids.get(rid, ())) or sched.spec_depth[rid]
                 self.stats.count_spec(n - 1, depth, len(new_ids) - 1)
-                cells.append((rid, "spec", start, n, len(new_ids) - 1))
+                self.record.cell(rid, "spec", start, n, len(new_ids) - 1)
             else:
                 req.num_computed_tokens += n
-                cells.append((rid, "prefill" if was_prefilling else "decode", start, n, 0))
+                self.record.cell(rid, "prefill" if was_prefilling else "decode", start, n, 0)
             status = None
             for k, tok in enumerate(new_ids):
                 req.append_output(tok)
@@ -395,7 +390,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.last_preempted.append(req.request_id)
+        self.record.preempt(req.request_id)
         req.spec_token_ids = []
         req.spec_depth = 0
         self.stats.num_preempted_tokens += req.num_computed_tokens

@@ -184,8 +184,8 @@ class EngineCore(ModelFront):
         sched = self.scheduler
         stats, cache = sched.stats, sched.cache
         return StepWork(*self._core_times, detokenize_s, stats.last_step_tokens, stats.last_step_prefill_tokens,
-                        stats.last_step_decodes, tuple(sched.last_cells), tuple(sched.last_preempted),
-                        (*(r.request_id for r in reports if r.finished), *sched.last_aborted), sched.kv.occupancy(),
+                        stats.last_step_decodes, tuple(sched.record.cells), tuple(sched.record.preempted),
+                        (*(r.request_id for r in reports if r.finished), *sched.record.aborted), sched.kv.occupancy(),
                         cache.hits if cache is not None else 0, cache.misses if cache is not None else 0)
 
     def step_core(self) -> list[EngineCoreOutput]:
