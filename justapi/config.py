@@ -38,14 +38,6 @@ def tree_size(branch: int, depth: int) -> int:
 DEFAULT_KV_MEMORY_FRACTION = 0.25  # share of available host memory given to the KV pool by default
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # the formats structured.tool_calls reads
 DEFAULT_MAX_POOL_TOKENS = 1 << 20  # never size the default pool beyond a million tokens
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8000
-DEFAULT_MAX_QUEUE = 1024
-DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
-DEFAULT_MAX_N = 16
-DEFAULT_MAX_PROMPTS = 2048  # prompts in one completions request, inputs in one embeddings request (OpenAI's limit)
-DEFAULT_MAX_CHOICES = 2048  # sequences one request may start (prompts x n): each is a request to the scheduler
-DEFAULT_SERVED_MODEL_NAME = None  # None: the model file's stem
 
 
 def cache_dir() -> str:
@@ -325,7 +317,7 @@ class EngineConfig:
 
     @property
     def worker_processes(self) -> bool:
-        """Whether the server's engine is worker processes (PdEngine): disaggregated pools or replicas."""
+        """Whether the server's engine is worker processes (WorkerPoolEngine): disaggregated pools or replicas."""
         return self.disaggregate or self.data_parallel is not None
 
     def _check_disaggregation(self) -> None:
@@ -373,6 +365,9 @@ class SchedulerConfig:
     max_model_len: int = 8192
     prefix_cache: bool = True
     whole_prompts: bool = False  # an encoder's: each prompt in one step, never in chunks (bidirectional attention)
+    # a prefill worker's (engine_core.ROLES): each request leaves the batch after its first token, its blocks kept
+    # until its KV is sent to a decode worker
+    hand_off_after_prefill: bool = False
     # "ngram": drafts by prompt lookup; "draft": a draft model's tree, built by the runner
     spec_method: str | None = None
     gamma: int = DEFAULT_GAMMA  # draft tokens per step at most (a tree's depth)
@@ -387,65 +382,3 @@ class SchedulerConfig:
                      "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, not {getattr(self, name)}")
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """HTTP server settings (``justapi serve``)."""
-
-    host: str = flag(DEFAULT_HOST, "address to bind")
-    port: int = flag(DEFAULT_PORT, "port to bind")
-    api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but "
-                               "/health; several keys comma-"
-                               "separated, each then a user of its own under --scheduling-policy fair (key-1, "
-                               "key-2, ... in this order)", metavar="KEY[,KEY]")
-    served_model_name: str | None = flag(DEFAULT_SERVED_MODEL_NAME, "model name clients use (default: the file name)",
-                                         metavar="NAME")
-    max_queue: int = flag(DEFAULT_MAX_QUEUE, "requests waiting before the server answers 429")
-    max_body_bytes: int = flag(DEFAULT_MAX_BODY_BYTES, "largest request body; larger ones get 413")
-    max_n: int = flag(DEFAULT_MAX_N, "largest n (completions per request)")
-    max_prompts: int = flag(DEFAULT_MAX_PROMPTS, "most prompts in one completions request (and inputs in one "
-                            "embeddings request)")
-    max_choices: int = flag(DEFAULT_MAX_CHOICES, "most sequences one request may start (prompts x n)")
-    clamp_max_tokens: bool = flag(False, "cut a max_tokens beyond what fits (the context, the KV pool) to what "
-                                  "fits, as llama.cpp and Ollama do, instead of answering 400 (as vLLM)")
-    open_metrics: bool = flag(False, "serve /metrics without a key when --api-key is set")
-    strict_fields: bool = flag(False, "refuse (400) request fields the server does not know, instead of ignoring "
-                               "them with a warning naming them (as vLLM, llama.cpp and Ollama ignore them)")
-    allowed_origins: str | None = flag(None, "browser origins allowed to call the server (CORS), comma-separated, "
-                                       "or '*'; none by default", metavar="ORIGIN[,ORIGIN]")
-    log_level: str = flag("info", "log level", choices=("critical", "error", "warning", "info", "debug"))
-    stats_interval_s: float = flag(10.0, "seconds between the scheduler's stats lines in the log")
-    request_timeout: float | None = flag(None, "seconds after which a request ends with what it has generated "
-                                         "(finish_reason length, stop_reason timeout); a request's own timeout "
-                                         "field may ask for less", metavar="SECONDS")
-    ttft_slo: float | None = flag(None, "refuse at once (429 with Retry-After) a request whose predicted time to "
-                                  "first token exceeds this many seconds", metavar="SECONDS")
-    dashboard: bool = flag(True, "the live dashboard at /dashboard (the schedule, KV pool and prefix cache; behind "
-                           "--api-key)")
-    dashboard_prompt_text: bool = flag(False, "show the first words of the most shared prompt prefixes on the "
-                                       "dashboard (clients' prompt text, to anyone with a key)")
-
-    @property
-    def api_keys(self) -> tuple[str, ...]:
-        return tuple(self.api_key.split(",")) if self.api_key is not None else ()
-
-    @property
-    def origins(self) -> tuple[str, ...]:
-        return tuple(o.strip() for o in self.allowed_origins.split(",")) if self.allowed_origins else ()
-
-    def __post_init__(self) -> None:
-        if not 0 < self.port < 65536:
-            raise ValueError(f"--port must be in 1..65535, not {self.port}")
-        for name in ("max_queue", "max_n", "max_prompts", "max_choices", "max_body_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, not {getattr(self, name)}")
-        if self.api_key is not None and not all(self.api_keys):
-            raise ValueError("--api-key: a key is empty")
-        for name in ("request_timeout", "ttft_slo"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds, not {value!r}")
-        if self.log_level.lower() not in ("critical", "error", "warning", "info", "debug"):
-            raise ValueError("--log-level must be one of critical, error, warning, info, debug, "
-                             f"not {self.log_level!r}")

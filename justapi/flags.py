@@ -10,6 +10,7 @@ import types
 import typing
 
 from . import config as C
+from .server_config import ServerConfig
 
 
 def cli_fields(cls) -> list[dataclasses.Field]:
@@ -79,7 +80,7 @@ def config_from_args(cls, args: argparse.Namespace, **overrides):
 def flags_table() -> str:
     """The README's flags table: every flag of ``justapi serve``, its default and what it does."""
     rows = ["| flag | default | what it does |", "|---|---|---|"]
-    for cls in (C.EngineConfig, C.ServerConfig):
+    for cls in (C.EngineConfig, ServerConfig):
         for f in cli_fields(cls):
             kind = _value_type(f, cls)
             default = "" if kind is bool or f.default in (None, ()) else f"`{f.default}`"

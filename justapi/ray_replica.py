@@ -18,7 +18,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from .config import EngineConfig
 from .core.router import PrefixRouter
-from .engine.pd_messages import AbortRequest, AddRequest, Load, Outputs, RequestFailed, Stop
+from .engine.worker_messages import AbortRequest, AddRequest, Load, Outputs, RequestFailed, Stop
 from .sampling_params import SamplingParams
 
 log = logging.getLogger("justapi.ray_serve")

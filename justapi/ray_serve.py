@@ -3,8 +3,8 @@ ray``, or ``serve run justapi.ray_serve:app_builder model=PATH data-parallel=N``
 
 - ``EngineReplica`` (justapi.ray_replica; a Serve deployment, N replicas or autoscaled between ``--data-parallel`` and
   ``--max-replicas`` on ongoing requests by Serve's own autoscaler): a whole engine, the loop of a worker process
-  (engine.pd_worker) run in a thread of the replica; ``generate`` streams a request's EngineCoreOutputs (token ids) with
-  the replica's load.
+  (engine.worker_loop) run in a thread of the replica; ``generate`` streams a request's EngineCoreOutputs (token
+  ids) with the replica's load.
 - ``PrefixAwareRequestRouter`` (justapi.ray_replica): Serve's request-router extension point, choosing the replica with
   core.router's PrefixRouter (the policy of every mode) from the request's token ids and the replicas' queue lengths.
 - ``Ingress``: the OpenAI server (server.api.build_app, the same routes, metrics and admission) over ``ServeEngine``
@@ -34,7 +34,7 @@ REPLICAS = "EngineReplica"  # the replicas' deployment name
 def app_builder(args: dict):
     """A Serve application from ``justapi serve``'s flags given as a dict (``serve run justapi.ray_serve:app_builder
     model=PATH data-parallel=2``; keys with - or _)."""
-    from .cli import build_parser
+    from .startup import build_parser
 
     argv = ["serve"]
     for key, value in args.items():
@@ -47,8 +47,8 @@ def build_application(parsed):
     """The Serve application of parsed ``justapi serve`` arguments: the ingress over the replica deployment."""
     from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
-    from .cli import engine_config
-    from .config import ServerConfig
+    from .startup import engine_config
+    from .server_config import ServerConfig
     from .flags import config_from_args
 
     cfg = engine_config(parsed)
@@ -71,7 +71,7 @@ def build_application(parsed):
 
 
 def _ingress(parsed, server_cfg):
-    from .cli import serve_app
+    from .startup import serve_app
 
     def make_engine(cfg):
         return ServeEngine(cfg, serve.get_deployment_handle(REPLICAS, serve.get_replica_context().app_name), REPLICAS)
@@ -93,7 +93,7 @@ def run(parsed) -> int:
 
     import ray
 
-    from .config import ServerConfig
+    from .server_config import ServerConfig
     from .flags import config_from_args
 
     server_cfg = config_from_args(ServerConfig, parsed)

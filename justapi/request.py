@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from .core.outputs import Drafts
     from .core.radix_cache import _Node
 
 
@@ -43,8 +44,7 @@ class Request:
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first admission; -1 before it
     num_preemptions: int = 0
     cache_node: _Node | None = None  # the radix node this request holds locked
-    spec_token_ids: list[int] = field(default_factory=list)  # prompt-lookup draft tokens for the next step
-    spec_depth: int = 0  # draft-model tree levels the runner proposes next step (slots reserved here)
+    drafts: Drafts | None = None  # its drafts for the next step (core.drafts), while it decodes with any
     imported_kv: object = None  # disaggregation: the prompt's KV computed by a prefill worker, until admission
     arrival_time: float = 0.0  # the scheduler's clock when it was queued (priority aging)
     arrival_seq: int = 0  # the scheduler's count of requests queued before it (ties in arrival order)
@@ -83,3 +83,19 @@ class Request:
         if self.num_output_tokens >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+def pools_from_the_start(req: Request) -> bool:
+    """An embedding request averaging all its prompt's final hidden states, or taking its first's (cls): those
+    rows must be computed, so no prefix of its prompt comes from the cache."""
+    pooling = req.sampling_params.pooling
+    return pooling is not None and pooling.kind in ("mean", "cls")
+
+
+def with_min_tokens_stop_ids(params: SamplingParams, eos_token_ids) -> SamplingParams:
+    """A request with min_tokens carries the tokens its sampler holds back until then: EOS (unless ignored) and its
+    stop token ids; it reaches every runner (worker, rank, decode worker) with its settings."""
+    if not params.min_tokens:
+        return params
+    held = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    return replace(params, min_tokens_stop_ids=tuple(sorted(held)))

@@ -23,13 +23,13 @@ def assert_every_engine_feature_gives_the_same_tokens(path: str, vocab: int = 28
     import concurrent.futures
 
     from justapi.config import EngineConfig
-    from justapi.engine.pd_engine import PdEngine
+    from justapi.engine.worker_pool import WorkerPoolEngine
     from test_pd import run_all
 
     # the engines in other processes start (their interpreters import torch) while the in-process ones run
     starting = concurrent.futures.ThreadPoolExecutor(max_workers=2)
     tp2 = starting.submit(LLM, path, tp=2, **EXACT)
-    pd = starting.submit(PdEngine, EngineConfig(path, disaggregate=True, num_threads=1, **EXACT))
+    pd = starting.submit(WorkerPoolEngine, EngineConfig(path, disaggregate=True, num_threads=1, **EXACT))
     try:
         rng = random.Random(2)
         shared = [rng.randrange(3, vocab) for _ in range(12)]

@@ -84,7 +84,7 @@ class InProcessServer:
         import torch
         import uvicorn
 
-        from justapi import cli
+        from justapi import startup
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -103,11 +103,11 @@ class InProcessServer:
         self._handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         self._logger.addHandler(self._handler)
         self._logger.setLevel(logging.INFO)
-        parsed = cli.build_parser().parse_args(["serve", "--port", str(self.port), *args])
-        app, _ = cli.serve_app(parsed, on_engine=keep)
+        parsed = startup.build_parser().parse_args(["serve", "--port", str(self.port), *args])
+        app, _ = startup.serve_app(parsed, on_engine=keep)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, access_log=False,
                                                     log_config=None, log_level="warning",
-                                                    timeout_graceful_shutdown=5, **cli.uvicorn_stack()))
+                                                    timeout_graceful_shutdown=5, **startup.uvicorn_stack()))
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._serve, name=f"justapi-serve-{self.port}", daemon=True)
         self.thread.start()

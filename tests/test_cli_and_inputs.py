@@ -177,9 +177,10 @@ def test_bad_speculation_settings_fail_at_start_up_naming_the_flag(tiny_model, t
 def test_serve_help_documents_every_flag_with_defaults():
     from justapi import config as C
     from justapi.flags import cli_fields, flag_name
+    from justapi.server_config import ServerConfig
 
     out = cli_in_process("serve", "--help").stdout
-    for cls in (C.EngineConfig, C.ServerConfig):
+    for cls in (C.EngineConfig, ServerConfig):
         for f in cli_fields(cls):
             assert flag_name(f) in out, flag_name(f)
     for flag in ("--no-prefix-cache", "--static-batching", "--threads", "--disable-kernels", "--log-level"):
@@ -215,8 +216,8 @@ def test_the_architecture_page_names_every_module():
 def test_flags_become_the_config_continuous_batching_by_default():
     """Every flag lands in its config field; continuous batching unless --static-batching; --scheduled (the old
     way to ask for continuous batching) is still accepted."""
-    from justapi.cli import build_parser, engine_config
-    from justapi.config import ServerConfig
+    from justapi.startup import build_parser, engine_config
+    from justapi.server_config import ServerConfig
     from justapi.flags import config_from_args
 
     args = build_parser().parse_args(["serve", "--model", "m.gguf", "--threads", "3", "--no-prefix-cache",

@@ -58,12 +58,12 @@ def test_bad_data_parallel_settings_fail_naming_the_flag(tiny_model):
 
 
 def test_replicas_give_the_single_engine_output_and_keep_a_shared_prefix_on_one_replica(tiny_model):
-    from justapi.engine.pd_engine import PdEngine
+    from justapi.engine.worker_pool import WorkerPoolEngine
 
     prompts, params = mixed_requests()
     reference = LLM(tiny_model, **OPTS)
     want = reference.generate(prompts, params)
-    engine = PdEngine(EngineConfig(tiny_model, data_parallel=2, num_threads=1, **OPTS))
+    engine = WorkerPoolEngine(EngineConfig(tiny_model, data_parallel=2, num_threads=1, **OPTS))
     try:
         assert [w.role for w in engine.pd.workers.values()] == ["replica", "replica"]
         done, failed = run_all(engine, prompts, params)
@@ -96,11 +96,11 @@ def test_replicas_give_the_single_engine_output_and_keep_a_shared_prefix_on_one_
 
 
 def test_requests_routed_to_a_dead_replica_before_it_streamed_are_retried(tiny_model):
-    from justapi.engine.pd_engine import PdEngine
+    from justapi.engine.worker_pool import WorkerPoolEngine
 
     prompts, params = mixed_requests(4, seed=2)
     want = LLM(tiny_model, **OPTS).generate(prompts, params)
-    engine = PdEngine(EngineConfig(tiny_model, data_parallel=2, num_threads=1, **OPTS))
+    engine = WorkerPoolEngine(EngineConfig(tiny_model, data_parallel=2, num_threads=1, **OPTS))
     try:
         os.kill(engine.procs[0].pid, signal.SIGKILL)
         engine.procs[0].join(10)

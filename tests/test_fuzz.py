@@ -253,7 +253,7 @@ def _shown(method: str, path: str, body: bytes | str | None) -> str:
 def _openapi() -> dict:
     """The app's OpenAPI schema, built (not served: no engine loads) with the fuzzed server's settings; a test
     checks that the server serves this very schema."""
-    from justapi.config import ServerConfig
+    from justapi.server_config import ServerConfig
     from justapi.server.api import build_app
 
     return build_app(ServerConfig(**SERVER_SETTINGS), NAME, lambda: None).openapi()

@@ -125,17 +125,18 @@ WEATHER = {"type": "function", "function": {
 
 def _says_a_call(engine):
     """An ``on_engine`` that makes the random model say CALL, through a grammar set on each request the engine
-    receives: the tokens, the text, the parsing and the shapes are the server's own."""
+    queues: the tokens, the text, the parsing and the shapes are the server's own."""
     import dataclasses
 
     from justapi.structured.spec import StructuredOutput
 
-    add = engine.add_request
+    queue = engine.queue
+    call = StructuredOutput("choice", json.dumps([CALL]))
 
     def forced(rid, ids, params):
-        return add(rid, ids, dataclasses.replace(params, structured=StructuredOutput("choice", json.dumps([CALL]))))
+        return queue(rid, ids, dataclasses.replace(params, structured=call))
 
-    engine.add_request = forced
+    engine.queue = forced
 
 
 def test_tool_calls_in_ollamas_shape(tiny_model, tmp_path):

@@ -110,13 +110,13 @@ def settled(engine, timeout_s=30):
 
 @pytest.mark.parametrize("prefill,decode", [(1, 1), (1, 2)])
 def test_greedy_output_identical_to_the_colocated_engine_and_no_leaked_blocks(tiny_model, prefill, decode):
-    from justapi.engine.pd_engine import PdEngine
+    from justapi.engine.worker_pool import WorkerPoolEngine
 
     opts = dict(pool_blocks=256, batch_invariant=True, chunk_size=64, show_progress=False)
     prompts, params = mixed_requests()
     want = LLM(tiny_model, **opts).generate(prompts, params)
-    engine = PdEngine(EngineConfig(tiny_model, disaggregate=True, prefill_workers=prefill, decode_workers=decode,
-                                   num_threads=1, **opts))
+    engine = WorkerPoolEngine(EngineConfig(tiny_model, disaggregate=True, prefill_workers=prefill,
+                                           decode_workers=decode, num_threads=1, **opts))
     try:
         done, failed = run_all(engine, prompts, params)
         assert not failed
@@ -145,13 +145,13 @@ def test_workers_schedule_by_priority_and_end_requests_at_their_deadlines(tiny_m
     prefill queue and one cut mid-decode end with finish_reason length / stop_reason timeout, leaving no block."""
     from dataclasses import replace
 
-    from justapi.engine.pd_engine import PdEngine
+    from justapi.engine.worker_pool import WorkerPoolEngine
 
     opts = dict(pool_blocks=256, batch_invariant=True, chunk_size=64, show_progress=False)
     prompts, params = mixed_requests(8, seed=3)
     params = [replace(q, priority=i % 3) for i, q in enumerate(params)]
     want = LLM(tiny_model, **opts).generate(prompts, params)
-    engine = PdEngine(EngineConfig(tiny_model, disaggregate=True, num_threads=1, scheduling_policy="priority",
+    engine = WorkerPoolEngine(EngineConfig(tiny_model, disaggregate=True, num_threads=1, scheduling_policy="priority",
                                    **opts))
     try:
         late = SamplingParams(temperature=0, max_tokens=5, deadline=time.monotonic() - 1)
@@ -174,12 +174,13 @@ def test_workers_schedule_by_priority_and_end_requests_at_their_deadlines(tiny_m
 def test_each_pool_with_its_own_tensor_parallel_size_gives_the_colocated_output(tiny_model):
     """Prefill on 2 ranks (the tiny model's 2 KV heads split), decode on 4 (each KV head replicated on two): the
     KV is gathered from one layout and spread over the other."""
-    from justapi.engine.pd_engine import PdEngine
+    from justapi.engine.worker_pool import WorkerPoolEngine
 
     opts = dict(pool_blocks=256, batch_invariant=True, chunk_size=64, show_progress=False)
     prompts, params = mixed_requests(8, seed=3)
     want = LLM(tiny_model, **opts).generate(prompts, params)
-    engine = PdEngine(EngineConfig(tiny_model, disaggregate=True, prefill_tp=2, decode_tp=4, num_threads=1, **opts))
+    engine = WorkerPoolEngine(EngineConfig(tiny_model, disaggregate=True, prefill_tp=2, decode_tp=4, num_threads=1,
+                                           **opts))
     try:
         assert [len(f) for f in engine.followers] == [1, 3]
         assert [w["tp"] for w in engine.health()[1]["workers"]] == [2, 4]
@@ -199,12 +200,12 @@ def test_each_pool_with_its_own_tensor_parallel_size_gives_the_colocated_output(
 
 
 def test_requests_routed_to_a_dead_prefill_worker_are_retried_on_another(tiny_model):
-    from justapi.engine.pd_engine import PdEngine
+    from justapi.engine.worker_pool import WorkerPoolEngine
 
     opts = dict(pool_blocks=128, batch_invariant=True, show_progress=False)
     prompts, params = mixed_requests(4, seed=2)
     want = LLM(tiny_model, **opts).generate(prompts, params)
-    engine = PdEngine(EngineConfig(tiny_model, disaggregate=True, prefill_workers=2, decode_workers=1,
+    engine = WorkerPoolEngine(EngineConfig(tiny_model, disaggregate=True, prefill_workers=2, decode_workers=1,
                                    num_threads=1, **opts))
     try:
         os.kill(engine.procs[0].pid, signal.SIGKILL)

@@ -59,11 +59,11 @@ def test_tensor_parallel_ranks_on_two_nodes(cluster, tiny_model, requests_and_re
 
 @pytest.mark.parametrize("mode", ["disaggregate", "data_parallel"])
 def test_workers_on_separate_nodes_give_the_single_engine_output(cluster, tiny_model, requests_and_reference, mode):
-    from justapi.engine.pd_engine import PdEngine
+    from justapi.engine.worker_pool import WorkerPoolEngine
 
     prompts, params, want = requests_and_reference
     kw = {"disaggregate": True} if mode == "disaggregate" else {"data_parallel": 2}
-    engine = PdEngine(EngineConfig(tiny_model, **kw, **RAY, **OPTS))
+    engine = WorkerPoolEngine(EngineConfig(tiny_model, **kw, **RAY, **OPTS))
     try:
         assert len(nodes(engine.procs)) == 2  # prefill and decode (or the two replicas) on different nodes
         late = SamplingParams(temperature=0, max_tokens=5, deadline=time.monotonic() - 1)  # deadlines travel
@@ -82,9 +82,9 @@ def test_workers_on_separate_nodes_give_the_single_engine_output(cluster, tiny_m
 def test_a_replica_actor_killed_mid_load_fails_only_what_it_streamed(cluster, tiny_model):
     """Ray reports the actor's death; its requests that had streamed a token fail, the others are served by the
     other replica; nothing hangs."""
-    from justapi.engine.pd_engine import PdEngine
+    from justapi.engine.worker_pool import WorkerPoolEngine
 
-    engine = PdEngine(EngineConfig(tiny_model, data_parallel=2, **RAY, **OPTS))
+    engine = WorkerPoolEngine(EngineConfig(tiny_model, data_parallel=2, **RAY, **OPTS))
     try:
         params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
         for i in range(6):
@@ -125,7 +125,7 @@ def serve_app(tiny_model, *flags):
     import httpx
     from ray import serve
 
-    from justapi.cli import build_parser
+    from justapi.startup import build_parser
     from justapi.ray_serve import build_application
 
     with socket.socket() as s:

@@ -193,7 +193,7 @@ def test_a_constraint_after_the_thinking_is_the_same_disaggregated(thinker):
     """A reasoning request constrained after its thinking (think_tokens: the prompt opened it) gives the same
     tokens with prefill/decode disaggregation: the decode worker takes over a request still thinking, or past it."""
     from justapi.config import EngineConfig
-    from justapi.engine.pd_engine import PdEngine
+    from justapi.engine.worker_pool import WorkerPoolEngine
     from justapi.structured.spec import StructuredOutput
     from test_pd import run_all
 
@@ -204,7 +204,7 @@ def test_a_constraint_after_the_thinking_is_the_same_disaggregated(thinker):
               for budget in (None, 0, 1)]
     want = [r.outputs[0].text for r in llm.generate([ids] * 3, params)]
     assert all("</think>" in w for w in want)
-    pd = PdEngine(EngineConfig(path, disaggregate=True, num_threads=1, dtype="float32", pool_blocks=64,
+    pd = WorkerPoolEngine(EngineConfig(path, disaggregate=True, num_threads=1, dtype="float32", pool_blocks=64,
                                show_progress=False))
     try:
         done, failed = run_all(pd, [ids] * 3, params)

@@ -10,7 +10,7 @@ import pytest
 
 from justapi.config import SchedulerConfig
 from justapi.core.block_pool import BlockPool
-from justapi.core.outputs import RunnerOutput
+from justapi.core.outputs import Drafts, RunnerOutput
 from justapi.core.limits import AdmissionError
 from justapi.core.scheduler import Scheduler
 from justapi.core.static_scheduler import StaticScheduler
@@ -271,12 +271,12 @@ def test_draft_slots_only_take_blocks_no_decode_needs(num_blocks, drafted):
     step(s)  # both prompts in one step; each samples its first token
     out = s.schedule()
     assert s.stats.num_preemptions == 0 and set(out.num_scheduled_tokens) == {"a", "b"}
-    assert out.num_scheduled_tokens["b"] == 1 and "b" not in out.spec_depth  # no room left for b's drafts
+    assert out.num_scheduled_tokens["b"] == 1 and "b" not in out.drafts  # no room left for b's drafts
     if drafted:
-        assert out.spec_depth == {"a": 4} and out.num_scheduled_tokens["a"] == 5
+        assert out.drafts == {"a": Drafts(4)} and out.num_scheduled_tokens["a"] == 5
         assert len(s.requests["a"].block_ids) == 4  # positions 0..12: the draft block was granted
         sent = next(c for c in out.cached_requests if c.request_id == "a").new_block_ids
         assert len(sent) == 2  # the runner learns about both new blocks
     else:
-        assert out.spec_depth == {} and out.num_scheduled_tokens["a"] == 1
+        assert out.drafts == {} and out.num_scheduled_tokens["a"] == 1
     s.check_integrity()

@@ -323,7 +323,7 @@ def test_route_annotations_are_types_not_strings():
     the route modules do not use ``from __future__ import annotations``."""
     import inspect
 
-    from justapi.config import ServerConfig
+    from justapi.server_config import ServerConfig
     from justapi.server.api import build_app
 
     def endpoints(routes):

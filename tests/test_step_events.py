@@ -46,7 +46,7 @@ def _check_tiling(steps, outputs, prompts):
         assert len(work.cells) == len(sched.num_scheduled_tokens), "a request appears twice in one step"
         for rid, kind, start, tokens, accepted in work.cells:
             assert tokens == sched.num_scheduled_tokens[rid]
-            assert kind == "spec" if rid in sched.spec_token_ids else kind in ("prefill", "decode")
+            assert kind == "spec" if rid in sched.drafts else kind in ("prefill", "decode")
             if rid in expected:
                 assert start == expected[rid], f"{rid}: a gap or an overlap at {start}"
             else:

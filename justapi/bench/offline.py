@@ -22,9 +22,6 @@ def run_offline(engine, jobs: list[Job], time_limit: float, temperature: float =
     step that computed something to ``timeline`` where one is given (bench.timeline's entries)."""
     from .timeline import step_entry
 
-    from ..sampling_params import SamplingParams
-
-    tok = engine.tokenizer
     histories: list[list[dict]] = [[] for _ in jobs]
     results: list[RequestResult] = []
     t0 = time.monotonic()
@@ -34,24 +31,11 @@ def run_offline(engine, jobs: list[Job], time_limit: float, temperature: float =
         for i, job in enumerate(jobs):
             if k >= len(job.turns):
                 continue
-            turn = job.turns[k]
-            if turn.prompt is not None:
-                ids = tok.encode(turn.prompt)
-            else:
-                messages = turn.messages if turn.messages is not None else (
-                    histories[i] + [{"role": "user", "content": turn.user}])
-                ids = engine.render_chat(messages, True)
-            params = SamplingParams(max_tokens=turn.max_tokens, temperature=temperature, ignore_eos=True)
-            res = RequestResult(ok=False, kind=job.kind, start=time.monotonic(), prompt_tokens=len(ids),
-                                usage_reported=True)
-            rid = f"bench-{k}-{i}"
-            try:
-                engine.add_request(rid, ids, params)
-            except ValueError as e:
-                res.error, res.end = str(e), res.start
+            res = _add_turn(engine, f"bench-{k}-{i}", job, k, histories[i], temperature)
+            if res.error:  # refused
                 results.append(res)
-                continue
-            live[rid] = (res, i)
+            else:
+                live[f"bench-{k}-{i}"] = (res, i)
         while engine.has_unfinished and time.monotonic() - t0 < time_limit:
             t_step = time.monotonic()
             outs = engine.step()
@@ -80,3 +64,23 @@ def run_offline(engine, jobs: list[Job], time_limit: float, temperature: float =
     done = len(results)
     results += [RequestResult(ok=False, error="time limit") for _ in range(sum(len(j.turns) for j in jobs) - done)]
     return results, time.monotonic() - t0
+
+
+def _add_turn(engine, rid: str, job: Job, k: int, history: list[dict], temperature: float) -> RequestResult:
+    """Queue turn ``k`` of ``job`` (a prompt, or the conversation so far and the turn's user message); its result,
+    with the error where the engine refused it."""
+    from ..sampling_params import SamplingParams
+
+    turn = job.turns[k]
+    if turn.prompt is not None:
+        ids = engine.tokenizer.encode(turn.prompt)
+    else:
+        messages = turn.messages if turn.messages is not None else history + [{"role": "user", "content": turn.user}]
+        ids = engine.render_chat(messages, True)
+    params = SamplingParams(max_tokens=turn.max_tokens, temperature=temperature, ignore_eos=True)
+    res = RequestResult(ok=False, kind=job.kind, start=time.monotonic(), prompt_tokens=len(ids), usage_reported=True)
+    try:
+        engine.add_request(rid, ids, params)
+    except ValueError as e:
+        res.error, res.end = str(e), res.start
+    return res

@@ -1,6 +1,7 @@
 """Speculative decoding as the scheduler sees it: which decoding requests draft this step and how many KV slots
 their drafts take. Prompt lookup proposes its tokens here; with a draft model the runner builds the tree and the
-scheduler only reserves its slots (``spec_depth`` levels of ``branch`` children each). Pure Python."""
+scheduler only reserves its slots (``depth`` levels of ``branch`` children each). Either way a request's drafts are one
+``Drafts`` value. Pure Python."""
 
 from __future__ import annotations
 
@@ -8,14 +9,15 @@ from ..config import SchedulerConfig, tree_size
 from ..request import Request
 from ..spec.ngram import propose_ngram
 from .kv_blocks import KvBlocks
-from .outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from .outputs import CachedRequestData, Drafts, NewRequestData, SchedulerOutput
 
 
 def draft_slots(req: Request, branch: int) -> int:
     """KV slots this step's drafts take after the request's last token: prompt-lookup tokens or a tree."""
-    if req.spec_token_ids:
-        return len(req.spec_token_ids)
-    return tree_size(branch, req.spec_depth) if req.spec_depth else 0
+    drafts = req.drafts
+    if drafts is None:
+        return 0
+    return len(drafts.tokens) if drafts.tokens else tree_size(branch, drafts.depth)
 
 
 def propose_drafts(running: list[Request], cfg: SchedulerConfig) -> None:
@@ -24,8 +26,7 @@ def propose_drafts(running: list[Request], cfg: SchedulerConfig) -> None:
         return  # no request ever holds drafts
     decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
     for req in running:
-        req.spec_token_ids = []
-        req.spec_depth = 0
+        req.drafts = None
     if len(decoding) > cfg.spec_max_batch:
         return
     for req in decoding:
@@ -38,9 +39,10 @@ def propose_drafts(running: list[Request], cfg: SchedulerConfig) -> None:
         if gamma <= 0:
             continue
         if cfg.spec_method == "ngram":
-            req.spec_token_ids = propose_ngram(req.all_token_ids, gamma)
+            tokens = propose_ngram(req.all_token_ids, gamma)
+            req.drafts = Drafts.chain(tokens) if tokens else None
         else:
-            req.spec_depth = gamma
+            req.drafts = Drafts(gamma)
 
 
 def add_draft_slots(out: SchedulerOutput, data: NewRequestData | CachedRequestData, req: Request, kv: KvBlocks,
@@ -50,14 +52,10 @@ def add_draft_slots(out: SchedulerOutput, data: NewRequestData | CachedRequestDa
     use what is left); without the blocks the request decodes one token."""
     slots = draft_slots(req, branch)
     new_blocks = kv.grow(req, req.num_computed_tokens + 1 + slots)
-    if new_blocks is None:
-        req.spec_token_ids = []
-        req.spec_depth = 0
+    if new_blocks is None or req.drafts is None:
+        req.drafts = None
         return
     rid = req.request_id
     out.num_scheduled_tokens[rid] += slots
     (data.block_ids if isinstance(data, NewRequestData) else data.new_block_ids).extend(new_blocks)
-    if req.spec_token_ids:
-        out.spec_token_ids[rid] = req.spec_token_ids
-    else:
-        out.spec_depth[rid] = req.spec_depth
+    out.drafts[rid] = req.drafts

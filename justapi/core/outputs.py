@@ -34,6 +34,19 @@ class CachedRequestData:
     num_computed_tokens: int
 
 
+@dataclass(frozen=True)
+class Drafts:
+    """A request's drafts for one step: prompt-lookup ``tokens`` known when scheduling (a chain), or none and
+    ``depth`` tree levels the runner's draft-model proposer fills; ``depth`` is the drafts' length either way."""
+
+    depth: int
+    tokens: tuple[int, ...] = ()
+
+    @classmethod
+    def chain(cls, tokens: list[int]) -> Drafts:
+        return cls(len(tokens), tuple(tokens))
+
+
 @dataclass
 class SchedulerOutput:
     """One step's work: for each scheduled request, how many of its next tokens to compute."""
@@ -42,10 +55,9 @@ class SchedulerOutput:
     cached_requests: list[CachedRequestData] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     finished_request_ids: set[str] = field(default_factory=set)  # the runner drops their state
-    # speculative decoding: draft tokens computed after a request's last token (counted in num_scheduled_tokens)
-    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    # draft-model speculation: tree levels for the runner's proposer to fill (their slots counted the same way)
-    spec_depth: dict[str, int] = field(default_factory=dict)
+    # speculative decoding: each drafting request's drafts, computed after its last token (their slots counted in
+    # num_scheduled_tokens)
+    drafts: dict[str, Drafts] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -49,7 +49,7 @@ class WorkerInfo:
         return len(self.requests)
 
     def report(self, load) -> None:
-        """Take the worker's periodic report (engine.pd_messages.Load)."""
+        """Take the worker's periodic report (engine.worker_messages.Load)."""
         self.free_blocks, self.running, self.waiting = load.free_blocks, load.running, load.waiting
         self.busy_fraction = load.busy_fraction
         self.cache_hits, self.cache_misses, self.cached_blocks = load.cache_hits, load.cache_misses, load.cached_blocks

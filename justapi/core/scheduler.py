@@ -17,9 +17,10 @@ from collections import deque
 from dataclasses import replace
 
 from ..config import SchedulerConfig
-from ..request import Request, RequestStatus
+from ..request import Request, RequestStatus, pools_from_the_start, with_min_tokens_stop_ids
 from ..sampling_params import SamplingParams
 from .drafts import add_draft_slots, draft_slots, propose_drafts
+from .handoff import HandOffs
 from .kv_blocks import KvBlocks
 from .limits import RequestLimits
 from .outputs import CachedRequestData, EngineCoreOutput, NewRequestData, RunnerOutput, SchedulerOutput
@@ -29,7 +30,7 @@ from .step_budget import StepBudget
 from .step_record import StepRecord
 
 
-class Scheduler:
+class Scheduler(HandOffs):
     """Continuous batching with chunked prefill, a paged KV pool, preemption by recompute and a prefix cache."""
 
     def __init__(self, config: SchedulerConfig) -> None:
@@ -52,10 +53,7 @@ class Scheduler:
         self._new_ids: set[str] = set()  # admitted (or resumed) since the last step
         self._out_data: dict[str, NewRequestData | CachedRequestData] = {}  # this step's entries by request id
         self.record = StepRecord()  # the latest step as the step log keeps it (cells, preemptions, aborts)
-        # prefill/decode disaggregation (core.pd_scheduler): a prefill worker hands a request off after its first
-        # token, keeping its blocks until they are shipped; a decode worker admits requests with imported KV
-        self.hand_off_after_prefill = False
-        self.handoffs: dict[str, Request] = {}
+        self.handoffs: dict[str, Request] = {}  # a prefill worker's (core.handoff)
 
     # --- requests in and out ------------------------------------------------------------------------------
     def add_request(
@@ -67,7 +65,7 @@ class Scheduler:
         max_tokens = self.limits.check(len(prompt_token_ids), params.max_tokens, params.pooling is not None)
         if params.max_tokens is None:
             params = replace(params, max_tokens=max_tokens)
-        params = _with_min_tokens_stop_ids(params, eos_token_ids)
+        params = with_min_tokens_stop_ids(params, eos_token_ids)
         req = Request(request_id, list(prompt_token_ids), params, frozenset(eos_token_ids), seed)
         self._queue(req)
         return req
@@ -79,30 +77,6 @@ class Scheduler:
         self.policy.on_arrival(req, self.waiting)
         self.requests[req.request_id] = req
         self.waiting.append(req)
-
-    def add_prefilled_request(
-        self, request_id: str, prompt_token_ids: list[int], first_token: int, params: SamplingParams, eos_token_ids,
-        seed: int, kv, num_cached_tokens: int,
-    ) -> Request:
-        """Queue a request whose prompt KV was computed elsewhere (``kv``, opaque here) and whose first output token
-        is known: it is admitted straight into decoding, the runner copies ``kv`` into its blocks."""
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        self.limits.check(len(prompt_token_ids), params.max_tokens, params.pooling is not None)
-        params = _with_min_tokens_stop_ids(params, eos_token_ids)
-        req = Request(request_id, list(prompt_token_ids), params, frozenset(eos_token_ids), seed)
-        req.append_output(first_token)
-        req.imported_kv = kv
-        req.num_cached_tokens = num_cached_tokens  # counted by the prefill worker's cache
-        self._queue(req)
-        return req
-
-    def release_handoff(self, request_id: str) -> None:
-        """A handed-off request's KV has been shipped (or the transfer was given up): free its blocks."""
-        req = self.handoffs.pop(request_id, None)
-        if req is not None:
-            self.kv.release(req)
-            self._forget(req)
 
     def abort_request(self, request_id: str) -> EngineCoreOutput | None:
         """Stop a request at once and free its blocks; None if it is unknown or already finished."""
@@ -343,12 +317,12 @@ class Scheduler:
             start = req.num_computed_tokens
             was_prefilling = start < req.num_prompt_tokens
             new_ids = result.sampled_token_ids.get(rid, [])
-            if rid in sched.spec_token_ids or rid in sched.spec_depth:
+            drafts = sched.drafts.get(rid)
+            if drafts is not None:
                 # the last token and the accepted drafts now have KV at their positions (the runner moved a
                 # tree's accepted path there); rejected drafts' slots are simply overwritten later
                 req.num_computed_tokens += len(new_ids)
-                depth = len(sched.spec_token_ids.get(rid, ())) or sched.spec_depth[rid]
-                self.stats.count_spec(n - 1, depth, len(new_ids) - 1)
+                self.stats.count_spec(n - 1, drafts.depth, len(new_ids) - 1)
                 self.record.cell(rid, "spec", start, n, len(new_ids) - 1)
             else:
                 req.num_computed_tokens += n
@@ -367,7 +341,7 @@ class Scheduler:
                 status = RequestStatus.FINISHED_STOPPED
             if status is not None:
                 self._finish(req, status)
-            elif self.hand_off_after_prefill and was_prefilling and new_ids:
+            elif self.config.hand_off_after_prefill and was_prefilling and new_ids:
                 self._hand_off(req)
             if new_ids or status is not None:
                 logprobs = result.logprobs.get(rid)
@@ -381,18 +355,10 @@ class Scheduler:
             embedding,
         )
 
-    def _hand_off(self, req: Request) -> None:
-        """Out of the batch with its blocks kept: its KV is about to be shipped to a decode worker."""
-        self.running.remove(req)
-        self.handoffs[req.request_id] = req
-        self._finished_ids.add(req.request_id)  # the runner drops its state
-        self._new_ids.discard(req.request_id)
-
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.record.preempt(req.request_id)
-        req.spec_token_ids = []
-        req.spec_depth = 0
+        req.drafts = None
         self.stats.num_preempted_tokens += req.num_computed_tokens
         self.kv.release(req)
         req.num_computed_tokens = 0
@@ -431,19 +397,3 @@ class Scheduler:
     @property
     def num_cached_blocks(self) -> int:
         return self.kv.num_cached_blocks
-
-
-def pools_from_the_start(req: Request) -> bool:
-    """An embedding request averaging all its prompt's final hidden states, or taking its first's (cls): those
-    rows must be computed, so no prefix of its prompt comes from the cache."""
-    pooling = req.sampling_params.pooling
-    return pooling is not None and pooling.kind in ("mean", "cls")
-
-
-def _with_min_tokens_stop_ids(params: SamplingParams, eos_token_ids) -> SamplingParams:
-    """A request with min_tokens carries the tokens its sampler holds back until then: EOS (unless ignored) and its
-    stop token ids; it reaches every runner (worker, rank, decode worker) with its settings."""
-    if not params.min_tokens:
-        return params
-    held = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
-    return replace(params, min_tokens_stop_ids=tuple(sorted(held)))

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from ..config import SchedulerConfig
 from ..request import Request
-from .scheduler import Scheduler, pools_from_the_start
+from ..request import pools_from_the_start
+from .scheduler import Scheduler
 
 
 class StaticScheduler(Scheduler):

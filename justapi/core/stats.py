@@ -4,14 +4,37 @@ to read: the live scheduler changes under them between steps (vLLM's make_stats 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from ..request import Request
 from .admission import StepCosts
+from .block_pool import BlockPool
 from .pd_scheduler import PdScheduler, PdStats
+from .radix_cache import RadixPrefixCache
 
-if TYPE_CHECKING:
-    from .scheduler import Scheduler
+
+class Snapshotted(Protocol):
+    """What a snapshot reads of a scheduler (core.scheduler.Scheduler), and nothing else."""
+
+    @property
+    def waiting(self) -> Sequence[Request]: ...
+
+    @property
+    def running(self) -> Sequence[Request]: ...
+
+    @property
+    def pool(self) -> BlockPool: ...
+
+    @property
+    def cache(self) -> RadixPrefixCache | None: ...
+
+    @property
+    def stats(self) -> SchedulerStats: ...
+
+    @property
+    def num_cached_blocks(self) -> int: ...
 
 
 @dataclass
@@ -86,7 +109,7 @@ class SchedulerSnapshot:
         return sum(n for p, n in self.waiting_by_priority if priority is None or p <= priority)
 
     @classmethod
-    def of(cls, sched: Scheduler) -> SchedulerSnapshot:
+    def of(cls, sched: Snapshotted) -> SchedulerSnapshot:
         cache = sched.cache
         by_priority: dict[int, int] = {}
         by_user: dict[str | None, int] = {}

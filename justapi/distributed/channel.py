@@ -1,4 +1,4 @@
-"""The server's line to each worker process: one duplex connection per worker carrying engine.pd_messages both ways,
+"""The server's line to each worker process: one duplex connection per worker carrying engine.worker_messages both ways,
 a pipe on this host or a TCP socket to a worker on another one (a Ray actor). One connection per worker, not one
 shared queue: a worker killed while writing to a shared queue would leave its lock taken (and a half-written message
 in it), and every other worker would block; a worker's own connection just ends, which reads as its death.

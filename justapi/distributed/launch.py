@@ -1,4 +1,4 @@
-"""Where the engine's other processes run (``--distributed-executor``): PdEngine's workers (disaggregated pools,
+"""Where the engine's other processes run (``--distributed-executor``): WorkerPoolEngine's workers (disaggregated pools,
 data-parallel replicas) with their tensor-parallel ranks, and the ranks of a plain ``--tp`` engine.
 
 - ``LocalProcesses`` (``mp``, the default): spawned on this host, linked to the server by pipes.

@@ -79,7 +79,7 @@ class TpComm:
     """The collectives a sharded model needs, with the time they take (for the benchmark).
 
     ``group``: the ranks of this engine, None for the default group (``--tp`` alone); a disaggregated engine's
-    worker pools each form a sub-group of one world (engine.pd_engine). Ranks are the group's own, 0 leading.
+    worker pools each form a sub-group of one world (engine.worker_pool). Ranks are the group's own, 0 leading.
     """
 
     def __init__(self, plan: TpPlan, cfg: ModelConfig, group=None) -> None:

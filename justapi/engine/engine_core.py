@@ -54,9 +54,8 @@ class EngineCore(ModelFront):
         super().__init__(config)
         self.executor = make_executor(config, self.model_config, tp_group)
         num_blocks = self.executor.size_pool(self._num_blocks(), config.branch or DEFAULT_BRANCH)
-        self.scheduler = (StaticScheduler if config.static_batching else Scheduler)(self._scheduler_config(num_blocks))
         self.role = role
-        self.scheduler.hand_off_after_prefill = role == "prefill"
+        self.scheduler = (StaticScheduler if config.static_batching else Scheduler)(self._scheduler_config(num_blocks))
         self.outputs = OutputProcessor(self.tokenizer)
         self.last_step: StepWork | None = None  # what the latest step() computed and where its time went
         self._core_times = (0.0, 0.0, 0.0)  # step_core's schedule, execute, update seconds
@@ -89,6 +88,7 @@ class EngineCore(ModelFront):
             # an encoder's states depend on the tokens after them: no prefix of one prompt is another's
             prefix_cache=config.prefix_cache and not self.model_config.is_encoder,
             whole_prompts=self.model_config.is_encoder,
+            hand_off_after_prefill=self.role == "prefill",
             spec_method=config.speculation,
             gamma=config.gamma or DEFAULT_GAMMA,
             branch=config.branch or DEFAULT_BRANCH,

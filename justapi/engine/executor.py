@@ -1,6 +1,6 @@
 """Executors: how the engine runs its model, one way to call every rank. ``Executor`` holds one worker in this
 process; ``TpExecutor`` leads a tensor-parallel group, whose other ranks run ``follow`` in their own processes
-(started here for --tp, on this host or as Ray actors: distributed.launch; or by PdEngine for its workers'
+(started here for --tp, on this host or as Ray actors: distributed.launch; or by WorkerPoolEngine for its workers'
 sub-groups).
 
 Rank 0 runs the scheduler and sends each step's SchedulerOutput (new requests once, then small diffs) to the other

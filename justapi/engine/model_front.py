@@ -1,4 +1,4 @@
-"""What every engine (EngineCore, PdEngine, ServeEngine) knows of the model without running it: its config,
+"""What every engine (EngineCore, WorkerPoolEngine, ServeEngine) knows of the model without running it: its config,
 tokenizer and chat template, the limits a request must respect, and the seeds of requests that give none; and the
 one place a request is checked and defaulted (``admit``). One place, so that the server sees the same answers
 whichever engine serves."""

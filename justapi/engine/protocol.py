@@ -1,4 +1,4 @@
-"""The engine interface that AsyncLLM and the server use, implemented by EngineCore (one process) and PdEngine
+"""The engine interface that AsyncLLM and the server use, implemented by EngineCore (one process) and WorkerPoolEngine
 (prefill and decode worker processes): requests and steps, tokenizing and chat rendering, limits, health, and a
 stats snapshot. Everything here but ``tokenizer``, ``render_chat``, ``limits`` and ``check_request`` (which read
 only what never changes, or a count) is called on the engine thread alone."""

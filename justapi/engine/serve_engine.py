@@ -23,7 +23,7 @@ from ..core.stats import PdSnapshot, WorkerSnapshot
 from ..sampling_params import SamplingParams
 from .model_front import ModelFront
 from .output_processor import OutputProcessor, RequestOutput
-from .pd_messages import Load, seconds_left
+from .worker_messages import Load, seconds_left
 from .protocol import EngineDeadError
 
 if TYPE_CHECKING:

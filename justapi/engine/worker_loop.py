@@ -1,5 +1,5 @@
 """The one worker loop: an EngineCore (of any role: engine_core.ROLES) driven by the messages of
-engine.pd_messages, in a worker process (engine.pd_worker) or in a Ray Serve replica's thread (ray_replica).
+engine.worker_messages, in a worker process (engine.worker_process) or in a Ray Serve replica's thread (ray_replica).
 
 Commands come in through ``inbox`` (add, abort, send KV, receive KV, check, stop); reports go out through
 ``outbox`` (each step's new token ids, hand-offs, transfers, load). The loop only talks to the engine: requests
@@ -15,7 +15,7 @@ import time
 
 from ..core.admission import StepCostModel
 from .engine_core import EngineCore
-from .pd_messages import (AbortRequest, AddRequest, CheckIntegrity, Checked, Load, Outputs, Prefilled, Received,
+from .worker_messages import (AbortRequest, AddRequest, CheckIntegrity, Checked, Load, Outputs, Prefilled, Received,
                           RecvKv, RequestFailed, SendKv, Sent, Stop, local_params)
 
 log = logging.getLogger("justapi.worker")

@@ -358,17 +358,24 @@ def load_tensors(
             continue
         if packable and head and t.tensor_type in unpack_8bit:  # Q8_0, or Q4_K_M files' Q6_K
             out[t.name + Q8_SUFFIX] = unpack_8bit[t.tensor_type](raw, shape)
-        try:
-            if t.tensor_type == gguf.GGMLQuantizationType.F32:
-                arr = np.asarray(raw, dtype=np.float32)
-            elif t.tensor_type == gguf.GGMLQuantizationType.F16:
-                arr = np.asarray(raw).astype(np.float32)
-            else:
-                arr = gguf.quants.dequantize(raw, t.tensor_type)
-        except Exception as e:
-            raise ModelLoadError(f"{path}: tensor {t.name} cannot be read ({type(e).__name__}: {e})") from None
-        tensor = torch.from_numpy(np.array(arr, copy=True).reshape(shape))
+        tensor = _dequantized(raw, t.tensor_type, shape, f"{path}: tensor {t.name}")
         if left is not None:
             tensor = tensor.index_select(left[0], left[1]).contiguous()
         out[t.name] = tensor.to(dtype)
     return out
+
+
+def _dequantized(raw, tensor_type, shape: tuple[int, ...], where: str) -> torch.Tensor:
+    """A tensor's data in fp32 ([out, in]); ModelLoadError naming ``where`` if it cannot be read."""
+    import gguf
+
+    try:
+        if tensor_type == gguf.GGMLQuantizationType.F32:
+            arr = np.asarray(raw, dtype=np.float32)
+        elif tensor_type == gguf.GGMLQuantizationType.F16:
+            arr = np.asarray(raw).astype(np.float32)
+        else:
+            arr = gguf.quants.dequantize(raw, tensor_type)
+    except Exception as e:
+        raise ModelLoadError(f"{where} cannot be read ({type(e).__name__}: {e})") from None
+    return torch.from_numpy(np.array(arr, copy=True).reshape(shape))

@@ -152,7 +152,7 @@ class ModelRunner:
     """Owns the KV cache tensors and the per-request mirror state; ``execute`` runs one step.
 
     ``proposer``: a draft model (spec.draft.DraftProposer) that builds draft trees for the requests the scheduler
-    gave speculative slots (``SchedulerOutput.spec_depth``); prompt-lookup drafts arrive ready in ``spec_token_ids``.
+    gave speculative slots (``SchedulerOutput.drafts`` without tokens); prompt-lookup drafts arrive with theirs.
     ``grammars``: called once a request with structured output arrives, the process's structured.grammars.Grammars.
     """
 
@@ -219,12 +219,12 @@ class ModelRunner:
         starts = self._sync_states(sched)
         if sched.empty:
             return RunnerOutput(failed=self._failed)
-        trees: dict[str, DraftTree] = {rid: DraftTree.chain(d) for rid, d in sched.spec_token_ids.items() if d}
-        if sched.spec_depth and self.proposer is not None:
-            trees.update(self.proposer.propose(
-                [(rid, self.states[rid].token_ids, self.states[rid].block_ids, starts[rid], depth)
-                 for rid, depth in sched.spec_depth.items()]
-            ))
+        trees: dict[str, DraftTree] = {rid: DraftTree.chain(list(d.tokens)) for rid, d in sched.drafts.items()
+                                       if d.tokens}
+        proposed = [(rid, self.states[rid].token_ids, self.states[rid].block_ids, starts[rid], d.depth)
+                    for rid, d in sched.drafts.items() if not d.tokens]
+        if proposed and self.proposer is not None:
+            trees.update(self.proposer.propose(proposed))
         batch = FlatBatch(self.block_size, self.device)
         sample_ids: list[str] = []
         pooled: list[tuple[str, int, bool]] = []  # embedding requests: hidden rows in the batch, prompt done
@@ -243,7 +243,7 @@ class ModelRunner:
                 batch.add([st.token_ids[start]] + tree.tokens, [start] + [start + d for d in tree.depths], start,
                           st.block_ids, mask, logits="all")
                 sample_ids.append(rid)
-            elif rid in sched.spec_depth:  # slots reserved for drafts the proposer did not make: one token
+            elif rid in sched.drafts:  # slots reserved for drafts the proposer did not make: one token
                 batch.add(st.token_ids[start : start + 1], [start], start, st.block_ids, logits="last")
                 sample_ids.append(rid)
             else:

@@ -12,7 +12,7 @@ from typing import Callable
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from ..config import ServerConfig
+from ..server_config import ServerConfig
 from ..engine.async_llm import AsyncLLM
 from ..engine.protocol import Engine
 from . import infill, native, scoring

@@ -14,7 +14,7 @@ from typing import AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from ..config import ServerConfig
+from ..server_config import ServerConfig
 from ..engine.async_llm import AsyncLLM, QueueFullError, SloRefusal
 from ..engine.protocol import Engine
 from ..sampling_params import Pooling, SamplingParams

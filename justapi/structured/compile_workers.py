@@ -110,7 +110,7 @@ def _serve(conn: Connection) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY_BYTES, WORKER_MEMORY_BYTES))
     import xgrammar as xgr
 
-    from .grammars import compile_spec
+    from .compile import compile_spec
 
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(tokenizer_info_json), max_threads=1,
                                    cache_enabled=False)

@@ -1,4 +1,4 @@
-"""A worker process of the multi-process engine (engine.pd_engine): a data-parallel replica (``--data-parallel``),
+"""A worker process of the multi-process engine (engine.worker_pool): a data-parallel replica (``--data-parallel``),
 or a prefill or decode worker (``--disaggregate``); each a whole engine (EngineCore with its role) in its own process.
 
 The process joins the torch.distributed world, loads the model and runs engine.worker_loop's loop over one connection
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ..config import EngineConfig
 from ..distributed.channel import WorkerLink, connect
-from .pd_messages import Failed, Ready
+from .worker_messages import Failed, Ready
 from .worker_loop import WorkerLoop
 
 log = logging.getLogger("justapi.worker")

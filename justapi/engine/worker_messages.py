@@ -1,5 +1,7 @@
-"""The messages between PdEngine (the server) and its disaggregated workers, one dataclass each: commands go in
-through a worker's queue, reports come out through its pipe. Both ends match on the type, never on a string tag."""
+"""The one message protocol of the worker loop (engine.worker_loop): between WorkerPoolEngine (the server) and its
+workers (data-parallel replicas, prefill and decode workers), or a Ray Serve replica and its loop; one dataclass
+each: commands go in through a worker's queue, reports come out through its pipe. Both ends match on the type, never
+on a string tag."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""PdEngine: the server side of engines in worker processes: prefill/decode disaggregation (``justapi serve
+"""WorkerPoolEngine: the server side of engines in worker processes: prefill/decode disaggregation (``justapi serve
 --disaggregate``) and data-parallel replicas (``--data-parallel N``).
 
-It starts P prefill and D decode workers (engine.pd_worker; workers 0..P-1 prefill, P..P+D-1 decode), or N replicas
+It starts P prefill and D decode workers (engine.worker_process; workers 0..P-1 prefill, P..P+D-1 decode), or N replicas
 that each compute their requests whole, in one torch.distributed group, and offers AsyncLLM the same interface as
 EngineCore: add, abort, step, has_unfinished.
 Each pool has its own tensor-parallel size (``--prefill-tp``, ``--decode-tp``): a worker of size N is N processes
@@ -35,10 +35,10 @@ from ..model.gguf_loader import ModelLoadError
 from ..sampling_params import SamplingParams
 from .model_front import ModelFront
 from .output_processor import OutputProcessor, RequestOutput
-from .pd_messages import (AbortRequest, AddRequest, CheckIntegrity, Checked, Failed, Load, Outputs, Prefilled,
+from .worker_messages import (AbortRequest, AddRequest, CheckIntegrity, Checked, Failed, Load, Outputs, Prefilled,
                           PrefilledRequest, Ready, Received, RecvKv, RequestFailed, SendKv, Sent, Stop,
                           seconds_left)
-from .pd_worker import WorkerSpec, follower_main, worker_main
+from .worker_process import WorkerSpec, follower_main, worker_main
 from .protocol import EngineDeadError
 
 log = logging.getLogger("justapi.pd")
@@ -46,7 +46,7 @@ log = logging.getLogger("justapi.pd")
 START_TIMEOUT_S = 900.0  # loading a model (and compiling the C++ kernels where the installed ones do not fit)
 
 
-class PdEngine(ModelFront):
+class WorkerPoolEngine(ModelFront):
     """EngineCore's interface over worker processes: prefill on some, decode on others, KV shipped between."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -62,14 +62,7 @@ class PdEngine(ModelFront):
     # --- workers ------------------------------------------------------------------------------------------------
     def _start_workers(self) -> None:
         cfg = self.config
-        if cfg.data_parallel is not None:
-            roles, sizes = ["replica"] * cfg.data_parallel, [cfg.tp] * cfg.data_parallel
-        else:
-            p, d = cfg.prefill_workers, cfg.decode_workers
-            # EngineConfig sets them under --disaggregate (1 worker each, --tp ranks each, by default)
-            assert p is not None and d is not None and cfg.prefill_tp is not None and cfg.decode_tp is not None
-            roles = ["prefill"] * p + ["decode"] * d
-            sizes = [cfg.prefill_tp] * p + [cfg.decode_tp] * d  # each worker's tensor-parallel ranks
+        roles, sizes = self._pools()
         mode = "--data-parallel" if cfg.data_parallel is not None else "--disaggregate"
         layout, start = [], 0
         for n in sizes:  # global ranks: worker after worker, each leader first
@@ -83,7 +76,6 @@ class PdEngine(ModelFront):
         init_method = self.launcher.rendezvous(0)  # on the node of global rank 0, worker 0's leader
         self.procs: list = []  # the workers' leaders (processes or Ray actors), by worker index
         self.followers: list[list] = []  # the workers' tensor-parallel ranks > 0
-        workers = len(roles)
         try:
             self._launch(roles, sizes, layout, threads, init_method)
         except Exception as e:  # noqa: BLE001 - e.g. a Ray actor that cannot start: stop what did, say why
@@ -94,16 +86,38 @@ class PdEngine(ModelFront):
         except RuntimeError as e:
             self.close()
             raise ModelLoadError(f"{mode}: {e}") from None
-        self.inboxes = [channels[r] for r in range(workers)]  # commands in
+        self.inboxes = [channels[r] for r in range(len(roles))]  # commands in
         self._pipes = {ch.conn: r for r, ch in channels.items()}  # reports out, while the worker lives
         pools = ", ".join(f"{roles.count(r)} {r} (tp {sizes[roles.index(r)]})" for r in dict.fromkeys(roles))
         log.info("started workers: %s; %d processes of %d threads, rendezvous %s", pools, world, threads,
                  describe(init_method))
+        ready = self._await_ready(roles, mode)
+        router = PrefixRouter(cfg.router, cfg.router_prefix_slack, cfg.block_size)
+        self.pd = PdScheduler([WorkerInfo(r, roles[r], num_blocks=ready[r][0], block_size=ready[r][1],
+                                          free_blocks=ready[r][0]) for r in range(len(roles))], router)
+        smallest = min(n for n, _ in ready.values())
+        self._limits = RequestLimits(self.max_model_len, smallest, cfg.block_size)
+        c = self.model_config
+        self._kv_shape = (c.num_layers, 2, c.num_kv_heads, None, cfg.block_size, c.head_dim)
+
+    def _pools(self) -> tuple[list[str], list[int]]:
+        """Each worker's role and tensor-parallel size: N replicas, or the prefill workers then the decode ones."""
+        cfg = self.config
+        if cfg.data_parallel is not None:
+            return ["replica"] * cfg.data_parallel, [cfg.tp] * cfg.data_parallel
+        p, d = cfg.prefill_workers, cfg.decode_workers
+        # EngineConfig sets them under --disaggregate (1 worker each, --tp ranks each, by default)
+        assert p is not None and d is not None and cfg.prefill_tp is not None and cfg.decode_tp is not None
+        return ["prefill"] * p + ["decode"] * d, [cfg.prefill_tp] * p + [cfg.decode_tp] * d
+
+    def _await_ready(self, roles: list[str], mode: str) -> dict[int, tuple[int, int]]:
+        """Each worker's (KV blocks, block size) once it has loaded the model; ModelLoadError (every worker stopped)
+        where one failed, died or did not start in time."""
         ready: dict[int, tuple[int, int]] = {}
         self._pids: dict[int, int] = {}
         deadline = time.monotonic() + START_TIMEOUT_S
         pending: list = []
-        while len(ready) < workers:
+        while len(ready) < len(roles):
             if not pending:
                 pending = self._receive(1.0)
             if not pending:
@@ -122,13 +136,7 @@ class PdEngine(ModelFront):
             if isinstance(msg, Ready):
                 ready[msg.rank] = (msg.num_blocks, msg.block_size)
                 self._pids[msg.rank] = msg.pid
-        router = PrefixRouter(cfg.router, cfg.router_prefix_slack, cfg.block_size)
-        self.pd = PdScheduler([WorkerInfo(r, roles[r], num_blocks=ready[r][0], block_size=ready[r][1],
-                                          free_blocks=ready[r][0]) for r in range(workers)], router)
-        smallest = min(n for n, _ in ready.values())
-        self._limits = RequestLimits(self.max_model_len, smallest, cfg.block_size)
-        c = self.model_config
-        self._kv_shape = (c.num_layers, 2, c.num_kv_heads, None, cfg.block_size, c.head_dim)
+        return ready
 
     def _launch(self, roles, sizes, layout, threads: int, init_method: str | None) -> None:
         """Start every worker's leader and tensor-parallel ranks through the launcher."""
