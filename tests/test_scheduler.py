@@ -13,7 +13,7 @@ from justapi.core.block_pool import BlockPool
 from justapi.core.outputs import Drafts, RunnerOutput
 from justapi.core.limits import AdmissionError
 from justapi.core.scheduler import Scheduler
-from justapi.core.static_scheduler import StaticScheduler
+from justapi.core.static_scheduler import StaticBatching
 from justapi.sampling_params import SamplingParams
 
 EOS = 2
@@ -24,7 +24,7 @@ def make(num_blocks=64, block_size=4, chunk_size=8, max_seqs=32, max_prefill=4, 
     cfg = SchedulerConfig(num_blocks=num_blocks, block_size=block_size, chunk_size=chunk_size, max_seqs=max_seqs,
                           max_prefill=max_prefill, max_decode=max_decode, max_model_len=max_model_len,
                           prefix_cache=prefix_cache, policy=policy)
-    return (StaticScheduler if static else Scheduler)(cfg)
+    return Scheduler(cfg, StaticBatching() if static else None)
 
 
 def add(s, rid, n_prompt, max_tokens=4, base=100):

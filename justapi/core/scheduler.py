@@ -7,7 +7,8 @@ slots (who starts next, who is preempted first, and whose prompt goes before a r
 prefix-cache hit simply starts a request with ``num_computed_tokens > 0``; a preempted request restarts at 0 and
 recomputes (cheaply, since its blocks went into the prefix cache).
 
-The blocks themselves are kept by ``KvBlocks``; ``StaticScheduler`` (static_scheduler.py) is the baseline.
+The blocks themselves are kept by ``KvBlocks``; static batching, the baseline, is a ``Batching`` of its own
+(static_scheduler.py).
 """
 
 from __future__ import annotations
@@ -30,11 +31,27 @@ from .step_budget import StepBudget
 from .step_record import StepRecord
 
 
+class Batching:
+    """When waiting requests join the running batch: continuous batching, at any step they fit (in
+    ``_schedule_waiting``); a subclass may admit whole batches before each step instead (core.static_scheduler),
+    told of each request that is preempted or ends."""
+
+    admits_each_step = True
+
+    def admit_batch(self, sched: Scheduler) -> None: ...
+
+    def preempted(self, req: Request) -> None: ...
+
+    def finished(self, sched: Scheduler, req: Request) -> None: ...
+
+
 class Scheduler(HandOffs):
     """Continuous batching with chunked prefill, a paged KV pool, preemption by recompute and a prefix cache."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, batching: Batching | None = None) -> None:
+        """``batching``: when waiting requests join (Batching: at any step; core.static_scheduler: in whole batches)."""
         self.config = config
+        self.batching = batching or Batching()
         self.block_size = config.block_size
         self.kv = KvBlocks(config.num_blocks, config.block_size, config.prefix_cache)
         self.pool = self.kv.pool  # read by the engine, stats and tests
@@ -130,10 +147,10 @@ class Scheduler(HandOffs):
         now = self.clock()
         self.policy.order_running(self.running, now)
         self._displace(now)
-        self._admit_batch()
+        self.batching.admit_batch(self)
         propose_drafts(self.running, self.config)
         preempted, deferred = self._schedule_running(out, budget, now)
-        if not preempted and self._may_admit():
+        if not preempted and self.batching.admits_each_step:
             self._schedule_waiting(out, budget, now)
         self._schedule_deferred(out, budget, deferred)
         self._charge(out)
@@ -264,11 +281,12 @@ class Scheduler(HandOffs):
             else:
                 self.waiting.remove(req)
             self.policy.on_admit(req, self.waiting)
-            self._admit(req)
+            self.admit(req)
             budget.spend(n, decode=is_decode)
             self._add_to_output(out, req, n, new_blocks)
 
-    def _admit(self, req: Request) -> None:
+    def admit(self, req: Request) -> None:
+        """Into the running batch (a waiting request the batching chose, or a preempted one resuming)."""
         if req.status is RequestStatus.PREEMPTED:
             self.stats.num_resumed_cached_tokens += req.num_computed_tokens
         req.status = RequestStatus.RUNNING
@@ -277,12 +295,6 @@ class Scheduler(HandOffs):
         if req.num_cached_tokens < 0:  # first admission: count the prompt lookup
             req.num_cached_tokens = req.num_computed_tokens
             self.kv.record_lookup(req)
-
-    def _may_admit(self) -> bool:
-        return True
-
-    def _admit_batch(self) -> None:
-        """Static batching admits whole batches here; continuous batching admits in ``_schedule_waiting``."""
 
     def _add_to_output(self, out: SchedulerOutput, req: Request, num_tokens: int, new_blocks: list[int]) -> None:
         rid = req.request_id
@@ -357,6 +369,7 @@ class Scheduler(HandOffs):
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        self.batching.preempted(req)
         self.record.preempt(req.request_id)
         req.drafts = None
         self.stats.num_preempted_tokens += req.num_computed_tokens
@@ -379,15 +392,12 @@ class Scheduler(HandOffs):
         self._forget(req)
         self._finished_ids.add(req.request_id)
         self._new_ids.discard(req.request_id)
-        self._on_finished(req)
+        self.batching.finished(self, req)
 
     def _forget(self, req: Request) -> None:
         """The request leaves the scheduler's books (finished, or its handed-off KV shipped)."""
         del self.requests[req.request_id]
         self._num_with_deadline -= req.sampling_params.deadline is not None
-
-    def _on_finished(self, req: Request) -> None:
-        pass
 
     # --- checks and figures ----------------------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -1,41 +1,35 @@
 """The static-batching baseline (``--static-batching``): gather up to ``max_seqs`` requests, run them all to the end,
-repeat. It shares everything with the continuous scheduler but admission, and records each batch's utilisation U."""
+repeat. A ``Batching`` of the one Scheduler: it shares everything with continuous batching but when requests join,
+and records each batch's utilisation U."""
 
 from __future__ import annotations
 
-from ..config import SchedulerConfig
-from ..request import Request
-from ..request import pools_from_the_start
-from .scheduler import Scheduler
+from ..request import Request, pools_from_the_start
+from .scheduler import Batching, Scheduler
 
 
-class StaticScheduler(Scheduler):
-    """The static-batching baseline: gather up to ``max_seqs`` requests, run them all to the end, repeat."""
+class StaticBatching(Batching):
+    admits_each_step = False  # only whole batches, once the last one has ended
 
-    def __init__(self, config: SchedulerConfig) -> None:
-        super().__init__(config)
+    def __init__(self) -> None:
         self._batch: list[Request] = []
 
-    def _may_admit(self) -> bool:
-        return False
-
-    def _admit_batch(self) -> None:
-        if self.running:
+    def admit_batch(self, sched: Scheduler) -> None:
+        if sched.running:
             return
-        while self.waiting and len(self.running) < self.config.max_seqs:
-            req = self.waiting.popleft()
+        while sched.waiting and len(sched.running) < sched.config.max_seqs:
+            req = sched.waiting.popleft()
             if not pools_from_the_start(req):
-                self.kv.match_prefix(req)
-            self._admit(req)
+                sched.kv.match_prefix(req)
+            sched.admit(req)
             self._batch.append(req)
 
-    def _preempt(self, req: Request) -> None:
-        super()._preempt(req)
+    def preempted(self, req: Request) -> None:
         self._batch.remove(req)  # it rejoins in a later batch
 
-    def _on_finished(self, req: Request) -> None:
-        if not self.running and self._batch:
+    def finished(self, sched: Scheduler, req: Request) -> None:
+        if not sched.running and self._batch:
             lengths = [r.num_output_tokens for r in self._batch]
             if max(lengths) > 0:
-                self.stats.batch_utilizations.append(sum(lengths) / (len(lengths) * max(lengths)))
+                sched.stats.batch_utilizations.append(sum(lengths) / (len(lengths) * max(lengths)))
             self._batch = []

@@ -11,7 +11,7 @@ from ..config import DEFAULT_BRANCH, DEFAULT_GAMMA, DEFAULT_MAX_POOL_TOKENS, Eng
 from ..core.limits import RequestLimits
 from ..core.outputs import EngineCoreOutput
 from ..core.scheduler import Scheduler
-from ..core.static_scheduler import StaticScheduler
+from ..core.static_scheduler import StaticBatching
 from ..core.stats import SchedulerSnapshot
 from ..model.gguf_loader import ModelLoadError
 from ..request import RequestStatus
@@ -55,7 +55,8 @@ class EngineCore(ModelFront):
         self.executor = make_executor(config, self.model_config, tp_group)
         num_blocks = self.executor.size_pool(self._num_blocks(), config.branch or DEFAULT_BRANCH)
         self.role = role
-        self.scheduler = (StaticScheduler if config.static_batching else Scheduler)(self._scheduler_config(num_blocks))
+        self.scheduler = Scheduler(self._scheduler_config(num_blocks),
+                                   StaticBatching() if config.static_batching else None)
         self.outputs = OutputProcessor(self.tokenizer)
         self.last_step: StepWork | None = None  # what the latest step() computed and where its time went
         self._core_times = (0.0, 0.0, 0.0)  # step_core's schedule, execute, update seconds
