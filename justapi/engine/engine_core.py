@@ -63,18 +63,18 @@ class EngineCore(ModelFront):
         log.info(
             "weights: %.1f MiB; KV cache pool: %d blocks of %d tokens = %d tokens (%.2f GiB); max model length %d",
             self.model.weight_bytes() / 2**20, num_blocks, config.block_size, num_blocks * config.block_size,
-            num_blocks * self.executor.worker.kv_bytes_per_block() / 2**30, self.max_model_len,
+            num_blocks * self.executor.rank.kv_bytes_per_block() / 2**30, self.max_model_len,
         )
 
     @property
     def model(self):
         """Rank 0's model (all of it, or its tensor-parallel shard)."""
-        return self.executor.worker.model
+        return self.executor.rank.model
 
     @property
     def runner(self):
         """Rank 0's runner (its KV cache)."""
-        return self.executor.worker.runner
+        return self.executor.rank.runner
 
     def _scheduler_config(self, num_blocks: int) -> SchedulerConfig:
         config = self.config
@@ -102,7 +102,7 @@ class EngineCore(ModelFront):
     def _num_blocks(self) -> int:
         if self.config.pool_blocks is not None:
             return self.config.pool_blocks
-        per_block = self.executor.worker.kv_bytes_per_block()
+        per_block = self.executor.rank.kv_bytes_per_block()
         cap = DEFAULT_MAX_POOL_TOKENS // self.config.block_size
         if per_block == 0:  # an encoder: its blocks hold nothing, only count tokens
             return cap

@@ -1,5 +1,5 @@
-"""Executors: how the engine runs its model, one way to call every rank. ``Executor`` holds one worker in this
-process; ``TpExecutor`` leads a tensor-parallel group, whose other ranks run ``follow`` in their own processes
+"""Executors: how the engine runs its model, one way to call every rank. ``Executor`` holds the one ``Rank`` of
+this process; ``TpExecutor`` leads a tensor-parallel group, whose other ranks run ``follow`` in their own processes
 (started here for --tp, on this host or as Ray actors: distributed.launch; or by WorkerPoolEngine for its workers'
 sub-groups).
 
@@ -22,7 +22,7 @@ from ..model_config import ModelConfig
 from ..core.outputs import RunnerOutput, SchedulerOutput
 from ..distributed import group as pg
 from ..distributed.launch import make_launcher
-from .worker import Worker
+from .rank import Rank
 
 log = logging.getLogger("justapi.engine")
 
@@ -60,19 +60,19 @@ class Executor:
     """The whole model in this process."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
-        self.worker = Worker(config, model_config)
+        self.rank = Rank(config, model_config)
 
     def size_pool(self, num_blocks: int, branch: int) -> int:
         """Allocate every rank's KV pool with rank 0's ``num_blocks``; returns it."""
-        self.worker.allocate(num_blocks, branch)
+        self.rank.allocate(num_blocks, branch)
         return num_blocks
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        return self.worker.execute(sched)
+        return self.rank.execute(sched)
 
     def export_kv(self, block_ids: list[int]) -> torch.Tensor:
         """The K/V of ``block_ids`` with every KV head, [layers, 2, kv_heads, blocks, block_size, dim]."""
-        return self.worker.export_kv(block_ids)
+        return self.rank.export_kv(block_ids)
 
     def close(self) -> None:
         """Nothing to stop in one process."""
@@ -107,7 +107,7 @@ class TpExecutor(Executor):
                 torch.cuda.set_device(0)
             pg.init_process_group(0, config.tp, init, config.gpu)
         self.comm = TpComm(plan, model_config, group)
-        self.worker = Worker(config, model_config, plan, self.comm)
+        self.rank = Rank(config, model_config, plan, self.comm)
         self._open = True
 
     def _send(self, msg) -> None:
@@ -121,11 +121,11 @@ class TpExecutor(Executor):
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         self._send(ExecuteStep(sched))
-        return self.worker.execute(sched)
+        return self.rank.execute(sched)
 
     def export_kv(self, block_ids: list[int]) -> torch.Tensor:
         self._send(ExportKv(tuple(block_ids)))
-        kv = self.comm.gather_kv(self.worker.export_kv(block_ids))
+        kv = self.comm.gather_kv(self.rank.export_kv(block_ids))
         assert kv is not None  # None only on the other ranks: this executor is rank 0 (TpPlan.make(..., 0, ...))
         return kv
 
@@ -155,16 +155,16 @@ def follow(config: EngineConfig, model_config: ModelConfig, rank: int, group=Non
     from ..distributed.tp import TpComm, TpPlan, broadcast
 
     comm = TpComm(TpPlan.make(model_config, rank, config.tp), model_config, group)
-    worker = Worker(config, model_config, comm.plan, comm)
-    worker.allocate(*broadcast(None, group))
+    local = Rank(config, model_config, comm.plan, comm)
+    local.allocate(*broadcast(None, group))
     while True:
         msg = broadcast(None, group)
         if isinstance(msg, ExecuteStep):
-            failed = worker.execute(msg.sched).failed
+            failed = local.execute(msg.sched).failed
             if failed:  # rank 0 never hears of it, and the ranks' batches would part ways: stop loudly instead
                 raise RuntimeError(f"rank {rank}: requests failed on this rank alone: {failed}")
         elif isinstance(msg, ExportKv):
-            comm.gather_kv(worker.export_kv(list(msg.block_ids)))
+            comm.gather_kv(local.export_kv(list(msg.block_ids)))
         elif isinstance(msg, Shutdown):
             return
         else:

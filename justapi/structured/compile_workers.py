@@ -19,7 +19,7 @@ class CompileError(Exception):
     """The worker refused the grammar (its message), ran out of time, or died compiling it."""
 
 
-class _Worker:
+class _CompileProcess:
     """One compile process, ``python -m`` this module (neither a fork of a process running torch's threads, nor
     multiprocessing's spawn, which would run the caller's main script again), on one end of a socket pair."""
 
@@ -63,9 +63,9 @@ class CompileWorkers:
 
     def __init__(self, tokenizer_info_json: str, num_workers: int = 2) -> None:
         self._info = tokenizer_info_json
-        self._idle: queue.Queue[_Worker] = queue.Queue()
+        self._idle: queue.Queue[_CompileProcess] = queue.Queue()
         for _ in range(num_workers):
-            self._idle.put(_Worker(self._info))
+            self._idle.put(_CompileProcess(self._info))
 
     def compile(self, spec, timeout_s: float) -> str:
         """``spec`` (a StructuredOutput) compiled within ``timeout_s`` seconds of a worker taking it (a free worker
@@ -77,20 +77,20 @@ class CompileWorkers:
         try:
             if not worker.alive():
                 worker.stop()
-                worker = _Worker(self._info)
+                worker = _CompileProcess(self._info)
             worker.wait_ready()
             worker.sent += 1
             worker.conn.send((worker.sent, spec))
             if not worker.conn.poll(timeout_s):
                 worker.stop()
-                worker = _Worker(self._info)
+                worker = _CompileProcess(self._info)
                 raise CompileError(f"the constraint did not compile within {timeout_s:g} s")
             seq, ok, result = worker.conn.recv()
             if seq != worker.sent:  # never seen; but an answer must never reach another request
                 raise OSError(f"the compile worker answered request {seq}, not {worker.sent}")
         except (EOFError, OSError, ValueError, TypeError):
             worker.stop()
-            worker = _Worker(self._info)
+            worker = _CompileProcess(self._info)
             raise CompileError("the constraint's compiler process died (out of memory?)") from None
         finally:
             self._idle.put(worker)

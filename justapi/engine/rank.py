@@ -1,4 +1,4 @@
-"""A worker: one rank's model (all of it, or a tensor-parallel shard), its draft model, its KV cache and its
+"""A rank: one rank's model (all of it, or a tensor-parallel shard), its draft model, its KV cache and its
 runner. It executes what the engine scheduled and never decides; the executor (engine.executor) drives it, in this
 process or in another."""
 
@@ -24,7 +24,7 @@ from ..structured.grammars import for_model as grammars_for
 log = logging.getLogger("justapi.engine")
 
 
-class Worker:
+class Rank:
     """One rank's weights, then (``allocate``) its KV pool and runner."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, plan=None, comm=None) -> None:
