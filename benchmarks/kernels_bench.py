@@ -21,11 +21,12 @@ default policy with torch's int4 (and int8) kernels taking batches of up to N ro
 
 ``attention``: the decode-attention kernel alone, on a W1-sized batch: 32 sequences of 64-767 tokens (seeded),
 SmolLM2's heads (9 query / 3 KV, head size 64), blocks of 16 scattered through the pool (``--block-order in-order``:
-each sequence's one after another; a real run lies between, benchmarks/block_order.py), and one cache per layer for
-30 layers, so each call reads its K/V from memory as in a real step. Prints the best time per call (one layer) and
-the K/V bytes read per second, for fp32 and bf16 caches. ``--base REV`` builds the kernel source at that git
-revision too (with the flags that revision used) and times it interleaved with the working tree's, on the same
-inputs; ``--huge-pages`` times caches on transparent huge pages against ordinary pages, interleaved.
+each sequence's one after another; a real run lies between: the probe benchmarks/block_order.py at 440cc2b), and one
+cache per layer for 30 layers, so each call reads its K/V from memory as in a real step. Prints the best time per
+call (one layer) and the K/V bytes read per second, for fp32 and bf16 caches. ``--base REV`` builds the kernel
+source at that git revision too (with the flags that revision used) and times it interleaved with the working
+tree's, on the same inputs; ``--huge-pages`` times caches on transparent huge pages against ordinary pages,
+interleaved.
 
 ``prefill``: a prompt chunk's attention over its bf16 cache, the C++ kernel (kernels/prefill_attention.cpp, AVX-512
 BF16 or, in fp32, AVX2) against the path it replaces (torch's fused kernel over the gathered, padded K/V, in bf16 or
