@@ -344,3 +344,32 @@ def test_a_cached_tokenizer_encodes_and_decodes_as_the_one_converted_from_the_fi
         ids = built.encode(text)
         assert cached.decode(ids) == built.decode(ids) and cached.decode(ids, False) == built.decode(ids, False)
     assert cached.special_ids == built.special_ids and cached.eos_token_ids == built.eos_token_ids
+
+
+def test_metadata_arrays_read_in_one_pass_equal_ggufs_own_reading(tiny_model, tmp_path, real_model_path):
+    """The loader's reader cuts a metadata array's parts from the file in one pass (SmolLM2's 49k-token vocabulary:
+    0.12 s against gguf's 0.61 s; Gemma 3's 262k: 0.40 against 2.8): every field's parts, their dtypes and bytes, its
+    data indices, types and contents equal gguf's own GGUFReader's, on a byte-level BPE file, a SentencePiece one
+    with scores and token types, a file with an empty array, and SmolLM2's."""
+    from justapi.model.gguf_loader import _plain_reader_class
+
+    spm = write_tiny_model(str(tmp_path / "spm.gguf"), "llama", tokenizer="llama")
+    empty = str(tmp_path / "empty.gguf")
+    writer = gguf.GGUFWriter(empty, "llama")
+    writer.add_array("test.empty", [])
+    writer.add_array("test.floats", [1.5, -2.0])
+    writer.add_array("test.strings", ["", "é", "a b"])
+    writer.add_tensor("x", np.zeros((2, 3), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    for path in (tiny_model, spm, empty, real_model_path):
+        ours, ref = _plain_reader_class()(path, "r"), gguf.GGUFReader(path, "r")
+        assert list(ours.fields) == list(ref.fields), path
+        for name, f in ref.fields.items():
+            g = ours.fields[name]
+            assert (g.offset, g.data, g.types) == (f.offset, f.data, f.types), name
+            assert [(p.dtype, p.shape, p.tobytes()) for p in g.parts] == [(p.dtype, p.shape, p.tobytes())
+                                                                           for p in f.parts], name
+            assert g.contents() == f.contents(), name
