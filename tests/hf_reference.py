@@ -17,9 +17,10 @@ def _fast_gguf_reads():
     tensor (cached: 7 s)."""
     import gguf
 
-    from justapi.model.gguf_loader import _plain_reader_class, open_gguf
+    from justapi.model.gguf_loader import open_gguf
+    from justapi.model.gguf_reader import reader_class
 
-    _plain_reader_class()  # made (and kept) while gguf.GGUFReader is still the real class it derives from
+    reader_class()  # made (and kept) while gguf.GGUFReader is still the real class it derives from
     reader = lambda path, mode="r": open_gguf(str(path))  # noqa: E731  (read-only; transformers never writes)
     name_map = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
     with mock.patch.object(gguf, "GGUFReader", reader), mock.patch.object(gguf, "get_tensor_name_map", name_map):

@@ -351,7 +351,7 @@ def test_metadata_arrays_read_in_one_pass_equal_ggufs_own_reading(tiny_model, tm
     0.12 s against gguf's 0.61 s; Gemma 3's 262k: 0.40 against 2.8): every field's parts, their dtypes and bytes, its
     data indices, types and contents equal gguf's own GGUFReader's, on a byte-level BPE file, a SentencePiece one
     with scores and token types, a file with an empty array, and SmolLM2's."""
-    from justapi.model.gguf_loader import _plain_reader_class
+    from justapi.model.gguf_reader import reader_class
 
     spm = write_tiny_model(str(tmp_path / "spm.gguf"), "llama", tokenizer="llama")
     empty = str(tmp_path / "empty.gguf")
@@ -365,7 +365,7 @@ def test_metadata_arrays_read_in_one_pass_equal_ggufs_own_reading(tiny_model, tm
     writer.write_tensors_to_file()
     writer.close()
     for path in (tiny_model, spm, empty, real_model_path):
-        ours, ref = _plain_reader_class()(path, "r"), gguf.GGUFReader(path, "r")
+        ours, ref = reader_class()(path, "r"), gguf.GGUFReader(path, "r")
         assert list(ours.fields) == list(ref.fields), path
         for name, f in ref.fields.items():
             g = ours.fields[name]

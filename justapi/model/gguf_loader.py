@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from ..model_config import ARCHS, SUPPORTED_ARCHS, ModelConfig, RopeScaling
+from .gguf_reader import reader_class
 from .unpack import (Q4Unpacked, Q8Unpacked, unpack_q2_k, unpack_q3_k, unpack_q4, unpack_q4_k, unpack_q5_0,
                      unpack_q5_1, unpack_q5_k, unpack_q6_k, unpack_q8_0)
 
@@ -52,63 +53,12 @@ def open_gguf(path: str):
     return _read_gguf(os.path.abspath(path), st.st_mtime_ns, st.st_size, path)
 
 
-@functools.cache
-def _plain_reader_class():
-    import gguf
-
-    class PlainArrayReader(gguf.GGUFReader):
-        """gguf's reader over a plain ndarray view of the file's memory map instead of the ``np.memmap`` itself:
-        numpy's memmap subclass runs Python code on every slice, and the reader slices once per element of each
-        metadata array, about 2.5 million times for a 49k-token vocabulary (2.9 of the 3.0 s it took to parse
-        SmolLM2's file). The view shares the mapping and keeps it alive; nothing is read into memory."""
-
-        @property
-        def data(self):
-            return self._plain_data
-
-        @data.setter
-        def data(self, value):  # GGUFReader.__init__ assigns its memmap here
-            self._plain_data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
-
-        def _get_field_parts(self, orig_offs: int, raw_type: int):
-            """The reader's own parts of a metadata array, cut from the mapping in one pass: the reader reads each
-            element with two numpy calls of its own (5.4 of the 6.3 s Gemma 3's 262k-token vocabulary took). Arrays
-            of anything but strings and scalars, and big-endian files, go the reader's way."""
-            if raw_type != gguf.GGUFValueType.ARRAY or self.byte_order != "I":
-                return super()._get_field_parts(orig_offs, raw_type)
-            raw_itype = self._get(orig_offs, np.uint32)
-            alen = self._get(orig_offs + 4, np.uint64)
-            itype, n, offs = gguf.GGUFValueType(int(raw_itype[0])), int(alen[0]), orig_offs + 12
-            types = [gguf.GGUFValueType.ARRAY] + ([itype] if n else [])
-            if itype == gguf.GGUFValueType.STRING:
-                return _string_array_parts(self.data, offs, n, [raw_itype, alen], types, orig_offs)
-            nptype = self.gguf_scalar_to_np.get(itype)
-            if nptype is None:
-                return super()._get_field_parts(orig_offs, raw_type)
-            size = np.dtype(nptype).itemsize * n
-            values = self.data[offs : offs + size].view(nptype)
-            return 12 + size, [raw_itype, alen, *values.reshape(n, 1)], list(range(2, 2 + n)), types
-
-    return PlainArrayReader
-
-
-def _string_array_parts(data: np.ndarray, offs: int, n: int, parts: list, types: list, orig_offs: int):
-    """gguf's parts of an array of ``n`` strings at ``offs`` (each its uint64 length, then its bytes)."""
-    raw = memoryview(data)
-    for _ in range(n):
-        length = int.from_bytes(raw[offs : offs + 8], "little")
-        parts.append(data[offs : offs + 8].view(np.uint64))
-        parts.append(data[offs + 8 : offs + 8 + length])
-        offs += 8 + length
-    return offs - orig_offs, parts, list(range(3, 3 + 2 * n, 2)), types
-
-
 @functools.lru_cache(maxsize=4)
 def _read_gguf(abspath: str, mtime_ns: int, size: int, path: str):
     """The parsed file, kept while it is unchanged: parsing a 49k-token vocabulary's metadata takes seconds, and a
     start-up reads the same file more than once (the CLI's check, the engine, a draft model's vocabulary check)."""
     try:
-        reader = _plain_reader_class()(abspath, "r")
+        reader = reader_class()(abspath, "r")
     except Exception as e:  # the reader raises ValueError, IndexError, OverflowError... on damaged files
         raise ModelLoadError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {e})") from None
     for t in reader.tensors:
