@@ -94,7 +94,6 @@ def spec_decode_tree(logits: torch.Tensor, tree: DraftTree, row: SampleRow) -> t
     emitted: list[int] = []
     path: list[int] = []
     base = list(row.output_token_ids)
-    device = str(logits.device)
     kids_of: dict[int, list[int]] = {}
     for i, p in enumerate(tree.parents):
         kids_of.setdefault(p, []).append(i)
@@ -102,36 +101,37 @@ def spec_decode_tree(logits: torch.Tensor, tree: DraftTree, row: SampleRow) -> t
     while True:
         ctx = dataclasses.replace(row, output_token_ids=base + emitted)
         row_logits = adjust_logits(logits[node + 1], ctx)
-        position = len(ctx.output_token_ids)
         kids = kids_of.get(node, [])
         if row.params.greedy:
             target = int(row_logits.argmax())
+            accepted = next((k for k in kids if tree.tokens[k] == target), None)
+        else:
+            target, accepted = _sampled_step(row_logits, row, kids, tree.tokens, len(ctx.output_token_ids),
+                                             str(logits.device))
+        if accepted is None:
             emitted.append(target)
-            node = next((k for k in kids if tree.tokens[k] == target), None)
-            if node is None:
-                break
-            path.append(node)
-            continue
-        probs = processed_probs(row_logits, row.params)
-        accepted = None
-        if kids:
-            u = torch.rand(len(kids), generator=row_generator(row.seed ^ _ACCEPT_STREAM, position, device))
-            for j, k in enumerate(kids):
-                x = tree.tokens[k]
-                mass = float(probs.sum())
-                if mass > 0 and float(u[j]) < float(probs[x]) / mass:
-                    accepted = k
-                    break
-                probs = probs.clone()
-                probs[x] = 0.0
-        if accepted is not None:
-            emitted.append(tree.tokens[accepted])
-            path.append(accepted)
-            node = accepted
-            continue
-        if float(probs.sum()) <= 0:  # every candidate rejected yet no mass left: only floating-point rounding
-            probs = processed_probs(row_logits, row.params)
-        g = row_generator(row.seed, position, device)
-        emitted.append(int(torch.multinomial(probs / probs.sum(), 1, generator=g)))
-        break
+            break
+        emitted.append(tree.tokens[accepted])
+        path.append(accepted)
+        node = accepted
     return emitted, path
+
+
+def _sampled_step(row_logits: torch.Tensor, row: SampleRow, kids: list[int], tokens: list[int], position: int,
+                  device: str) -> tuple[int, int | None]:
+    """One node of a sampled verification: (-1, the accepted child) where a child is accepted, else (the token
+    sampled from what is left of the distribution, None)."""
+    probs = processed_probs(row_logits, row.params)
+    if kids:
+        u = torch.rand(len(kids), generator=row_generator(row.seed ^ _ACCEPT_STREAM, position, device))
+        for j, k in enumerate(kids):
+            x = tokens[k]
+            mass = float(probs.sum())
+            if mass > 0 and float(u[j]) < float(probs[x]) / mass:
+                return -1, k
+            probs = probs.clone()
+            probs[x] = 0.0
+    if float(probs.sum()) <= 0:  # every candidate rejected yet no mass left: only floating-point rounding
+        probs = processed_probs(row_logits, row.params)
+    g = row_generator(row.seed, position, device)
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=g)), None
