@@ -7,8 +7,8 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "justapi"
-MAX_MODULE_LINES = 410  # "about 400"
-MAX_FUNCTION_LINES = 62  # "about 60"
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 60
 
 
 def _modules() -> dict[str, Path]:

@@ -13,7 +13,7 @@ from justapi.core.block_pool import BlockPool
 from justapi.core.outputs import Drafts, RunnerOutput
 from justapi.core.limits import AdmissionError
 from justapi.core.scheduler import Scheduler
-from justapi.core.static_scheduler import StaticBatching
+from justapi.core.batching import StaticBatching
 from justapi.sampling_params import SamplingParams
 
 EOS = 2

@@ -8,7 +8,7 @@ prefix-cache hit simply starts a request with ``num_computed_tokens > 0``; a pre
 recomputes (cheaply, since its blocks went into the prefix cache).
 
 The blocks themselves are kept by ``KvBlocks``; static batching, the baseline, is a ``Batching`` of its own
-(static_scheduler.py).
+(core.batching).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from ..config import SchedulerConfig
 from ..request import Request, RequestStatus, pools_from_the_start, with_min_tokens_stop_ids
 from ..sampling_params import SamplingParams
 from .drafts import add_draft_slots, draft_slots, propose_drafts
+from .batching import Batching
 from .handoff import HandOffs
 from .kv_blocks import KvBlocks
 from .limits import RequestLimits
@@ -31,25 +32,11 @@ from .step_budget import StepBudget
 from .step_record import StepRecord
 
 
-class Batching:
-    """When waiting requests join the running batch: continuous batching, at any step they fit (in
-    ``_schedule_waiting``); a subclass may admit whole batches before each step instead (core.static_scheduler),
-    told of each request that is preempted or ends."""
-
-    admits_each_step = True
-
-    def admit_batch(self, sched: Scheduler) -> None: ...
-
-    def preempted(self, req: Request) -> None: ...
-
-    def finished(self, sched: Scheduler, req: Request) -> None: ...
-
-
 class Scheduler(HandOffs):
     """Continuous batching with chunked prefill, a paged KV pool, preemption by recompute and a prefix cache."""
 
     def __init__(self, config: SchedulerConfig, batching: Batching | None = None) -> None:
-        """``batching``: when waiting requests join (Batching: at any step; core.static_scheduler: in whole batches)."""
+        """``batching``: when waiting requests join (core.batching: at any step, or in whole batches)."""
         self.config = config
         self.batching = batching or Batching()
         self.block_size = config.block_size

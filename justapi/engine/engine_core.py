@@ -11,7 +11,7 @@ from ..config import DEFAULT_BRANCH, DEFAULT_GAMMA, DEFAULT_MAX_POOL_TOKENS, Eng
 from ..core.limits import RequestLimits
 from ..core.outputs import EngineCoreOutput
 from ..core.scheduler import Scheduler
-from ..core.static_scheduler import StaticBatching
+from ..core.batching import StaticBatching
 from ..core.stats import SchedulerSnapshot
 from ..model.gguf_loader import ModelLoadError
 from ..request import RequestStatus

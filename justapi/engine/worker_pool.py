@@ -38,7 +38,7 @@ from .output_processor import OutputProcessor, RequestOutput
 from .worker_messages import (AbortRequest, AddRequest, CheckIntegrity, Checked, Failed, Load, Outputs, Prefilled,
                           PrefilledRequest, Ready, Received, RecvKv, RequestFailed, SendKv, Sent, Stop,
                           seconds_left)
-from .worker_process import WorkerSpec, follower_main, worker_main
+from .worker_process import launch_workers, worker_pools
 from .protocol import EngineDeadError
 
 log = logging.getLogger("justapi.pd")
@@ -62,7 +62,7 @@ class WorkerPoolEngine(ModelFront):
     # --- workers ------------------------------------------------------------------------------------------------
     def _start_workers(self) -> None:
         cfg = self.config
-        roles, sizes = self._pools()
+        roles, sizes = worker_pools(cfg)
         mode = "--data-parallel" if cfg.data_parallel is not None else "--disaggregate"
         layout, start = [], 0
         for n in sizes:  # global ranks: worker after worker, each leader first
@@ -77,7 +77,8 @@ class WorkerPoolEngine(ModelFront):
         self.procs: list = []  # the workers' leaders (processes or Ray actors), by worker index
         self.followers: list[list] = []  # the workers' tensor-parallel ranks > 0
         try:
-            self._launch(roles, sizes, layout, threads, init_method)
+            launch_workers(self.launcher, cfg, roles, sizes, layout, threads, init_method, self.procs,
+                           self.followers)
         except Exception as e:  # noqa: BLE001 - e.g. a Ray actor that cannot start: stop what did, say why
             self.close()
             raise ModelLoadError(f"{mode}: the workers could not be started: {e}") from None
@@ -99,16 +100,6 @@ class WorkerPoolEngine(ModelFront):
         self._limits = RequestLimits(self.max_model_len, smallest, cfg.block_size)
         c = self.model_config
         self._kv_shape = (c.num_layers, 2, c.num_kv_heads, None, cfg.block_size, c.head_dim)
-
-    def _pools(self) -> tuple[list[str], list[int]]:
-        """Each worker's role and tensor-parallel size: N replicas, or the prefill workers then the decode ones."""
-        cfg = self.config
-        if cfg.data_parallel is not None:
-            return ["replica"] * cfg.data_parallel, [cfg.tp] * cfg.data_parallel
-        p, d = cfg.prefill_workers, cfg.decode_workers
-        # EngineConfig sets them under --disaggregate (1 worker each, --tp ranks each, by default)
-        assert p is not None and d is not None and cfg.prefill_tp is not None and cfg.decode_tp is not None
-        return ["prefill"] * p + ["decode"] * d, [cfg.prefill_tp] * p + [cfg.decode_tp] * d
 
     def _await_ready(self, roles: list[str], mode: str) -> dict[int, tuple[int, int]]:
         """Each worker's (KV blocks, block size) once it has loaded the model; ModelLoadError (every worker stopped)
@@ -137,23 +128,6 @@ class WorkerPoolEngine(ModelFront):
                 ready[msg.rank] = (msg.num_blocks, msg.block_size)
                 self._pids[msg.rank] = msg.pid
         return ready
-
-    def _launch(self, roles, sizes, layout, threads: int, init_method: str | None) -> None:
-        """Start every worker's leader and tensor-parallel ranks through the launcher."""
-        cfg, workers, world = self.config, len(roles), sum(sizes)
-        for rank, (role, n) in enumerate(zip(roles, sizes)):
-            worker_config = dataclasses.replace(
-                cfg, disaggregate=False, prefill_workers=None, decode_workers=None, prefill_tp=None, decode_tp=None,
-                data_parallel=None, distributed_executor="mp", tp=n, num_threads=threads, show_progress=False,
-                kv_memory_fraction=cfg.kv_memory_fraction / workers,
-            )
-            spec = WorkerSpec(rank, world, role, worker_config, init_method, threads, tuple(layout))
-            link = self.launcher.link(rank)
-            self.procs.append(self.launcher.start(worker_main, (spec, link), f"justapi-{role}-{rank}",
-                                                  layout[rank][0]))
-            self.followers.append([
-                self.launcher.start(follower_main, (dataclasses.replace(spec, tp_rank=t),),
-                                    f"justapi-{role}-{rank}-tp{t}", layout[rank][t]) for t in range(1, n)])
 
     def close(self) -> None:
         """Stop every worker (they get a moment to leave the group cleanly, then are terminated)."""

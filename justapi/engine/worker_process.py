@@ -9,6 +9,7 @@ tensor-parallel ranks past its first follow their leader's steps (follower_main)
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import traceback
@@ -93,3 +94,31 @@ def follower_main(spec: WorkerSpec) -> None:
 
     group = _join(spec)
     follow(spec.config, read_model_config(open_gguf(spec.config.model), spec.config.model), spec.tp_rank, group)
+
+
+def worker_pools(cfg: EngineConfig) -> tuple[list[str], list[int]]:
+    """Each worker's role and tensor-parallel size: N replicas, or the prefill workers then the decode ones."""
+    if cfg.data_parallel is not None:
+        return ["replica"] * cfg.data_parallel, [cfg.tp] * cfg.data_parallel
+    p, d = cfg.prefill_workers, cfg.decode_workers
+    # EngineConfig sets them under --disaggregate (1 worker each, --tp ranks each, by default)
+    assert p is not None and d is not None and cfg.prefill_tp is not None and cfg.decode_tp is not None
+    return ["prefill"] * p + ["decode"] * d, [cfg.prefill_tp] * p + [cfg.decode_tp] * d
+
+
+def launch_workers(launcher, cfg: EngineConfig, roles: list[str], sizes: list[int], layout, threads: int,
+                   init_method: str | None, procs: list, followers: list[list]) -> None:
+    """Start every worker's leader (into ``procs``, by worker) and its tensor-parallel ranks (into ``followers``)
+    through the launcher; the lists hold what started even where a later start raises, for the caller to stop."""
+    workers, world = len(roles), sum(sizes)
+    for rank, (role, n) in enumerate(zip(roles, sizes)):
+        worker_config = dataclasses.replace(
+            cfg, disaggregate=False, prefill_workers=None, decode_workers=None, prefill_tp=None, decode_tp=None,
+            data_parallel=None, distributed_executor="mp", tp=n, num_threads=threads, show_progress=False,
+            kv_memory_fraction=cfg.kv_memory_fraction / workers,
+        )
+        spec = WorkerSpec(rank, world, role, worker_config, init_method, threads, tuple(layout))
+        procs.append(launcher.start(worker_main, (spec, launcher.link(rank)), f"justapi-{role}-{rank}",
+                                    layout[rank][0]))
+        followers.append([launcher.start(follower_main, (dataclasses.replace(spec, tp_rank=t),),
+                                         f"justapi-{role}-{rank}-tp{t}", layout[rank][t]) for t in range(1, n)])

@@ -16,7 +16,7 @@ from ..core.outputs import RunnerOutput, SchedulerOutput
 from ..spec.tree import ROOT, DraftTree, spec_decode_tree
 from ..sampling_params import SamplingParams
 from . import hugepages
-from .attention import AttentionMetadata, SeqSpan
+from .batch import FlatBatch
 from .encoder import EncoderModel
 from .llama import LlamaModel
 from .sampler import SampleRow, sample
@@ -74,78 +74,6 @@ def move_kv(kv_caches, block_ids: list[int], block_size: int, moves: list[tuple[
         for cache in (k_cache, v_cache):
             flat = cache.view(cache.shape[0], -1, cache.shape[-1])
             flat[:, dst] = flat[:, src]  # the gather copies first: sources are never overwritten early
-
-
-class FlatBatch:
-    """One forward pass's inputs, sequence by sequence: tokens, positions, KV slots, attention spans, logits rows."""
-
-    def __init__(self, block_size: int, device: str) -> None:
-        self.block_size = block_size
-        self.device = device
-        self.input_ids: list[int] = []
-        self.positions: list[int] = []
-        self.slots: list[int] = []
-        self.spans: list[SeqSpan] = []
-        self.tables: list[list[int]] = []  # each span's block ids (made tensors in forward, where needed)
-        self.logits_rows: list[int] = []
-        self.hidden_rows: list[int] = []  # rows whose final hidden states embeddings pool
-
-    def add(self, token_ids: list[int], positions: list[int], first_slot: int, block_ids: list[int],
-            mask: torch.Tensor | None = None, logits: str | None = None, hidden: str | None = None) -> None:
-        """A sequence's new tokens, stored at slot positions ``first_slot ..``, seeing everything before them.
-
-        ``logits``: "last" (the row after the last token), "all", "first", or None (no row: a prefill chunk
-        mid-prompt);
-        ``hidden`` the same for final hidden states (an embedding request's).
-        """
-        bs = self.block_size
-        n = len(token_ids)
-        row = len(self.input_ids)
-        end = first_slot + n
-        self.input_ids.extend(token_ids)
-        self.positions.extend(positions)
-        self.slots.extend(block_ids[p // bs] * bs + p % bs for p in range(first_slot, end))
-        self.tables.append(block_ids[: -(-end // bs)])
-        self.spans.append(SeqSpan(row, n, end, None, mask, positions))
-        for kind, rows in ((logits, self.logits_rows), (hidden, self.hidden_rows)):
-            if kind == "last":
-                rows.append(row + n - 1)
-            elif kind == "first":
-                rows.append(row)
-            elif kind == "all":
-                rows.extend(range(row, row + n))
-
-    def forward(self, model: LlamaModel, kv_caches) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run the model; logits [len(logits_rows), vocab] and hidden states [len(hidden_rows), hidden] (fp32;
-        None without hidden rows)."""
-        dev = self.device
-        meta = AttentionMetadata(slot_mapping=torch.tensor(self.slots, dtype=torch.long, device=dev), seqs=self.spans)
-        decode = [i for i, s in enumerate(self.spans) if s.num_query_tokens == 1 and s.mask is None]
-        if decode:
-            _add_decode_batch(meta, [self.spans[i] for i in decode], [self.tables[i] for i in decode], dev)
-        for span, table in zip(self.spans, self.tables):
-            if not (span.num_query_tokens == 1 and span.mask is None):  # the decode batch reads its own tables
-                span.block_table = torch.tensor(table, dtype=torch.long, device=dev)
-        out = model.forward(
-            torch.tensor(self.input_ids, dtype=torch.long, device=dev),
-            torch.tensor(self.positions, dtype=torch.long, device=dev),
-            meta,
-            kv_caches,
-            torch.tensor(self.logits_rows, dtype=torch.long, device=dev),
-            torch.tensor(self.hidden_rows, dtype=torch.long, device=dev) if self.hidden_rows else None,
-        )
-        return out if self.hidden_rows else (out, None)
-
-
-def _add_decode_batch(meta: AttentionMetadata, spans: list[SeqSpan], tables: list[list[int]], device: str) -> None:
-    """Sequences with one new token and no mask go as one padded batch (see attention._decode_attention); its
-    tables are built as lists and made one tensor (not one per sequence)."""
-    width = max(len(t) for t in tables)
-    meta.decode_rows = torch.tensor([s.query_start for s in spans], dtype=torch.long, device=device)
-    meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long,
-                                            device=device)
-    meta.decode_context_lens = torch.tensor([s.context_len for s in spans], dtype=torch.long, device=device)
-    meta.decode_max_context = max(s.context_len for s in spans)
 
 
 class ModelRunner:

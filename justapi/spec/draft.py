@@ -20,7 +20,8 @@ import torch
 
 from ..model.gguf_loader import ModelLoadError, field_value
 from ..model.llama import LlamaModel
-from ..model.runner import FlatBatch, move_kv, new_kv_caches
+from ..model.batch import FlatBatch
+from ..model.runner import move_kv, new_kv_caches
 from .tree import ROOT, DraftTree
 
 
