@@ -301,7 +301,8 @@ def test_the_worker_listener_survives_stray_connections(monkeypatch):
 
     from justapi.distributed import channel
 
-    monkeypatch.setattr(channel, "HANDSHAKE_S", 0.5)
+    # a whole second: the handshake's receive timeout is set in whole seconds (SO_RCVTIMEO), and 0.5 would set none
+    monkeypatch.setattr(channel, "HANDSHAKE_S", 1.0)
     key = os.urandom(16)
     listener = channel.WorkerListener("127.0.0.1", key)
     try:
@@ -314,10 +315,22 @@ def test_the_worker_listener_survives_stray_connections(monkeypatch):
         channel.connect(listener.address, key, 7)
         workers = [channel.connect(listener.address, key, rank) for rank in (0, 1)]
         conns = listener.take({0, 1}, lambda rank: True, time.monotonic() + 30)
-        got = []
-        reader = threading.Thread(target=lambda: got.append(conns[1].recv()))
+        got, reading_since = [], []
+
+        def read():
+            reading_since.append(time.monotonic())
+            got.append(conns[1].recv())
+
+        reader = threading.Thread(target=read)
         reader.start()
-        time.sleep(1.0)  # longer than the handshake's timeout: the accepted connection must not time out
+        # the reader waits past the handshake's timeout, counted from its own start on a slow machine too: the
+        # accepted connection must not time out (a timed-out recv raises and ends the reader)
+        deadline = time.monotonic() + 30
+        while not (reading_since and time.monotonic() > reading_since[0] + channel.HANDSHAKE_S + 0.5):
+            assert reading_since or time.monotonic() < deadline, "the reader thread never started reading"
+            assert reader.is_alive(), "the accepted connection's read ended (timed out) before the worker sent"
+            time.sleep(0.05)
+        assert reader.is_alive(), "the accepted connection's read ended (timed out) before the worker sent"
         workers[1].send("late")
         reader.join(10)
         assert got == ["late"]
