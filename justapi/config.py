@@ -37,6 +37,7 @@ def tree_size(branch: int, depth: int) -> int:
     return sum(branch**d for d in range(1, depth + 1))
 DEFAULT_KV_MEMORY_FRACTION = 0.25  # share of available host memory given to the KV pool by default
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # the formats structured.tool_calls reads
+REASONING_PARSERS = ("think",)  # how structured.reasoning tells thinking from the answer (--reasoning-parser)
 DEFAULT_MAX_POOL_TOKENS = 1 << 20  # never size the default pool beyond a million tokens
 
 
@@ -171,7 +172,7 @@ class EngineConfig:
                                         "chat template)", choices=TOOL_CALL_PARSERS)
     reasoning_parser: str | None = flag(None, "how a reasoning model's thinking is told from its answer (returned "
                                         "as reasoning_content); default: think where the chat template handles "
-                                        "<think> tags", choices=("think", "none"))
+                                        "<think> tags", choices=(*REASONING_PARSERS, "none"))
     show_progress: bool = True  # a progress bar while loading (not a flag: the CLI always shows it)
 
     def __post_init__(self) -> None:
@@ -179,8 +180,9 @@ class EngineConfig:
             raise ValueError("no model given: pass --model PATH.gguf")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ValueError(f"--chat-template {self.chat_template}: no such file")
-        if self.reasoning_parser not in (None, "think", "none"):
-            raise ValueError(f"--reasoning-parser must be think or none, not {self.reasoning_parser!r}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS, "none"):
+            raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)} or none, not "
+                             f"{self.reasoning_parser!r}")
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
             raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, not "
                              f"{self.tool_call_parser!r}")

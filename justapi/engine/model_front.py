@@ -87,17 +87,19 @@ class ModelFront:
         return self.request_limits.check(len(prompt_token_ids), params.max_tokens, params.pooling is not None)
 
     def admit(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
-        """The request checked (check_request), its grammar prepared, its max_tokens and seed set where it gave
-        none: what ``queue`` takes. The server's front calls it before a stream starts (a 4xx then), the offline
-        API through add_request; nothing after it checks the request again."""
+        """The request checked (check_request), its max_tokens and seed set where it gave none: what ``queue``
+        takes. Reads state only: the server's front calls it on its event loop before a stream starts (a 4xx then),
+        its grammar already compiled off the loop; the offline API through add_request; nothing after it checks the
+        request again."""
         max_tokens = self.check_request(prompt_token_ids, params)
-        self.prepare(params)
         seed = params.seed if params.seed is not None else self.new_seed()
         return dataclasses.replace(params, max_tokens=max_tokens, seed=seed)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Admit and queue a request; ValueError for one that can never be served."""
-        self.queue(request_id, prompt_token_ids, self.admit(prompt_token_ids, params))
+        """Admit and queue a request, its grammar compiled first; ValueError for one that can never be served."""
+        params = self.admit(prompt_token_ids, params)
+        self.prepare(params)
+        self.queue(request_id, prompt_token_ids, params)
 
     def queue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue an admitted request (``admit``'s params) on the engine thread; each engine's own."""

@@ -68,7 +68,8 @@ class WorkerLoop:
         self.busy_s += seconds
         if outs:
             self.outbox.put(Outputs(self.rank, outs))
-        handed_off = self.engine.handed_off - self.announced
+        # only a prefill worker hands off: the others skip the set a step
+        handed_off = self.engine.handed_off - self.announced if self.engine.role == "prefill" else set()
         for rid in handed_off:
             self.announced.add(rid)
             self.outbox.put(Prefilled(self.rank, rid))

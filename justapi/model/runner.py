@@ -20,7 +20,7 @@ from .batch import FlatBatch
 from .encoder import EncoderModel
 from .llama import LlamaModel
 from .sampler import SampleRow, sample
-from .thinking import after_thinking, split_emitted, steer, steer_tree
+from .thinking import after_thinking, steer, steer_tree
 
 log = logging.getLogger("justapi.runner")
 
@@ -280,7 +280,7 @@ class ModelRunner:
             self.proposer.accepted(rid, st.block_ids, start, tree, path)
         answered = emitted
         if st.thinking:
-            st.thinking, answered = split_emitted(st.params, emitted)
+            st.thinking, answered = after_thinking(st.params, emitted)
         if st.matcher is not None:
             st.matcher.advance(answered)
         st.token_ids.extend(emitted)
@@ -309,12 +309,13 @@ class ModelRunner:
         """Rows of requests with structured output: only the tokens their grammar allows next keep a logit (a
         thinking request's: its forced token where model.thinking steers it). If the batch's masking raises, each
         row is masked alone and only the ones that raise fail."""
+        rows = []
         for i, rid in enumerate(ids):
             st = self.states[rid]
             if st.thinking:
                 steer(logits, i, st.params, len(st.token_ids) - st.num_prompt_tokens)
-        rows = [i for i, rid in enumerate(ids) if self.states[rid].matcher is not None and not self.states[rid].thinking
-                and rid not in self._failed]
+            elif st.matcher is not None and rid not in self._failed:
+                rows.append(i)
         if not rows:
             return
         grammars = self._grammars()

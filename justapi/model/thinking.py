@@ -12,18 +12,13 @@ from ..spec.tree import DraftTree
 
 
 def after_thinking(params: SamplingParams, output: list[int]) -> tuple[bool, list[int]]:
-    """(whether the request is still thinking, the output tokens after its thinking): all of them where it does
-    not wait on its thinking, those after the close token (none while it thinks)."""
+    """(whether the request is still thinking, the tokens of ``output`` after its thinking): all of them where it
+    does not wait on its thinking, those after the close token (none while it thinks). ``output``: its whole output,
+    or the tokens a step emitted while it was still thinking."""
     if params.think_tokens is None:
         return False, output
     close = params.think_tokens[1]
     return (False, output[output.index(close) + 1:]) if close in output else (True, [])
-
-
-def split_emitted(params: SamplingParams, emitted: list[int]) -> tuple[bool, list[int]]:
-    """For a request still thinking: (whether it still thinks after ``emitted``, the tokens after its close)."""
-    close = params.think_tokens[1]
-    return (False, emitted[emitted.index(close) + 1:]) if close in emitted else (True, [])
 
 
 def steer_tree(logits: torch.Tensor, params: SamplingParams, written: int, tree: DraftTree) -> tuple[int, ...]:

@@ -127,7 +127,7 @@ class Front:
         try:
             for c in choices:  # each admitted once, here: the engine queues what this gives
                 if self.config.clamp_max_tokens and c.params.max_tokens is not None:
-                    room = llm.validate(c.prompt_ids, dataclasses.replace(c.params, max_tokens=None)).max_tokens
+                    room = llm.engine.check_request(c.prompt_ids, dataclasses.replace(c.params, max_tokens=None))
                     c.params = dataclasses.replace(c.params, max_tokens=min(c.params.max_tokens, room))
                 c.params, c.admitted = llm.validate(c.prompt_ids, c.params), True
             llm.check_queue()

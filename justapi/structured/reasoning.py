@@ -8,7 +8,6 @@ leaves the model's text without the opening tag: ``inside`` says the text starts
 
 from __future__ import annotations
 
-REASONING_PARSERS = ("think",)  # --reasoning-parser values (and "none")
 OPEN, CLOSE = "<think>", "</think>"
 
 
