@@ -24,6 +24,9 @@ class ArchTraits:
     # an encoder (model.encoder): bidirectional attention over each whole prompt, post-norm LayerNorm layers,
     # pooled states out, no LM head; RoPE where the file has no position embeddings (nomic-bert)
     encoder: bool = False
+    final_norm: str = "output_norm"  # the norm after the last layer (LFM2's file calls it token_embd_norm)
+    ffn_norm: str = "ffn_norm"  # the norm before each MLP (Qwen3.5's file calls it post_attention_norm)
+    gated_attention: bool = False  # attn_q holds each head's query and an output gate, sigmoid(gate) * attention
 
 
 ARCHS = {
@@ -53,6 +56,10 @@ ARCHS = {
     # BERT-family encoders for embeddings and reranking: bert (learned positions, GELU), nomic-bert (RoPE, SwiGLU)
     "bert": ArchTraits(encoder=True, mlp_act="gelu"),
     "nomic-bert": ArchTraits(encoder=True, mlp_act="silu"),
+    # hybrids (model.recurrent): LFM2's short convolutions between GQA layers with QK norm; Qwen3.5's Gated DeltaNet
+    # with every {arch}.full_attention_interval-th layer gated attention, partial RoPE (the file's 1 + w norms)
+    "lfm2": ArchTraits(final_norm="token_embd_norm"),
+    "qwen35": ArchTraits(ffn_norm="post_attention_norm", gated_attention=True),
 }
 SUPPORTED_ARCHS = tuple(ARCHS)
 
@@ -98,6 +105,18 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class RecurrentShape:
+    """The sizes of a hybrid model's recurrent layers (model.recurrent), as its file states them."""
+
+    kind: str  # "short_conv" (LFM2) or "gated_delta" (Qwen3.5)
+    conv_kernel: int  # the causal convolution's length (its state keeps the last conv_kernel - 1 inputs)
+    key_heads: int = 0  # Gated DeltaNet: query/key heads ({arch}.ssm.group_count) ...
+    value_heads: int = 0  # ... value heads ({arch}.ssm.time_step_rank)
+    key_dim: int = 0  # ... each key head's size ({arch}.ssm.state_size)
+    value_dim: int = 0  # ... each value head's ({arch}.ssm.inner_size / value_heads)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Architecture facts read from a GGUF file's metadata (see ``model.gguf_loader.read_model_config``)."""
 
@@ -132,6 +151,10 @@ class ModelConfig:
     residual_scale: float | None = None  # each sublayer's output times this before its residual add
     attention_scale: float | None = None  # the attention scores' scale, in place of head_dim ** -0.5
     logit_scale: float | None = None  # logits divided by this
+    # a hybrid's layers: per layer True where it keeps a recurrent state (shaped by ``recurrent``) instead of a KV
+    # cache; () for a model whose every layer attends
+    recurrent_layers: tuple[bool, ...] = ()
+    recurrent: RecurrentShape | None = None
 
     def __post_init__(self) -> None:
         assert self.arch in SUPPORTED_ARCHS, self.arch
@@ -149,6 +172,13 @@ class ModelConfig:
     @property
     def rope_style(self) -> str:
         return self.traits.rope_style
+
+    def is_recurrent(self, layer: int) -> bool:
+        return bool(self.recurrent_layers) and self.recurrent_layers[layer]
+
+    @property
+    def is_hybrid(self) -> bool:
+        return any(self.recurrent_layers)
 
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None

@@ -99,6 +99,10 @@ class SchedulerSnapshot:
     waiting_by_user: tuple[tuple[str | None, int], ...] = ()
     prefill_backlog: tuple[tuple[int, int], ...] = ()
     num_decoding: int = 0
+    # a hybrid model's state cache (model.state_cache): slots, slots held by running requests, bytes; 0 otherwise
+    state_slots_total: int = 0
+    state_slots_used: int = 0
+    state_cache_bytes: int = 0
 
     def tokens_ahead(self, priority: int | None) -> int:
         """Prompt tokens to compute before a new request's (of ``priority``; None: all queued count)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -65,6 +66,10 @@ class EngineCore(ModelFront):
             self.model.weight_bytes() / 2**20, num_blocks, config.block_size, num_blocks * config.block_size,
             num_blocks * self.executor.rank.kv_bytes_per_block() / 2**30, self.max_model_len,
         )
+        if self.model_config.is_hybrid:
+            log.info("state cache: %d slots of %.2f MiB (%d recurrent layers), %.2f GiB; prefix cache off for a "
+                     "hybrid model", config.max_seqs, self.executor.rank.state_bytes() / config.max_seqs / 2**20,
+                     sum(self.model_config.recurrent_layers), self.executor.rank.state_bytes() / 2**30)
 
     @property
     def model(self):
@@ -86,8 +91,9 @@ class EngineCore(ModelFront):
             max_decode=config.max_decode,
             chunk_size=config.chunk_size,
             max_model_len=self.max_model_len,
-            # an encoder's states depend on the tokens after them: no prefix of one prompt is another's
-            prefix_cache=config.prefix_cache and not self.model_config.is_encoder,
+            # an encoder's states depend on the tokens after them: no prefix of one prompt is another's; a hybrid's
+            # cached blocks would need its recurrent state at their end, which the state cache does not keep
+            prefix_cache=config.prefix_cache and not self.model_config.is_encoder and not self.model_config.is_hybrid,
             whole_prompts=self.model_config.is_encoder,
             hand_off_after_prefill=self.role == "prefill",
             spec_method=config.speculation,
@@ -112,7 +118,12 @@ class EngineCore(ModelFront):
         else:
             # tensor-parallel ranks on one host share its memory: each takes its part of the fraction
             budget = int(available_memory_bytes() * self.config.kv_memory_fraction / self.config.tp)
-        return max(1, min(budget // per_block, cap))
+        states = self.executor.rank.state_bytes()  # a hybrid's state cache comes out of the same budget
+        if states >= budget:
+            raise ModelLoadError(f"the state cache of --max-seqs {self.config.max_seqs} sequences takes "
+                                 f"{states / 2**30:.2f} GiB, the KV memory budget is {budget / 2**30:.2f} GiB: "
+                                 "lower --max-seqs")
+        return max(1, min((budget - states) // per_block, cap))
 
     # --- requests ---------------------------------------------------------------------------------------------
     @property
@@ -158,7 +169,13 @@ class EngineCore(ModelFront):
 
     def stats(self) -> SchedulerSnapshot:
         """A frozen copy of the scheduler's state (core.stats), taken on the engine thread."""
-        return SchedulerSnapshot.of(self.scheduler)
+        snap = SchedulerSnapshot.of(self.scheduler)
+        states = self.runner.state_cache
+        if states is None:
+            return snap
+        # each running request holds a slot (the runner hears of finished ones with the next step)
+        return dataclasses.replace(snap, state_slots_total=states.num_slots, state_slots_used=snap.num_running,
+                                   state_cache_bytes=states.nbytes)
 
     def idle(self) -> None:
         """Called by the engine loop while nothing runs."""

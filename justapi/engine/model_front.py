@@ -43,6 +43,8 @@ class ModelFront:
         self.max_model_len = config.max_model_len or ctx
         if self.model_config.is_encoder:
             _check_encoder_flags(config, self.model_config.arch)
+        if self.model_config.is_hybrid:
+            _check_hybrid_flags(config, self.model_config.arch)
         self._seeds = random.Random(config.seed)
 
     @property
@@ -135,6 +137,16 @@ def _check_encoder_flags(config: EngineConfig, arch: str) -> None:
     if named:
         raise ValueError(f"{', '.join(named)} cannot serve an encoder ({arch}): it computes each prompt once, "
                          "in one step, and generates nothing")
+
+
+def _check_hybrid_flags(config: EngineConfig, arch: str) -> None:
+    """The flags a hybrid model's recurrent states do not serve yet, refused at start-up, each by name."""
+    refused = {"--tp": config.tp > 1, "--disaggregate": config.disaggregate,
+               "--draft-model / --spec-method": config.speculation is not None}
+    named = [flag for flag, given in refused.items() if given]
+    if named:
+        raise ValueError(f"{', '.join(named)} cannot serve a hybrid model ({arch}) yet: its recurrent layers' states "
+                         "are not sharded, shipped between workers or rolled back after rejected drafts")
 
 
 def _template_source(path: str | None) -> str | None:

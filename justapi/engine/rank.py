@@ -18,6 +18,7 @@ from ..model.kernel_policy import KernelPolicy, kv_cache_dtype, resolve_dtype
 from ..model.encoder import EncoderModel
 from ..model.llama import LlamaModel, shard_selection
 from ..model.runner import ModelRunner, kv_bytes_per_block
+from ..model.state_cache import state_bytes_per_seq
 from ..spec.draft import DraftProposer, check_same_vocabulary
 from ..structured.grammars import for_model as grammars_for
 
@@ -68,6 +69,8 @@ class Rank:
             raise ModelLoadError(f"--draft-model: {e}") from None
         if draft_config.is_encoder:  # it would load as an EncoderModel, which has no KV cache and drafts nothing
             raise ModelLoadError(f"--draft-model {path}: an encoder ({draft_config.arch}) cannot draft tokens")
+        if draft_config.is_hybrid:  # the proposer rolls back KV, not recurrent states
+            raise ModelLoadError(f"--draft-model {path}: a hybrid model ({draft_config.arch}) cannot draft tokens yet")
         check_same_vocabulary(open_gguf(self.config.model), self.config.model, reader, path)
         if draft_config.vocab_size != target.vocab_size:
             raise ModelLoadError(f"--draft-model {path}: its embedding has {draft_config.vocab_size} rows, the "
@@ -87,6 +90,10 @@ class Rank:
             total += kv_bytes_per_block(self.draft_model, self.config.block_size)
         return total
 
+    def state_bytes(self) -> int:
+        """Bytes of a hybrid model's state cache: one slot per sequence the engine may run (0 for other models)."""
+        return state_bytes_per_seq(self.model) * self.config.max_seqs
+
     def allocate(self, num_blocks: int, branch: int) -> None:
         """The KV pool of ``num_blocks`` blocks and the runner over it (``branch``: the draft tree's fan-out)."""
         proposer = None
@@ -94,7 +101,8 @@ class Rank:
             proposer = DraftProposer(self.draft_model, num_blocks, self.config.block_size, self.config.device, branch)
         model_path = self.config.model
         self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.config.device, proposer,
-                                  grammars=lambda: grammars_for(model_path))
+                                  grammars=lambda: grammars_for(model_path),
+                                  state_slots=self.config.max_seqs if self.state_bytes() else 0)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         assert self.runner is not None  # the executor allocates before the first step

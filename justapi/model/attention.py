@@ -45,6 +45,7 @@ class SeqSpan:
     # the additive masks of the fused path, [num_query_tokens, padded context] (0 or -inf), by (window, dtype):
     # built by the first layer that needs one and reused by the others
     biases: dict = field(default_factory=dict, repr=False, compare=False)
+    state_slot: int = -1  # the sequence's slot in a hybrid model's state cache (model.state_cache); -1: none
 
 
 @dataclass
@@ -58,6 +59,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64
     decode_max_context: int = 0
+    decode_state_slots: torch.Tensor | None = None  # [num_decodes] int64: their state slots (hybrid models)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -25,12 +25,14 @@ class FlatBatch:
         self.hidden_rows: list[int] = []  # rows whose final hidden states embeddings pool
 
     def add(self, token_ids: list[int], positions: list[int], first_slot: int, block_ids: list[int],
-            mask: torch.Tensor | None = None, logits: str | None = None, hidden: str | None = None) -> None:
+            mask: torch.Tensor | None = None, logits: str | None = None, hidden: str | None = None,
+            state_slot: int = -1) -> None:
         """A sequence's new tokens, stored at slot positions ``first_slot ..``, seeing everything before them.
 
         ``logits``: "last" (the row after the last token), "all", "first", or None (no row: a prefill chunk
         mid-prompt);
-        ``hidden`` the same for final hidden states (an embedding request's).
+        ``hidden`` the same for final hidden states (an embedding request's); ``state_slot``: the sequence's slot in a
+        hybrid model's state cache.
         """
         bs = self.block_size
         n = len(token_ids)
@@ -40,7 +42,7 @@ class FlatBatch:
         self.positions.extend(positions)
         self.slots.extend(block_ids[p // bs] * bs + p % bs for p in range(first_slot, end))
         self.tables.append(block_ids[: -(-end // bs)])
-        self.spans.append(SeqSpan(row, n, end, None, mask, positions))
+        self.spans.append(SeqSpan(row, n, end, None, mask, positions, state_slot=state_slot))
         for kind, rows in ((logits, self.logits_rows), (hidden, self.hidden_rows)):
             if kind == "last":
                 rows.append(row + n - 1)
@@ -49,7 +51,7 @@ class FlatBatch:
             elif kind == "all":
                 rows.extend(range(row, row + n))
 
-    def forward(self, model: LlamaModel, kv_caches) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, model: LlamaModel, caches: list) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the model; logits [len(logits_rows), vocab] and hidden states [len(hidden_rows), hidden] (fp32;
         None without hidden rows)."""
         dev = self.device
@@ -64,7 +66,7 @@ class FlatBatch:
             torch.tensor(self.input_ids, dtype=torch.long, device=dev),
             torch.tensor(self.positions, dtype=torch.long, device=dev),
             meta,
-            kv_caches,
+            caches,
             torch.tensor(self.logits_rows, dtype=torch.long, device=dev),
             torch.tensor(self.hidden_rows, dtype=torch.long, device=dev) if self.hidden_rows else None,
         )
@@ -80,3 +82,5 @@ def _add_decode_batch(meta: AttentionMetadata, spans: list[SeqSpan], tables: lis
                                             device=device)
     meta.decode_context_lens = torch.tensor([s.context_len for s in spans], dtype=torch.long, device=device)
     meta.decode_max_context = max(s.context_len for s in spans)
+    if spans[0].state_slot >= 0:
+        meta.decode_state_slots = torch.tensor([s.state_slot for s in spans], dtype=torch.long, device=device)

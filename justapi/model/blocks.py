@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from .attention import AttentionMetadata, paged_attention, write_kv
 from .layers import RotaryEmbedding, linear, rms_norm
 from .moe import MoeWeights, moe_mlp
+from .recurrent import GatedDeltaNet, ShortConv
 
 
 class ForwardPass:
@@ -81,6 +82,7 @@ class Attention:
     rope: RotaryEmbedding | None
     window: int | None = None  # sliding-window attention (attention.py); None: the whole context
     softcap: float | None = None  # scores s -> c·tanh(s / c) (Gemma 2)
+    gated: bool = False  # each head's query rows followed by its gate's: the output times sigmoid(gate) (Qwen3.5)
 
     @staticmethod
     def shard(kind: str, tp, config) -> tuple[int, torch.Tensor] | None:
@@ -101,10 +103,19 @@ class Attention:
             return 1, head_rows(tp.q_heads, d)
         return None
 
-    def __call__(self, h: torch.Tensor, fp: ForwardPass, k_cache: torch.Tensor, v_cache: torch.Tensor):
+    def linears(self) -> list:
+        return [self.qkv, self.o]
+
+    def __call__(self, h: torch.Tensor, fp: ForwardPass, kv: tuple[torch.Tensor, torch.Tensor]):
         n, d = h.shape[0], self.head_dim
-        q_size, kv_size = self.heads * d, self.kv_heads * d
+        k_cache, v_cache = kv
         qkv = linear(h, self.qkv, self.qkv_bias, fp.batch_invariant)
+        gate = None
+        if self.gated:  # each head's [query | gate] rows: the gate set aside, the rest laid out as usual
+            both = qkv[:, : 2 * self.heads * d].view(n, self.heads, 2 * d)
+            gate = both[..., d:].reshape(n, self.heads * d)
+            qkv = torch.cat([both[..., :d].reshape(n, self.heads * d), qkv[:, 2 * self.heads * d :]], dim=1)
+        q_size, kv_size = self.heads * d, self.kv_heads * d
         # the queries are fp32 whatever the weights' dtype; the cache stores K/V in its own dtype (write_kv), and
         # attention reads them in fp32, except prefill chunks over a bf16 cache of a bf16 model (paged_attention)
         rope = self.rope
@@ -124,8 +135,10 @@ class Attention:
                 q, k = rope.rotate(q, cos, sin), rope.rotate(k, cos, sin)
             write_kv(k_cache, v_cache, k, v, fp.meta.slot_mapping)
         attn = paged_attention(q, k_cache, v_cache, fp.meta, self.scale, fp.kernels, fp.batch_invariant, h.dtype,
-                               self.window, self.softcap, fp.prefill_kernel).to(h.dtype)
-        o = linear(attn.reshape(n, q_size), self.o, None, fp.batch_invariant)
+                               self.window, self.softcap, fp.prefill_kernel).to(h.dtype).reshape(n, q_size)
+        if gate is not None:
+            attn = attn * torch.sigmoid(gate)
+        o = linear(attn, self.o, None, fp.batch_invariant)
         return o if fp.comm is None else fp.comm.all_reduce(o)
 
 
@@ -217,7 +230,7 @@ class DecoderLayer:
     (``post_*_norm``), Granite's multiplier of each sublayer's output (``residual_scale``)."""
 
     attn_norm: torch.Tensor  # fp32, as the C++ add_rms_norm takes them
-    attn: Attention
+    attn: Attention | ShortConv | GatedDeltaNet  # the token mixer: attention, or a hybrid's recurrent layer
     ffn_norm: torch.Tensor
     mlp: DenseMlp | MoeMlp
     post_attn_norm: torch.Tensor | None = None
@@ -227,10 +240,11 @@ class DecoderLayer:
     def __post_init__(self) -> None:
         self._plain = self.post_attn_norm is None and self.post_ffn_norm is None and self.residual_scale is None
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, fp: ForwardPass, kv) -> tuple:
-        """(x, residual): the stream and this layer's MLP output, not yet added to it (the next norm adds it)."""
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, fp: ForwardPass, cache) -> tuple:
+        """(x, residual): the stream and this layer's MLP output, not yet added to it (the next norm adds it).
+        ``cache``: the layer's (K, V) cache, or a recurrent layer's states (model.state_cache)."""
         x, h = fp.add_norm(x, residual, self.attn_norm)
-        o = self.attn(h, fp, kv[0], kv[1])
+        o = self.attn(h, fp, cache)
         if self._plain:  # most families: the sublayers' outputs go to the stream as they are
             x, h = fp.add_norm(x, o, self.ffn_norm)
             return x, self.mlp(h, fp)
@@ -240,7 +254,7 @@ class DecoderLayer:
     def linears(self) -> list:
         """The layer's projection weights (a mixture of experts' aside)."""
         mlp = [self.mlp.gate_up, self.mlp.down] if isinstance(self.mlp, DenseMlp) else []
-        return [self.attn.qkv, self.attn.o] + mlp
+        return self.attn.linears() + mlp
 
     def _output(self, out: torch.Tensor, post_norm: torch.Tensor | None, fp: ForwardPass) -> torch.Tensor:
         out = out if post_norm is None else fp.norm(out, post_norm)

@@ -6,19 +6,16 @@ import functools
 import importlib.metadata
 import os
 import sys
-from typing import Any, Iterator
+from typing import Iterator
 
 import numpy as np
 import torch
 
 from ..model_config import ARCHS, SUPPORTED_ARCHS, ModelConfig, RopeScaling
-from .gguf_reader import reader_class
+from . import hybrid_meta
+from .gguf_reader import ModelLoadError, field_value, reader_class
 from .unpack import (Q4Unpacked, Q8Unpacked, unpack_q2_k, unpack_q3_k, unpack_q4, unpack_q4_k, unpack_q5_0,
                      unpack_q5_1, unpack_q5_k, unpack_q6_k, unpack_q8_0)
-
-
-class ModelLoadError(Exception):
-    """A model file that cannot be served; the message names the file and the problem."""
 
 
 def default_model_path() -> str | None:
@@ -67,14 +64,6 @@ def _read_gguf(abspath: str, mtime_ns: int, size: int, path: str):
     return reader
 
 
-def field_value(reader, key: str, default: Any = None) -> Any:
-    """One metadata value as a Python object (str, int, float, bool or list), or ``default`` if absent."""
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
-
-
 def read_model_config(reader, path: str) -> ModelConfig:
     """Build the ModelConfig from GGUF metadata; unsupported architectures fail with the list of supported ones."""
     arch = field_value(reader, "general.architecture")
@@ -92,7 +81,9 @@ def read_model_config(reader, path: str) -> ModelConfig:
     rope_scaling = _rope_scaling(reader, arch, path)
     hidden = int(need("embedding_length"))
     num_heads = int(need("attention.head_count"))
-    num_kv_heads = int(field_value(reader, f"{arch}.attention.head_count_kv", num_heads))
+    num_kv_heads = hybrid_meta.kv_heads(reader, arch, num_heads)
+    num_layers = int(need("block_count"))
+    recurrent_layers, recurrent = hybrid_meta.recurrent_layers(reader, arch, num_layers, path)
     head_dim = int(field_value(reader, f"{arch}.attention.key_length", hidden // num_heads))
     names = {t.name for t in reader.tensors}
     ffn, experts, used = _mlp_sizes(reader, arch, path)
@@ -102,7 +93,7 @@ def read_model_config(reader, path: str) -> ModelConfig:
         vocab_size=_vocab_size(reader, arch, path),
         hidden_size=hidden,
         intermediate_size=ffn,
-        num_layers=int(need("block_count")),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
@@ -111,9 +102,10 @@ def read_model_config(reader, path: str) -> ModelConfig:
         rope_theta=float(field_value(reader, f"{arch}.rope.freq_base", 10000.0)),
         context_length=int(field_value(reader, f"{arch}.context_length", 2048)),
         tie_word_embeddings="output.weight" not in names,
-        qkv_bias="blk.0.attn_q.bias" in names or "blk.0.attn_qkv.bias" in names,
-        qk_norm="blk.0.attn_q_norm.weight" in names,
-        layer_windows=_layer_windows(reader, arch, int(need("block_count"))),
+        # any layer's: a hybrid's first layer may have no attention
+        qkv_bias=any(n.endswith((".attn_q.bias", ".attn_qkv.bias")) for n in names),
+        qk_norm=any(n.endswith(".attn_q_norm.weight") for n in names),
+        layer_windows=_layer_windows(reader, arch, num_layers),
         pooling=_pooling(reader, arch, names, path),
         classifier_labels=tuple(field_value(reader, f"{arch}.classifier.output_labels", ()) or ()),
         attn_softcap=_positive(field_value(reader, f"{arch}.attn_logit_softcapping")),
@@ -126,6 +118,8 @@ def read_model_config(reader, path: str) -> ModelConfig:
         residual_scale=_positive(field_value(reader, f"{arch}.residual_scale")),
         attention_scale=_attention_scale(reader, arch, hidden, num_heads),
         logit_scale=_positive(field_value(reader, f"{arch}.logit_scale")),
+        recurrent_layers=recurrent_layers,
+        recurrent=recurrent,
     )
 
 
@@ -285,6 +279,11 @@ def _select_raw(raw: np.ndarray, qtype, shape: tuple[int, ...], sel: Selection |
 Q8_SUFFIX = ":q8"  # load_tensors' key for an 8-bit head's integers and terms: the tensor's name + this
 
 
+# a recurrent layer's decay, time step and convolution: kept in fp32 whatever the model's dtype (the state they
+# update is fp32; llama.cpp keeps them F32)
+FP32_STATE_PARAMETERS = (".ssm_a", ".ssm_dt.bias", ".ssm_conv1d.weight", ".shortconv.conv.weight")
+
+
 def load_tensors(
     reader, path: str, dtype: torch.dtype, show_progress: bool = True, keep_packed: bool = False, select=None,
 ) -> dict[str, torch.Tensor | Q4Unpacked | Q8Unpacked]:
@@ -341,7 +340,7 @@ def load_tensors(
         tensor = _dequantized(raw, t.tensor_type, shape, f"{path}: tensor {t.name}")
         if left is not None:
             tensor = tensor.index_select(left[0], left[1]).contiguous()
-        out[t.name] = tensor.to(dtype)
+        out[t.name] = tensor if t.name.endswith(FP32_STATE_PARAMETERS) else tensor.to(dtype)
     return out
 
 

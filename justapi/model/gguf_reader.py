@@ -4,8 +4,21 @@ pass (the reader's own way runs Python per array element: seconds for a large vo
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import numpy as np
+
+
+class ModelLoadError(Exception):
+    """A model file that cannot be served; the message names the file and the problem."""
+
+
+def field_value(reader, key: str, default: Any = None) -> Any:
+    """One metadata value as a Python object (str, int, float, bool or list), or ``default`` if absent."""
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
 
 
 @functools.cache

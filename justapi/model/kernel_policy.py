@@ -186,6 +186,8 @@ class KernelPolicy:
         units = self._units_kernel(shape)
         if units == "dpbf16" and self.uses("q4_small"):  # one form, the units, for every batch
             return (Route(Q4_SMALL_MAX_ROWS, "q4_small"), Route(ALL_ROWS, units))
+        if shape[0] % 16:  # torch's int4 packing takes whole tiles of 16 output rows (a hybrid's fused inputs may not)
+            return (Route(ALL_ROWS, units or "dense"),)
         return (Route(TORCH_SMALL_MAX_ROWS, "torch_int4"), Route(ALL_ROWS, units or "dense"))
 
     def q8_routes(self, shape: tuple[int, int], plain: bool = True) -> tuple[Route, ...]:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from ..model_config import ModelConfig
 from .attention import AttentionMetadata
 from .blocks import Attention, Classifier, DecoderLayer, DenseMlp, ForwardPass, MoeMlp
+from .recurrent import GatedDeltaNet, ShortConv
 from .gguf_loader import Q8_SUFFIX, ModelLoadError
 from . import hugepages
 from .layers import RotaryEmbedding, linear
@@ -100,10 +101,11 @@ class LlamaModel:
                                     device, config.rope_scaling, config.rope_dim)
         self.local_rope = self._local_rope(device)
         self.layers = [self._layer(weights, i) for i in range(config.num_layers)]
-        self.norm = weights.norm("output_norm.weight")
+        self.norm = weights.norm(config.traits.final_norm + ".weight")
         self.embed_scale = self._embed_scale(device)
         self.lm_head = self._head(weights)
-        self.kv_layers = config.num_layers  # layers with a KV cache (model.runner sizes the pool by them)
+        # layers with a KV cache (model.runner sizes the pool by them); a hybrid's others keep states
+        self.kv_layers = sum(not config.is_recurrent(i) for i in range(config.num_layers))
         self.classifier = Classifier.load(weights.take) if config.pooling == "rank" else None
         self.huge_pages = huge_pages and device == "cpu"
         if self.huge_pages:
@@ -126,9 +128,10 @@ class LlamaModel:
     def _layer(self, w: _FileWeights, i: int) -> DecoderLayer:
         cfg, p = self.config, f"blk.{i}."
         post = cfg.traits.post_norms
+        mixer = self._recurrent(w, p) if cfg.is_recurrent(i) else self._attention(w, i)
         return DecoderLayer(
-            attn_norm=w.norm(p + "attn_norm.weight"), attn=self._attention(w, i),
-            ffn_norm=w.norm(p + "ffn_norm.weight"),
+            attn_norm=w.norm(p + "attn_norm.weight"), attn=mixer,
+            ffn_norm=w.norm(p + cfg.traits.ffn_norm + ".weight"),
             mlp=self._mlp(w, p), post_attn_norm=w.norm(p + "post_attention_norm.weight") if post else None,
             post_ffn_norm=w.norm(p + "post_ffw_norm.weight") if post else None, residual_scale=cfg.residual_scale)
 
@@ -143,7 +146,20 @@ class LlamaModel:
             k_norm=w.norm(p + "attn_k_norm.weight") if cfg.qk_norm else None,
             o=w.matrix(p + "attn_output.weight"), heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim, scale=cfg.attention_scale or cfg.head_dim ** -0.5, rope=self._layer_rope(i),
-            window=cfg.window(i), softcap=cfg.attn_softcap)
+            window=cfg.window(i), softcap=cfg.attn_softcap, gated=cfg.traits.gated_attention)
+
+    def _recurrent(self, w: _FileWeights, p: str) -> ShortConv | GatedDeltaNet:
+        """A hybrid's recurrent layer, from the tensors llama.cpp's converter writes (model.hybrid_meta)."""
+        shape = self.config.recurrent
+        assert shape is not None  # a recurrent layer's file states its shape (hybrid_meta)
+        if shape.kind == "short_conv":
+            return ShortConv(w.matrix(p + "shortconv.in_proj.weight"), w.take(p + "shortconv.conv.weight").float(),
+                             w.matrix(p + "shortconv.out_proj.weight"))
+        return GatedDeltaNet(
+            w.matrix(*(p + n + ".weight" for n in ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha"))),
+            w.take(p + "ssm_conv1d.weight").float(), w.take(p + "ssm_a").float().flatten(),
+            w.take(p + "ssm_dt.bias").float().flatten(), w.norm(p + "ssm_norm.weight"), w.matrix(p + "ssm_out.weight"),
+            shape.key_heads, shape.value_heads, shape.key_dim, shape.value_dim, self.config.rms_norm_eps)
 
     def _mlp(self, w: _FileWeights, p: str) -> DenseMlp | MoeMlp:
         act = self.config.traits.mlp_act
@@ -242,17 +258,18 @@ class LlamaModel:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        caches: list,
         logits_rows: torch.Tensor,
         hidden_rows: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Logits (fp32) for the rows ``logits_rows`` of the flat batch; writes every new token's K/V. With
+        """Logits (fp32) for the rows ``logits_rows`` of the flat batch; writes every new token's K/V (and a
+        hybrid's states). ``caches``: each layer's (K, V), or its states (model.state_cache ``layer_caches``). With
         ``hidden_rows``, also those rows' final hidden states (after the last norm, fp32: what embeddings pool)."""
         x = self._embed(input_ids)
         fp = ForwardPass(self, positions, meta, x.device.type == "cpu")
         residual = None  # the last sublayer's output, not yet added to x
-        for layer, kv in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, fp, kv)
+        for layer, cache in zip(self.layers, caches):
+            x, residual = layer(x, residual, fp, cache)
         rows = logits_rows if hidden_rows is None else torch.cat([logits_rows, hidden_rows])
         # only the rows that give logits or states (row-wise from here)
         x = fp.add_norm(x[rows], residual[rows], self.norm)[1]

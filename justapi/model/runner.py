@@ -20,6 +20,7 @@ from .batch import FlatBatch
 from .encoder import EncoderModel
 from .llama import LlamaModel
 from .sampler import SampleRow, sample
+from .state_cache import StateCache, layer_caches
 from .thinking import after_thinking, steer, steer_tree
 
 log = logging.getLogger("justapi.runner")
@@ -52,13 +53,13 @@ def new_kv_caches(model: LlamaModel | EncoderModel, num_blocks: int, block_size:
     shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
     # zero-filled: padded decode rows read unused slots, and 0 * garbage could be NaN
     if device == "cpu":  # untouched anonymous memory: zero without writing it (hugepages.untouched_zeros)
-        flat = hugepages.zeros([shape] * (2 * cfg.num_layers), model.kv_dtype, huge=model.huge_pages)
+        flat = hugepages.zeros([shape] * (2 * model.kv_layers), model.kv_dtype, huge=model.huge_pages)
         hugepages.prefault(flat)  # the pool's memory in now, in the background: first writes while serving are slow
         return list(zip(flat[0::2], flat[1::2]))
     return [
         (torch.zeros(shape, dtype=model.kv_dtype, device=device),
          torch.zeros(shape, dtype=model.kv_dtype, device=device))
-        for _ in range(cfg.num_layers)
+        for _ in range(model.kv_layers)
     ]
 
 
@@ -85,11 +86,14 @@ class ModelRunner:
     """
 
     def __init__(self, model: LlamaModel | EncoderModel, num_blocks: int, block_size: int, device: str, proposer=None,
-                 grammars=None) -> None:
+                 grammars=None, state_slots: int = 0) -> None:
+        """``state_slots``: a hybrid model's state cache slots (model.state_cache), one per sequence it may run."""
         self.model = model
         self.block_size = block_size
         self.device = device
-        self.kv_caches = new_kv_caches(model, num_blocks, block_size, device)
+        self.kv_caches = new_kv_caches(model, num_blocks, block_size, device)  # the attention layers'
+        self.state_cache = StateCache(model, state_slots, device) if state_slots else None
+        self.layer_caches = layer_caches(model, self.kv_caches, self.state_cache)  # what each layer reads
         self.states: dict[str, _RequestState] = {}
         self.proposer = proposer
         self._grammars = grammars
@@ -98,6 +102,8 @@ class ModelRunner:
     def _sync_states(self, sched: SchedulerOutput) -> dict[str, int]:
         for rid in sched.finished_request_ids:
             self.states.pop(rid, None)
+            if self.state_cache is not None:
+                self.state_cache.release(rid)
             if self.proposer is not None:
                 self.proposer.drop(rid)
         starts = {}
@@ -147,6 +153,7 @@ class ModelRunner:
         starts = self._sync_states(sched)
         if sched.empty:
             return RunnerOutput(failed=self._failed)
+        slot = (lambda rid: -1) if self.state_cache is None else self.state_cache.slot  # noqa: E731
         trees: dict[str, DraftTree] = {rid: DraftTree.chain(list(d.tokens)) for rid, d in sched.drafts.items()
                                        if d.tokens}
         proposed = [(rid, self.states[rid].token_ids, self.states[rid].block_ids, starts[rid], d.depth)
@@ -164,7 +171,8 @@ class ModelRunner:
                 end = start + n
                 done = end == st.num_prompt_tokens
                 rows = self._pooled_rows(st.params.pooling.kind, start, done)
-                batch.add(st.token_ids[start:end], list(range(start, end)), start, st.block_ids, hidden=rows)
+                batch.add(st.token_ids[start:end], list(range(start, end)), start, st.block_ids, hidden=rows,
+                          state_slot=slot(rid))
                 pooled.append((rid, n if rows == "all" else int(rows is not None), done))
             elif tree:  # the last real token, then the draft nodes, each at its own slot
                 mask = None if tree.is_chain else tree.attention_mask(self.device)
@@ -178,10 +186,10 @@ class ModelRunner:
                 end = start + n
                 done = end == len(st.token_ids)
                 batch.add(st.token_ids[start:end], list(range(start, end)), start, st.block_ids,
-                          logits="last" if done else None)
+                          logits="last" if done else None, state_slot=slot(rid))
                 if done:
                     sample_ids.append(rid)
-        logits, hidden = batch.forward(self.model, self.kv_caches)
+        logits, hidden = batch.forward(self.model, self.layer_caches)
         out = self._sample(logits, sample_ids, trees, starts)
         self._pool(hidden, pooled, out)
         out.failed = self._failed

@@ -125,6 +125,9 @@ class Watch:
             msg["cache"] = {"blocks": snap.prefix_cache_blocks, "hits": snap.prefix_cache_hits,
                             "misses": snap.prefix_cache_misses, "shared": self._shared()}
             msg["spec"] = {"proposed_at": c.spec_proposed_at, "accepted_at": c.spec_accepted_at}
+            if snap.state_slots_total:  # a hybrid model's state cache
+                msg["states"] = {"slots": snap.state_slots_total, "used": snap.state_slots_used,
+                                 "bytes": snap.state_cache_bytes}
         return msg
 
     def _running(self, records) -> dict:

@@ -92,6 +92,13 @@ def _scheduler_metrics(snap: SchedulerSnapshot):
     yield GaugeMetricFamily("justapi_kv_blocks_total", "KV blocks in the pool", value=snap.kv_blocks_total)
     yield GaugeMetricFamily("justapi_kv_blocks_used_by_requests", "KV blocks owned by running requests",
                             value=snap.kv_blocks_used_by_requests)
+    if snap.state_slots_total:  # a hybrid model's state cache
+        yield GaugeMetricFamily("justapi_state_slots_total", "State cache slots (one per sequence run at once)",
+                                value=snap.state_slots_total)
+        yield GaugeMetricFamily("justapi_state_slots_used", "State cache slots held by running requests",
+                                value=snap.state_slots_used)
+        yield GaugeMetricFamily("justapi_state_cache_bytes", "Bytes of the recurrent layers' state cache",
+                                value=snap.state_cache_bytes)
     st = snap.counters
     yield CounterMetricFamily("justapi_preemptions", "Requests preempted for lack of KV blocks",
                               value=st.num_preemptions)

@@ -92,6 +92,7 @@ function onMessage(msg) {
   if (msg.cache) showCache(msg.cache, msg.kv_blocks_total);
   if (msg.spec && msg.spec.proposed_at.length) { $("spec-panel").hidden = false; drawSpec(msg.spec); }
   if (msg.pools) showPools(msg.pools, msg.transfers);
+  if (msg.states) showStates(msg.states);
   state.kvTotal = msg.kv_blocks_total || state.kvTotal;
   draw();
 }
@@ -134,6 +135,13 @@ function showApis(byApi) {
     }
     body.appendChild(tr);
   }
+}
+
+// a hybrid model's recurrent states: one slot per running sequence, beside the KV pool
+function showStates(states) {
+  $("states-panel").hidden = false;
+  $("state-figures").textContent = `${states.used} of ${states.slots} slots held by running requests; ` +
+    `${(states.bytes / 2 ** 20).toFixed(1)} MiB`;
 }
 
 function showCache(cache, total) {

@@ -1,0 +1,70 @@
+"""The state cache of a hybrid model, beside its paged KV pool: each recurrent layer's fixed-size state
+(model.recurrent) in slots, one per running sequence. A sequence takes a slot when the runner first sees it and gives
+it back when it finishes or is preempted (it then recomputes its tokens, as its KV blocks are freed too). The engine
+allocates as many slots as it runs sequences at most (``--max-seqs``) and counts them in the pool's memory budget, so
+a running sequence always finds one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def recurrent_layers(model) -> list[int]:
+    """The indices of ``model``'s layers with a recurrent state instead of a KV cache."""
+    return [i for i, layer in enumerate(getattr(model, "layers", [])) if hasattr(layer.attn, "state_shapes")]
+
+
+def state_bytes_per_seq(model) -> int:
+    """Bytes of one sequence's state across every recurrent layer (0 for a model without any); states are fp32."""
+    return sum(4 * _numel(shape) for i in recurrent_layers(model) for shape in model.layers[i].attn.state_shapes())
+
+
+def layer_caches(model, kv_caches: list, states: StateCache | None) -> list:
+    """What each of ``model``'s layers reads in its forward pass: an attention layer its (K, V) from
+    ``kv_caches`` (the attention layers', in order), a recurrent one its state tensors."""
+    if states is None or not states.layers:
+        return kv_caches
+    kv = iter(kv_caches)
+    return [states.layers[i] if i in states.layers else next(kv) for i in range(len(model.layers))]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+class StateCache:
+    """Per recurrent layer, its state tensors [slots, ...] (fp32, zeroed); which request holds which slot."""
+
+    def __init__(self, model, slots: int, device: str) -> None:
+        self.num_slots = slots
+        self.layers: dict[int, list[torch.Tensor]] = {
+            i: [torch.zeros((slots, *shape), dtype=torch.float32, device=device)
+                for shape in model.layers[i].attn.state_shapes()]
+            for i in recurrent_layers(model)}
+        self._free = list(range(slots))[::-1]
+        self._slots: dict[str, int] = {}
+
+    def slot(self, request_id: str) -> int:
+        """``request_id``'s slot, taken now if it has none (the scheduler runs no more sequences than slots)."""
+        if request_id not in self._slots:
+            if not self._free:
+                raise RuntimeError(f"state cache: all {self.num_slots} slots are taken (--max-seqs bounds them)")
+            self._slots[request_id] = self._free.pop()
+        return self._slots[request_id]
+
+    def release(self, request_id: str) -> None:
+        slot = self._slots.pop(request_id, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    @property
+    def num_used(self) -> int:
+        return len(self._slots)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for states in self.layers.values() for t in states)

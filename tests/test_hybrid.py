@@ -1,0 +1,153 @@
+"""Hybrid models (issue 57): LFM2's short convolutions and Qwen3.5's Gated DeltaNet between attention layers, their
+states in the state cache beside the KV pool. Tiny random-weight GGUFs in llama.cpp's converter layout
+(tests/tiny_hybrid.py), held to transformers' models holding the same weights."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from justapi import LLM, SamplingParams
+from justapi.model import delta_rule
+from paged_helpers import paged_prefill_logits
+from server_helpers import InProcessServer, metric, undocumented_metrics
+from test_model import load_model
+from tiny_hybrid import write_tiny_lfm2, write_tiny_qwen35
+
+IDS = [(7 * i + 3) % 260 + 3 for i in range(90)]  # 90 tokens: two chunks of the scan (64), many prefill chunks
+PROMPTS = [IDS[:5], IDS[3:40], IDS[10:12], IDS]
+WRITERS = {"lfm2": write_tiny_lfm2, "qwen35": write_tiny_qwen35}
+
+
+@pytest.fixture(scope="module", params=sorted(WRITERS))
+def hybrid(request, tmp_path_factory):
+    """(arch, the GGUF's path, transformers' model of the same weights, its greedy continuations of PROMPTS)."""
+    arch = request.param
+    path, hf = WRITERS[arch](str(tmp_path_factory.mktemp(arch) / f"{arch}.gguf"))
+    with torch.no_grad():
+        greedy = [hf.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, len(p):]
+                  .tolist() for p in PROMPTS]
+    return arch, path, hf, greedy
+
+
+def test_the_file_reads_as_a_hybrid(hybrid):
+    arch, path, _, _ = hybrid
+    model = load_model(path)
+    kinds = [type(layer.attn).__name__ for layer in model.layers]
+    expected = {"lfm2": ["ShortConv", "Attention", "ShortConv", "ShortConv"],
+                "qwen35": ["GatedDeltaNet"] * 3 + ["Attention"]}
+    assert kinds == expected[arch] and model.kv_layers == 1
+
+
+@pytest.mark.parametrize("batch_invariant", [True, False], ids=["per-token", "chunked-scan"])
+def test_logits_match_transformers_over_chunks(hybrid, batch_invariant):
+    """fp32 logits of a 90-token prompt within 1e-4 of transformers', prefilled whole and in chunks of 7 and 64 (the
+    states carried between chunks in the state cache); the per-token rule (--batch-invariant) and the chunked scan."""
+    _, path, hf, _ = hybrid
+    with torch.no_grad():
+        ref = hf(torch.tensor([IDS])).logits[0]
+    model = load_model(path, batch_invariant=batch_invariant)
+    for chunk in (7, 64, 90):
+        assert (paged_prefill_logits(model, IDS, block_size=4, chunk=chunk) - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("options", [
+    {"dtype": "float32"},  # the chunked scan, the C++ kernels
+    {"dtype": "float32", "chunk_size": 8},  # prompts in many chunks, mixed with decodes
+    {"batch_invariant": True, "chunk_size": 5},
+    {"dtype": "float32", "pool_blocks": 36},  # preempted and recomputed
+], ids=["default", "chunked-prefill", "batch-invariant", "preemption"])
+def test_greedy_text_equals_transformers_in_a_batch(hybrid, options):
+    """Four prompts of 2 to 90 tokens served together equal transformers' greedy continuations of each alone;
+    every state slot is free again afterwards; with a small pool requests are preempted and still equal."""
+    _, path, _, greedy = hybrid
+    llm = LLM(path, block_size=4, show_progress=False, **{"pool_blocks": 64, **options})
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert [o.token_ids for o in outs] == greedy
+    engine = llm.engine
+    engine.step()  # the runner hears of the last finished requests with the next step
+    assert engine.runner.state_cache.num_used == 0
+    assert (engine.scheduler.stats.num_preemptions > 0) == ("pool_blocks" in options)
+    assert engine.scheduler.cache is None  # no prefix cache: cached blocks would need the states at their end
+
+
+def test_flags_a_hybrid_does_not_serve_yet_are_refused_by_name(hybrid):
+    _, path, _, _ = hybrid
+    with pytest.raises(ValueError, match="--tp, --disaggregate cannot serve a hybrid model"):
+        LLM(path, tp=2, disaggregate=True, show_progress=False)
+    with pytest.raises(ValueError, match="--draft-model / --spec-method"):
+        LLM(path, spec_method="ngram", show_progress=False)
+
+
+def test_the_state_cache_is_counted_in_the_memory_budget(hybrid):
+    """One slot per --max-seqs sequence, sized by the layers' state shapes, taken out of the KV budget: a budget the
+    states alone exceed is refused in one line naming --max-seqs."""
+    arch, path, _, _ = hybrid
+    llm = LLM(path, max_seqs=8, pool_blocks=16, show_progress=False)
+    states = llm.engine.runner.state_cache
+    per_seq = {"lfm2": 3 * 64 * 2 * 4, "qwen35": 3 * (64 * 3 * 4 + 4 * 8 * 8 * 4)}[arch]
+    assert states.num_slots == 8 and states.nbytes == 8 * per_seq == llm.engine.executor.rank.state_bytes()
+    with pytest.raises(Exception, match="lower --max-seqs"):
+        LLM(path, max_seqs=4096, kv_memory_fraction=1e-9, show_progress=False)
+
+
+def test_served_over_http_with_the_state_cache_in_metrics(hybrid, tmp_path):
+    """`justapi serve` on a hybrid: a chat completion through the OpenAI client, then /metrics shows the state cache's
+    slots (all free again) and bytes, each documented."""
+    from openai import OpenAI
+
+    arch, path, _, _ = hybrid
+    server = InProcessServer(["--model", path, "--max-seqs", "4", "--pool-blocks", "64"], str(tmp_path / "log"))
+    try:
+        client = OpenAI(base_url=server.url + "/v1", api_key="none")
+        answer = client.chat.completions.create(model=arch, messages=[{"role": "user", "content": "hi there"}],
+                                                max_tokens=8, temperature=0)
+        assert answer.usage.completion_tokens == 8 or answer.choices[0].finish_reason == "stop"
+        text = httpx.get(server.url + "/metrics").text
+        assert metric(text, "justapi_state_slots_total") == 4 and metric(text, "justapi_state_slots_used") == 0
+        assert metric(text, "justapi_state_cache_bytes") > 0 and not undocumented_metrics(text)
+    finally:
+        assert server.stop() == 0
+
+
+def test_scan_forms_agree_and_per_token_is_split_invariant():
+    """The chunked scan equals the per-token rule within fp32 rounding; the per-token rule and the convolution give
+    bit-identical results however a sequence is split."""
+    g = torch.Generator().manual_seed(0)
+    n, h, dk, dv = 150, 4, 16, 24
+    q, k = (torch.nn.functional.normalize(torch.randn(n, h, dk, generator=g), dim=-1) for _ in range(2))
+    v = torch.randn(n, h, dv, generator=g)
+    decay, beta = -torch.rand(n, h, generator=g), torch.rand(n, h, generator=g)
+    s0 = torch.randn(h, dk, dv, generator=g)
+    whole, s_whole = delta_rule.per_token(q, k, v, decay, beta, s0)
+    fast, s_fast = delta_rule.chunked(q, k, v, decay, beta, s0)
+    assert (fast - whole).abs().max() < 1e-4 and (s_fast - s_whole).abs().max() < 1e-4
+    a, s_a = delta_rule.per_token(q[:70], k[:70], v[:70], decay[:70], beta[:70], s0)
+    b, s_b = delta_rule.per_token(q[70:], k[70:], v[70:], decay[70:], beta[70:], s_a)
+    assert torch.equal(torch.cat([a, b]), whole) and torch.equal(s_b, s_whole)
+    x, weight = torch.randn(n, 6, generator=g), torch.randn(6, 4, generator=g)
+    out, tail = delta_rule.conv_continue(x, torch.zeros(6, 3), weight)
+    first, mid = delta_rule.conv_continue(x[:5], torch.zeros(6, 3), weight)
+    rest, end = delta_rule.conv_continue(x[5:], mid, weight)
+    assert torch.equal(torch.cat([first, rest]), out) and torch.equal(end, tail)
+    step, _ = delta_rule.conv_step(x[5:6], mid.unsqueeze(0), weight)
+    assert torch.equal(step[0], out[5])
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_quantized_hybrids_keep_their_projections_packed(tmp_path, qtype):
+    """A 4- or 8-bit hybrid's recurrent projections stay packed on the default engine (the packed kernels, bf16
+    activations here) and its logits follow the fp32 engine's on the same file: the same top token at nearly every
+    position, the mean difference a few percent of the logits' size (bf16's rounding, which the norms of small
+    vectors amplify at some positions)."""
+    from justapi.model.quant import Int4Weight, Int8Weight
+
+    for writer in WRITERS.values():
+        path, _ = writer(str(tmp_path / f"{qtype}.gguf"), qtype=qtype)
+        packed = LLM(path, show_progress=False, pool_blocks=8).engine.model
+        assert isinstance(packed.layers[0].attn.in_proj, (Int4Weight, Int8Weight))
+        exact = LLM(path, show_progress=False, pool_blocks=8, dtype="float32").engine.model
+        a, b = (paged_prefill_logits(m, IDS, chunk=16) for m in (packed, exact))
+        assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+        assert (a - b).abs().mean() < 0.06 * b.abs().mean()
