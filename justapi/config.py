@@ -378,6 +378,7 @@ class SchedulerConfig:
     policy: str = "fcfs"  # core.policy: fcfs, priority, fair or shortest
     priority_aging_s: float = DEFAULT_PRIORITY_AGING_S
     user_weights: tuple[tuple[str, float], ...] = ()  # fair shares' weights (others: 1)
+    state_snapshots: int = 0  # a hybrid model's prefix cache: its snapshot slots (core.state_snapshots)
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_seqs", "max_prefill", "max_decode", "chunk_size",

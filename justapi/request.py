@@ -46,6 +46,10 @@ class Request:
     cache_node: _Node | None = None  # the radix node this request holds locked
     drafts: Drafts | None = None  # its drafts for the next step (core.drafts), while it decodes with any
     imported_kv: object = None  # disaggregation: the prompt's KV computed by a prefill worker, until admission
+    # a hybrid model's prefix cache (core.state_snapshots): the snapshot slot its state starts from at admission,
+    # and the depth of a cached prefix it matched without a snapshot (where it takes one)
+    state_load: int | None = None
+    snapshot_at: int = 0
     arrival_time: float = 0.0  # the scheduler's clock when it was queued (priority aging)
     arrival_seq: int = 0  # the scheduler's count of requests queued before it (ties in arrival order)
 

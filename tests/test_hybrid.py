@@ -69,7 +69,28 @@ def test_greedy_text_equals_transformers_in_a_batch(hybrid, options):
     engine.step()  # the runner hears of the last finished requests with the next step
     assert engine.runner.state_cache.num_used == 0
     assert (engine.scheduler.stats.num_preemptions > 0) == ("pool_blocks" in options)
-    assert engine.scheduler.cache is None  # no prefix cache: cached blocks would need the states at their end
+    engine.scheduler.check_integrity()  # snapshots too: each slot once, each keyed by a cached block
+
+
+def test_prefix_cache_hits_start_from_state_snapshots(hybrid):
+    """A shared system prompt: the first request snapshots the end of its last whole block, the second finds the
+    shared blocks without a snapshot and takes one where they end, the third and fourth start there (40 of their
+    50 tokens cached); a follow-up turn that extends a prompt starts from that prompt's snapshot. Every answer
+    equals the one computed without the prefix cache (the per-token rule: bit-identical however it is split)."""
+    _, path, _, _ = hybrid
+    system = IDS[:41]
+    asks = [system + [(11 * i + j) % 250 + 5 for i in range(9)] for j in range(4)]
+    asks.append(asks[0] + [9, 8, 7, 6, 5, 4])
+    answers, cached = {}, []
+    for prefix_cache in (True, False):
+        llm = LLM(path, block_size=4, pool_blocks=64, batch_invariant=True, prefix_cache=prefix_cache,
+                  show_progress=False)
+        outs = [llm.generate([a], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0] for a in asks]
+        answers[prefix_cache] = [o.token_ids for o in outs]
+        cached.append([o.num_cached_tokens for o in outs])
+        llm.engine.scheduler.check_integrity()
+    assert answers[True] == answers[False]
+    assert cached == [[0, 0, 40, 40, 48], [0] * 5]
 
 
 def test_flags_a_hybrid_does_not_serve_yet_are_refused_by_name(hybrid):
@@ -81,13 +102,17 @@ def test_flags_a_hybrid_does_not_serve_yet_are_refused_by_name(hybrid):
 
 
 def test_the_state_cache_is_counted_in_the_memory_budget(hybrid):
-    """One slot per --max-seqs sequence, sized by the layers' state shapes, taken out of the KV budget: a budget the
-    states alone exceed is refused in one line naming --max-seqs."""
+    """One slot per --max-seqs sequence and as many prefix-cache snapshots (none without the prefix cache), sized by
+    the layers' state shapes, taken out of the KV budget: a budget the states alone exceed is refused in one line
+    naming --max-seqs."""
     arch, path, _, _ = hybrid
     llm = LLM(path, max_seqs=8, pool_blocks=16, show_progress=False)
     states = llm.engine.runner.state_cache
     per_seq = {"lfm2": 3 * 64 * 2 * 4, "qwen35": 3 * (64 * 3 * 4 + 4 * 8 * 8 * 4)}[arch]
-    assert states.num_slots == 8 and states.nbytes == 8 * per_seq == llm.engine.executor.rank.state_bytes()
+    assert states.num_slots == states.num_snapshots == 8
+    assert states.nbytes == 16 * per_seq == llm.engine.executor.rank.state_bytes()
+    assert LLM(path, max_seqs=8, pool_blocks=16, prefix_cache=False, show_progress=False).engine.runner.state_cache \
+        .nbytes == 8 * per_seq
     with pytest.raises(Exception, match="lower --max-seqs"):
         LLM(path, max_seqs=4096, kv_memory_fraction=1e-9, show_progress=False)
 

@@ -13,13 +13,18 @@ from collections.abc import Iterable
 from ..request import Request
 from .block_pool import BlockPool
 from .radix_cache import RadixPrefixCache, _Node
+from .state_snapshots import StateSnapshots
 
 
 class KvBlocks:
-    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool, state_snapshots: int = 0) -> None:
+        """``state_snapshots``: a hybrid model's snapshot slots (core.state_snapshots); its prefix cache then starts
+        requests only where a snapshot is."""
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
-        self.cache = RadixPrefixCache(self.pool, block_size) if prefix_cache else None
+        self.snapshots = StateSnapshots(state_snapshots) if prefix_cache and state_snapshots else None
+        on_evict = self.snapshots.drop if self.snapshots is not None else None
+        self.cache = RadixPrefixCache(self.pool, block_size, on_evict) if prefix_cache else None
 
     @property
     def num_cached_blocks(self) -> int:
@@ -50,12 +55,51 @@ class KvBlocks:
         assert req.num_computed_tokens == 0 and not req.block_ids
         if self.cache is None:
             return
-        node, block_ids = self.cache.match(req.all_token_ids[: req.num_tokens - 1])
+        tokens = req.all_token_ids[: req.num_tokens - 1]
+        node, block_ids = self.cache.match(tokens)
+        if self.snapshots is not None:  # a hybrid starts where a snapshot is; it takes one at the whole match's end
+            keep = self.snapshots.usable_blocks(block_ids)
+            if keep < len(block_ids):
+                req.snapshot_at = len(block_ids) * self.block_size
+                node, block_ids = self.cache.match(tokens[: keep * self.block_size])
+            req.state_load = self.snapshots.load(block_ids[-1]) if block_ids else None
         self.cache.lock(node)
         req.cache_node = node
         self.pool.incref(block_ids)
         req.block_ids = list(block_ids)
         req.num_computed_tokens = len(block_ids) * self.block_size
+
+    # --- a hybrid's snapshots (core.state_snapshots) ----------------------------------------------------------
+    def _snapshot_points(self, req: Request) -> tuple[int, ...]:
+        """Where ``req``'s state is snapshotted: a matched prefix's end without one, its last whole block's end."""
+        return req.snapshot_at, (req.num_tokens - 1) // self.block_size * self.block_size
+
+    def chunk(self, req: Request, n: int) -> int:
+        """``n`` prompt tokens of ``req`` this step, cut short at its next snapshot point (a hybrid's)."""
+        if self.snapshots is None:
+            return n
+        start = req.num_computed_tokens
+        return min([n] + [p - start for p in self._snapshot_points(req) if start < p < start + n])
+
+    def state_copies(self, req: Request, n: int, loads: dict[str, int], saves: dict[str, int]) -> None:
+        """The snapshot slots a step of ``n`` tokens of ``req`` reads before it and writes after it."""
+        if self.snapshots is None:
+            return
+        if req.state_load is not None:
+            loads[req.request_id] = req.state_load
+            req.state_load = None
+        end = req.num_computed_tokens + n
+        if end > 0 and end in self._snapshot_points(req):
+            slot = self.snapshots.save(req.request_id)
+            if slot is not None:
+                saves[req.request_id] = slot
+
+    def state_saved(self, req: Request) -> None:
+        """After the step: ``req``'s blocks up to its snapshot go to the cache, the snapshot keyed by the last."""
+        if self.snapshots is not None and self.snapshots.pending(req.request_id):
+            self.cache_computed(req)
+            assert req.cache_node is not None and req.cache_node.block_ids  # a snapshot point ends a whole block
+            self.snapshots.saved(req.request_id, req.cache_node.block_ids[-1])
 
     def record_lookup(self, req: Request) -> None:
         """Count a request's first admission in the cache's hit ratio (blocks found of blocks looked up)."""
@@ -75,6 +119,7 @@ class KvBlocks:
         self.pool.decref(req.block_ids)
         req.block_ids = []
         req.num_computed_tokens = 0
+        req.state_load, req.snapshot_at = None, 0
 
     def cache_computed(self, req: Request) -> None:
         """Insert the request's computed whole blocks into the prefix cache and hold the new path locked."""
@@ -96,6 +141,9 @@ class KvBlocks:
         req.cache_node = None
         self.pool.decref(req.block_ids)
         req.block_ids = []
+        if self.snapshots is not None:
+            self.snapshots.forget(req.request_id)
+        req.state_load, req.snapshot_at = None, 0
 
     def check_integrity(self, holders: Iterable[Request], waiting: Iterable[Request]) -> None:
         """Assert every block is free, cached or held by one of ``holders``, with matching reference counts and
@@ -112,4 +160,6 @@ class KvBlocks:
         if self.cache is not None:
             owners.update(self.cache.block_owners())
             self.cache.check_integrity(locks)
+            if self.snapshots is not None:  # every snapshot keyed by a cached block
+                self.snapshots.check_integrity(set(self.cache.block_owners()))
         self.pool.check_integrity(owners)

@@ -58,6 +58,10 @@ class SchedulerOutput:
     # speculative decoding: each drafting request's drafts, computed after its last token (their slots counted in
     # num_scheduled_tokens)
     drafts: dict[str, Drafts] = field(default_factory=dict)
+    # a hybrid's prefix cache (core.state_snapshots): snapshot slots copied into a request's state before the step,
+    # and from it after
+    state_loads: dict[str, int] = field(default_factory=dict)
+    state_saves: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

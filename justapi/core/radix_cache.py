@@ -39,8 +39,10 @@ class _Node:
 class RadixPrefixCache:
     """Longest-prefix match, insert, lock/unlock and LRU eviction over block-aligned token prefixes."""
 
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, on_evict=None) -> None:
+        """``on_evict(block_ids)``: told of the blocks each eviction takes out of the tree."""
         self.pool = pool
+        self.on_evict = on_evict
         self.block_size = block_size
         self.root = _Node(None, (), [])
         self.root.lock_ref = 1  # the root is never evicted
@@ -157,6 +159,8 @@ class RadixPrefixCache:
             assert parent is not None  # the root is never evictable, every other node has a parent
             del parent.children[node.token_ids[: self.block_size]]
             self._evictable.discard(node)
+            if self.on_evict is not None:
+                self.on_evict(node.block_ids)
             self.pool.decref(node.block_ids)
             self.num_blocks -= len(node.block_ids)
             freed += sum(1 for b in node.block_ids if self.pool.ref_counts[b] == 0)

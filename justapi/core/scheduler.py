@@ -40,7 +40,7 @@ class Scheduler(HandOffs):
         self.config = config
         self.batching = batching or Batching()
         self.block_size = config.block_size
-        self.kv = KvBlocks(config.num_blocks, config.block_size, config.prefix_cache)
+        self.kv = KvBlocks(config.num_blocks, config.block_size, config.prefix_cache, config.state_snapshots)
         self.pool = self.kv.pool  # read by the engine, stats and tests
         self.cache = self.kv.cache
         self.limits = RequestLimits(config.max_model_len, config.num_blocks, config.block_size)
@@ -175,7 +175,7 @@ class Scheduler(HandOffs):
                     deferred.append(req)
                     i += 1
                     continue
-                n = min(remaining, budget.tokens)
+                n = self.kv.chunk(req, min(remaining, budget.tokens))
             new_blocks, lost = self._grow_or_preempt(req, n)
             preempted |= lost
             if new_blocks is None:
@@ -210,7 +210,7 @@ class Scheduler(HandOffs):
         for req in deferred:
             if not budget.may_prefill():
                 return
-            n = min(req.num_tokens - req.num_computed_tokens, budget.tokens)
+            n = self.kv.chunk(req, min(req.num_tokens - req.num_computed_tokens, budget.tokens))
             new_blocks = self.kv.grow(req, req.num_computed_tokens + n)
             if new_blocks is None:
                 self._preempt(req)
@@ -257,7 +257,8 @@ class Scheduler(HandOffs):
                 new_blocks = None  # a whole prompt over what this step has left waits for a step of its own
             else:
                 # a whole prompt takes a step's budget or more: the first prefill of its step, bounded by the context
-                n = 1 if is_decode else remaining if self.config.whole_prompts else min(remaining, budget.tokens)
+                n = 1 if is_decode else remaining if self.config.whole_prompts else self.kv.chunk(
+                    req, min(remaining, budget.tokens))
                 new_blocks = self.kv.grow(req, req.num_computed_tokens + n)
                 self._short_of_blocks = new_blocks is None
             if new_blocks is None:
@@ -299,6 +300,7 @@ class Scheduler(HandOffs):
             out.cached_requests.append(data)
         self._out_data[rid] = data
         out.num_scheduled_tokens[rid] = num_tokens
+        self.kv.state_copies(req, num_tokens, out.state_loads, out.state_saves)
 
     # --- after the runner ---------------------------------------------------------------------------------
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
@@ -325,6 +327,7 @@ class Scheduler(HandOffs):
                 self.record.cell(rid, "spec", start, n, len(new_ids) - 1)
             else:
                 req.num_computed_tokens += n
+                self.kv.state_saved(req)
                 self.record.cell(rid, "prefill" if was_prefilling else "decode", start, n, 0)
             status = None
             for k, tok in enumerate(new_ids):

@@ -15,6 +15,7 @@ from ..core.scheduler import Scheduler
 from ..core.batching import StaticBatching
 from ..core.stats import SchedulerSnapshot
 from ..model.gguf_loader import ModelLoadError
+from ..model.state_cache import state_bytes_per_seq
 from ..request import RequestStatus
 from ..sampling_params import SamplingParams
 from .executor import make_executor, set_threads
@@ -67,9 +68,10 @@ class EngineCore(ModelFront):
             num_blocks * self.executor.rank.kv_bytes_per_block() / 2**30, self.max_model_len,
         )
         if self.model_config.is_hybrid:
-            log.info("state cache: %d slots of %.2f MiB (%d recurrent layers), %.2f GiB; prefix cache off for a "
-                     "hybrid model", config.max_seqs, self.executor.rank.state_bytes() / config.max_seqs / 2**20,
-                     sum(self.model_config.recurrent_layers), self.executor.rank.state_bytes() / 2**30)
+            rank = self.executor.rank
+            log.info("state cache: %d slots and %d prefix-cache snapshots of %.2f MiB (%d recurrent layers), "
+                     "%.2f GiB", config.max_seqs, rank.state_snapshots(), state_bytes_per_seq(self.model) / 2**20,
+                     sum(self.model_config.recurrent_layers), rank.state_bytes() / 2**30)
 
     @property
     def model(self):
@@ -91,9 +93,9 @@ class EngineCore(ModelFront):
             max_decode=config.max_decode,
             chunk_size=config.chunk_size,
             max_model_len=self.max_model_len,
-            # an encoder's states depend on the tokens after them: no prefix of one prompt is another's; a hybrid's
-            # cached blocks would need its recurrent state at their end, which the state cache does not keep
-            prefix_cache=config.prefix_cache and not self.model_config.is_encoder and not self.model_config.is_hybrid,
+            # an encoder's states depend on the tokens after them: no prefix of one prompt is another's
+            prefix_cache=config.prefix_cache and not self.model_config.is_encoder,
+            state_snapshots=self.executor.rank.state_snapshots(),
             whole_prompts=self.model_config.is_encoder,
             hand_off_after_prefill=self.role == "prefill",
             spec_method=config.speculation,

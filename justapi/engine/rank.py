@@ -91,8 +91,14 @@ class Rank:
         return total
 
     def state_bytes(self) -> int:
-        """Bytes of a hybrid model's state cache: one slot per sequence the engine may run (0 for other models)."""
-        return state_bytes_per_seq(self.model) * self.config.max_seqs
+        """Bytes of a hybrid model's state cache: one slot per sequence the engine may run and its prefix cache's
+        snapshots (0 for other models)."""
+        return state_bytes_per_seq(self.model) * (self.config.max_seqs + self.state_snapshots())
+
+    def state_snapshots(self) -> int:
+        """A hybrid's prefix cache's snapshot slots (core.state_snapshots): as many as the sequences it runs."""
+        hybrid = bool(state_bytes_per_seq(self.model))
+        return self.config.max_seqs if hybrid and self.config.prefix_cache else 0
 
     def allocate(self, num_blocks: int, branch: int) -> None:
         """The KV pool of ``num_blocks`` blocks and the runner over it (``branch``: the draft tree's fan-out)."""
@@ -102,7 +108,8 @@ class Rank:
         model_path = self.config.model
         self.runner = ModelRunner(self.model, num_blocks, self.config.block_size, self.config.device, proposer,
                                   grammars=lambda: grammars_for(model_path),
-                                  state_slots=self.config.max_seqs if self.state_bytes() else 0)
+                                  state_slots=self.config.max_seqs if self.state_bytes() else 0,
+                                  state_snapshots=self.state_snapshots())
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         assert self.runner is not None  # the executor allocates before the first step

@@ -86,13 +86,14 @@ class ModelRunner:
     """
 
     def __init__(self, model: LlamaModel | EncoderModel, num_blocks: int, block_size: int, device: str, proposer=None,
-                 grammars=None, state_slots: int = 0) -> None:
-        """``state_slots``: a hybrid model's state cache slots (model.state_cache), one per sequence it may run."""
+                 grammars=None, state_slots: int = 0, state_snapshots: int = 0) -> None:
+        """``state_slots``: a hybrid model's state cache slots (model.state_cache), one per sequence it may run;
+        ``state_snapshots``: those of its prefix cache."""
         self.model = model
         self.block_size = block_size
         self.device = device
         self.kv_caches = new_kv_caches(model, num_blocks, block_size, device)  # the attention layers'
-        self.state_cache = StateCache(model, state_slots, device) if state_slots else None
+        self.state_cache = StateCache(model, state_slots, device, state_snapshots) if state_slots else None
         self.layer_caches = layer_caches(model, self.kv_caches, self.state_cache)  # what each layer reads
         self.states: dict[str, _RequestState] = {}
         self.proposer = proposer
@@ -154,6 +155,8 @@ class ModelRunner:
         if sched.empty:
             return RunnerOutput(failed=self._failed)
         slot = (lambda rid: -1) if self.state_cache is None else self.state_cache.slot  # noqa: E731
+        for rid, snapshot in sched.state_loads.items():  # a hybrid starting from a cached prefix
+            self.state_cache.load(rid, snapshot)
         trees: dict[str, DraftTree] = {rid: DraftTree.chain(list(d.tokens)) for rid, d in sched.drafts.items()
                                        if d.tokens}
         proposed = [(rid, self.states[rid].token_ids, self.states[rid].block_ids, starts[rid], d.depth)
@@ -190,6 +193,8 @@ class ModelRunner:
                 if done:
                     sample_ids.append(rid)
         logits, hidden = batch.forward(self.model, self.layer_caches)
+        for rid, snapshot in sched.state_saves.items():  # a hybrid's prefix cache: the state after this chunk
+            self.state_cache.save(rid, snapshot)
         out = self._sample(logits, sample_ids, trees, starts)
         self._pool(hidden, pooled, out)
         out.failed = self._failed

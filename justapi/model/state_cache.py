@@ -37,12 +37,15 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 class StateCache:
-    """Per recurrent layer, its state tensors [slots, ...] (fp32, zeroed); which request holds which slot."""
+    """Per recurrent layer, its state tensors [slots + snapshots, ...] (fp32, zeroed); which request holds which
+    slot. Snapshot k (core.state_snapshots: the prefix cache's states, which the scheduler assigns) is row
+    ``slots + k``."""
 
-    def __init__(self, model, slots: int, device: str) -> None:
+    def __init__(self, model, slots: int, device: str, snapshots: int = 0) -> None:
         self.num_slots = slots
+        self.num_snapshots = snapshots
         self.layers: dict[int, list[torch.Tensor]] = {
-            i: [torch.zeros((slots, *shape), dtype=torch.float32, device=device)
+            i: [torch.zeros((slots + snapshots, *shape), dtype=torch.float32, device=device)
                 for shape in model.layers[i].attn.state_shapes()]
             for i in recurrent_layers(model)}
         self._free = list(range(slots))[::-1]
@@ -55,6 +58,19 @@ class StateCache:
                 raise RuntimeError(f"state cache: all {self.num_slots} slots are taken (--max-seqs bounds them)")
             self._slots[request_id] = self._free.pop()
         return self._slots[request_id]
+
+    def load(self, request_id: str, snapshot: int) -> None:
+        """``request_id``'s state becomes snapshot ``snapshot``'s (a cached prefix's end)."""
+        self._copy(self.num_slots + snapshot, self.slot(request_id))
+
+    def save(self, request_id: str, snapshot: int) -> None:
+        """Snapshot ``snapshot`` becomes ``request_id``'s state as it is now."""
+        self._copy(self.slot(request_id), self.num_slots + snapshot)
+
+    def _copy(self, src: int, dst: int) -> None:
+        for states in self.layers.values():
+            for t in states:
+                t[dst] = t[src]
 
     def release(self, request_id: str) -> None:
         slot = self._slots.pop(request_id, None)
