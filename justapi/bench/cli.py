@@ -1,4 +1,4 @@
-"""``justapi bench serve | sweep | offline | timeline``: flags and the four commands."""
+"""``justapi bench serve | sweep | offline | timeline | compare``: flags and the five commands."""
 
 from __future__ import annotations
 
@@ -121,6 +121,12 @@ def add_parser(sub, engine_flags) -> None:
     timeline = bsub.add_parser("timeline", help="draw a saved step timeline (OUT.json of --timeline) again")
     timeline.add_argument("path", help="the timeline's JSON file")
     timeline.add_argument("--out", default=None, help="the PNG to write (default: the JSON file's name, .png)")
+    compare = bsub.add_parser("compare", help="after / before of a benchmarks/peers_bench.sh run with JUSTAPI_BEFORE, "
+                                              "from both orders of the two servers")
+    compare.add_argument("folder", nargs="?", default="bench_results",
+                         help="where its peers_W.json and peers_W_reversed.json are (default: bench_results)")
+    compare.add_argument("--after", default="justapi", help="the after server's --name")
+    compare.add_argument("--before", default="justapi-before", help="the before server's --name")
 
 
 def _tokenizer(path: str | None):
@@ -356,6 +362,11 @@ def main(args, engine_config) -> int:
             return cmd_sweep(args)
         if args.bench_command == "timeline":
             return cmd_timeline(args)
+        if args.bench_command == "compare":
+            from .compare import before_after
+
+            print(before_after(args.folder, args.after, args.before))
+            return 0
         return cmd_offline(args, engine_config)
     except (BenchError, WorkloadError, ValueError) as e:
         print(f"justapi bench: error: {e}", file=sys.stderr)
