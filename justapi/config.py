@@ -379,6 +379,7 @@ class SchedulerConfig:
     priority_aging_s: float = DEFAULT_PRIORITY_AGING_S
     user_weights: tuple[tuple[str, float], ...] = ()  # fair shares' weights (others: 1)
     state_snapshots: int = 0  # a hybrid model's prefix cache: its snapshot slots (core.state_snapshots)
+    holds_states: bool = False  # a hybrid's: each request holds a state slot, a handed-off one until its KV ships
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_seqs", "max_prefill", "max_decode", "chunk_size",

@@ -60,6 +60,8 @@ ARCHS = {
     # with every {arch}.full_attention_interval-th layer gated attention, partial RoPE (the file's 1 + w norms)
     "lfm2": ArchTraits(final_norm="token_embd_norm"),
     "qwen35": ArchTraits(ffn_norm="post_attention_norm", gated_attention=True),
+    # Qwen3.5's mixture of experts: softmax, top-k renormalized, a shared expert behind its sigmoid gate
+    "qwen35moe": ArchTraits(ffn_norm="post_attention_norm", gated_attention=True, moe_norm_top_k=True),
 }
 SUPPORTED_ARCHS = tuple(ARCHS)
 

@@ -93,12 +93,10 @@ def test_prefix_cache_hits_start_from_state_snapshots(hybrid):
     assert cached == [[0, 0, 40, 40, 48], [0] * 5]
 
 
-def test_flags_a_hybrid_does_not_serve_yet_are_refused_by_name(hybrid):
+def test_disaggregation_with_tensor_parallel_workers_is_refused_by_name(hybrid):
     _, path, _, _ = hybrid
-    with pytest.raises(ValueError, match="--tp, --disaggregate cannot serve a hybrid model"):
+    with pytest.raises(ValueError, match="--disaggregate with tensor-parallel workers cannot serve a hybrid model"):
         LLM(path, tp=2, disaggregate=True, show_progress=False)
-    with pytest.raises(ValueError, match="--draft-model / --spec-method"):
-        LLM(path, spec_method="ngram", show_progress=False)
 
 
 def test_the_state_cache_is_counted_in_the_memory_budget(hybrid):
@@ -176,3 +174,131 @@ def test_quantized_hybrids_keep_their_projections_packed(tmp_path, qtype):
         a, b = (paged_prefill_logits(m, IDS, chunk=16) for m in (packed, exact))
         assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
         assert (a - b).abs().mean() < 0.06 * b.abs().mean()
+
+
+def _oracle(greedy: dict[tuple, list[int]], right: int):
+    """Drafts from the known greedy continuations: the next ``right`` tokens right, then a wrong one."""
+    def continuation(tokens: list[int]) -> list[int]:
+        prompt = next(p for p in greedy if tuple(tokens[: len(p)]) == p)
+        return greedy[prompt][len(tokens) - len(prompt):]
+
+    def chain(tokens: list[int], gamma: int) -> list[int]:
+        ahead = continuation(tokens)[:gamma]
+        return [t if i < right else (t + 1) % 250 + 3 for i, t in enumerate(ahead)]
+
+    def trees(requests):
+        """Each level a wrong child first, then the right one (under the right parent), ``right`` levels deep; then
+        two wrong children."""
+        from justapi.spec.tree import ROOT, DraftTree
+
+        out = {}
+        for rid, tokens, _, start, depth in requests:
+            ahead, tree, parent = continuation(tokens[: start + 1]), DraftTree(), ROOT
+            for level, t in enumerate(ahead[:depth]):
+                tree.add((t + 1) % 250 + 3, parent)
+                node = tree.add(t if level < right else (t + 2) % 250 + 3, parent)
+                parent = node
+            out[rid] = tree
+        return out
+
+    return chain, trees
+
+
+@pytest.mark.parametrize("right", [0, 2, 8])
+def test_drafts_verified_keep_the_state_after_the_last_accepted_token(hybrid, tiny_model, monkeypatch, right):
+    """Speculative decoding on a hybrid is lossless: drafts (prompt-lookup chains, a draft model's trees) that are
+    right for ``right`` tokens and then wrong; each verification steps every draft row from its parent's state and the
+    runner keeps the state after the last accepted row. Greedy text equals plain decoding, with that many drafts
+    accepted; the tree puts a wrong sibling before each right node, so the kept row is never simply the last."""
+    from justapi.core import drafts
+
+    _, path, _, greedy = hybrid
+    known = {tuple(p): g for p, g in zip(PROMPTS, greedy)}
+    chain, trees = _oracle(known, right)
+    monkeypatch.setattr(drafts, "propose_ngram", chain)
+    for options in ({"spec_method": "ngram", "gamma": 4}, {"draft_model": tiny_model, "gamma": 3, "branch": 2}):
+        llm = LLM(path, block_size=4, pool_blocks=96, batch_invariant=True, show_progress=False, **options)
+        if llm.engine.runner.proposer is not None:
+            llm.engine.runner.proposer.propose = trees
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        assert [o.token_ids for o in outs] == greedy
+        stats = llm.engine.scheduler.stats
+        assert stats.spec_draft_tokens > 0 and (stats.spec_accepted_tokens > 0) == (right > 0)
+
+
+def test_tensor_parallel_ranks_split_the_recurrent_layers(hybrid, monkeypatch):
+    """--tp 2: each rank holds half of the recurrent layers (Gated DeltaNet's key heads with the value heads they
+    serve, a short convolution's channels) and their states; greedy text equals one rank's with prefix-cache hits
+    from state snapshots and drafts verified on every rank, and logprobs are within 1e-3 of one rank's."""
+    from justapi.core import drafts
+
+    arch, path, _, greedy = hybrid
+    prompts = PROMPTS + [IDS[:41] + [5 + i, 6, 7 + i] for i in range(3)]
+    known = dict(zip(map(tuple, PROMPTS), greedy))
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    scored = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)  # such requests never draft
+    opts = dict(block_size=4, pool_blocks=128, show_progress=False)
+    one = LLM(path, **opts)
+    want, want_scored = one.generate(prompts, plain), one.generate(prompts[:2], scored)
+    chain, _ = _oracle(known, 2)
+    monkeypatch.setattr(drafts, "propose_ngram", lambda tokens, gamma: chain(tokens, gamma) if any(
+        tuple(tokens[: len(p)]) == p for p in known) else [])
+    llm = LLM(path, tp=2, spec_method="ngram", gamma=4, **opts)
+    try:
+        mixer = llm.engine.model.layers[0].attn
+        if arch == "qwen35":
+            assert (mixer.key_heads, mixer.value_heads) == (1, 2)
+        else:
+            assert mixer.conv.shape[0] == 32
+        assert [g.token_ids for g in llm.generate(prompts, plain)] == [w.token_ids for w in want]
+        sched = llm.engine.scheduler
+        assert sched.cache.hits > 0 and sched.stats.spec_accepted_tokens > 0
+        for g, w in zip(llm.generate(prompts[:2], scored), want_scored):
+            assert g.token_ids == w.token_ids
+            for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+                assert a.logprob == pytest.approx(b.logprob, abs=1e-3)
+    finally:
+        llm.engine.close()
+
+
+def test_qwen35_moe_matches_transformers(tmp_path):
+    """qwen35moe: Qwen3.5's layers with a mixture of experts (top-2 of 4, renormalized, and a shared expert behind its
+    sigmoid gate) through the engine's MoE path: logits within 1e-4 of transformers' Qwen3_5MoeForCausalLM over
+    chunks, greedy text equal in a batch."""
+    from justapi.model.blocks import MoeMlp
+
+    path, hf = write_tiny_qwen35(str(tmp_path / "qwen35moe.gguf"), experts=4)
+    model = load_model(path)
+    assert model.config.arch == "qwen35moe" and isinstance(model.layers[0].mlp, MoeMlp)
+    with torch.no_grad():
+        ref = hf(torch.tensor([IDS])).logits[0]
+        greedy = [hf.generate(torch.tensor([p]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, len(p):]
+                  .tolist() for p in PROMPTS]
+    assert (paged_prefill_logits(model, IDS, block_size=4, chunk=7) - ref).abs().max().item() < 1e-4
+    llm = LLM(path, block_size=4, pool_blocks=64, dtype="float32", show_progress=False)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert [o.token_ids for o in outs] == greedy
+
+
+def test_disaggregated_workers_ship_the_states_with_the_kv(hybrid):
+    """--disaggregate: the prefill worker keeps a handed-off request's state slot until its KV is sent, the states
+    travel beside the KV (a second tensor of the same transfer), the decode worker copies them into its slot; greedy
+    text equals the colocated engine's, and no worker holds a request, hand-off, transfer or block afterwards."""
+    from justapi.config import EngineConfig
+    from justapi.engine.worker_pool import WorkerPoolEngine
+    from test_pd import run_all, settled
+
+    _, path, _, greedy = hybrid
+    opts = dict(pool_blocks=128, block_size=4, batch_invariant=True, chunk_size=16, show_progress=False)
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * len(PROMPTS)
+    engine = WorkerPoolEngine(EngineConfig(path, disaggregate=True, num_threads=1, **opts))
+    try:
+        done, failed = run_all(engine, PROMPTS, params)
+        assert not failed
+        assert [done[f"r{i}"].token_ids for i in range(len(PROMPTS))] == greedy
+        assert engine.pd.stats.kv_transfers == len(PROMPTS)
+        for rank, (problem, held) in settled(engine).items():
+            assert problem is None, (rank, problem)
+            assert held["running"] == held["handoffs"] == held["transfers"] == held["blocks_held_by_requests"] == 0
+    finally:
+        engine.close()

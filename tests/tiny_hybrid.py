@@ -17,29 +17,42 @@ import torch
 from tiny_gguf import CHAT_TEMPLATE, vocab
 
 
-def _hf_lfm2(vocab_size: int, layers: list[str], seed: int):
+# the tests' size; benchmarks/hybrid_bench.py passes larger ones
+SIZES = {"hidden": 64, "intermediate": 128, "heads": 4, "kv_heads": 2, "head_dim": 16, "linear_dim": 8,
+         "linear_key_heads": 2, "linear_value_heads": 4, "context": 512}
+
+
+def _hf_lfm2(vocab_size: int, layers: list[str], seed: int, sizes: dict):
     from transformers import Lfm2Config, Lfm2ForCausalLM
 
     torch.manual_seed(seed)
-    config = Lfm2Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=len(layers),
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    s = {**SIZES, **sizes}
+    config = Lfm2Config(vocab_size=vocab_size, hidden_size=s["hidden"], intermediate_size=s["intermediate"],
+                        num_hidden_layers=len(layers), num_attention_heads=s["heads"],
+                        num_key_value_heads=s["kv_heads"], max_position_embeddings=s["context"],
                         layer_types=layers, block_auto_adjust_ff_dim=False, conv_L_cache=3,
                         tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     return _randomized(Lfm2ForCausalLM(config).eval())
 
 
-def _hf_qwen35(vocab_size: int, num_layers: int, seed: int):
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+def _hf_qwen35(vocab_size: int, num_layers: int, seed: int, sizes: dict, experts: int):
+    from transformers import (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig,
+                              Qwen3_5TextConfig)
 
     torch.manual_seed(seed)
-    config = Qwen3_5TextConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-        linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
-        linear_num_value_heads=4, tie_word_embeddings=False,
+    s = {**SIZES, **sizes}
+    moe = dict(num_experts=experts, num_experts_per_tok=2, moe_intermediate_size=s["intermediate"],
+               shared_expert_intermediate_size=s["intermediate"]) if experts else {}
+    config = (Qwen3_5MoeTextConfig if experts else Qwen3_5TextConfig)(**moe,
+        vocab_size=vocab_size, hidden_size=s["hidden"], intermediate_size=s["intermediate"],
+        num_hidden_layers=num_layers, num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
+        head_dim=s["head_dim"], max_position_embeddings=s["context"], linear_conv_kernel_dim=4,
+        linear_key_head_dim=s["linear_dim"], linear_value_head_dim=s["linear_dim"],
+        linear_num_key_heads=s["linear_key_heads"], linear_num_value_heads=s["linear_value_heads"],
+        tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-                         "mrope_section": [2, 1, 1]})
-    return _randomized(Qwen3_5ForCausalLM(config).eval())
+                         "mrope_section": [s["head_dim"] // 8, s["head_dim"] // 16, s["head_dim"] // 16]})
+    return _randomized((Qwen3_5MoeForCausalLM if experts else Qwen3_5ForCausalLM)(config).eval())
 
 
 def _randomized(model):
@@ -80,9 +93,10 @@ def _add(w: gguf.GGUFWriter, name: str, t: torch.Tensor, qtype: str = "F32") -> 
 
 
 def write_tiny_lfm2(path: str, layers: tuple[str, ...] = ("conv", "full_attention", "conv", "conv"), seed: int = 0,
-                    qtype: str = "F32"):
-    """LFM2 of ``layers`` ("conv" or "full_attention"); returns (path, the transformers model)."""
-    hf = _hf_lfm2(len(vocab()[0]), list(layers), seed)
+                    qtype: str = "F32", **sizes):
+    """LFM2 of ``layers`` ("conv" or "full_attention"), of SIZES unless ``sizes`` says otherwise; returns (path,
+    the transformers model)."""
+    hf = _hf_lfm2(len(vocab()[0]), list(layers), seed, sizes)
     cfg = hf.config
     w = gguf.GGUFWriter(path, "lfm2")
     w.add_block_count(cfg.num_hidden_layers)
@@ -129,12 +143,19 @@ def _tiled(t: torch.Tensor, key_heads: int, value_heads: int, dim: int) -> torch
     return t.view(value_heads, dim, *t.shape[1:])[order].reshape(t.shape)
 
 
-def write_tiny_qwen35(path: str, num_layers: int = 4, seed: int = 0, qtype: str = "F32"):
-    """Qwen3.5 (dense) of ``num_layers`` layers, every fourth gated attention; returns (path, the transformers
-    model)."""
-    hf = _hf_qwen35(len(vocab()[0]), num_layers, seed)
+def write_tiny_qwen35(path: str, num_layers: int = 4, seed: int = 0, qtype: str = "F32", experts: int = 0,
+                      **sizes):
+    """Qwen3.5 of ``num_layers`` layers, every fourth gated attention, dense or (``experts``) its mixture of experts
+    (qwen35moe: two a token and a shared expert), of SIZES unless ``sizes`` says otherwise; returns (path, the
+    transformers model)."""
+    hf = _hf_qwen35(len(vocab()[0]), num_layers, seed, sizes, experts)
     cfg = hf.config
-    w = gguf.GGUFWriter(path, "qwen35")
+    w = gguf.GGUFWriter(path, "qwen35moe" if experts else "qwen35")
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(2)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     w.add_block_count(num_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -145,8 +166,8 @@ def write_tiny_qwen35(path: str, num_layers: int = 4, seed: int = 0, qtype: str 
     w.add_value_length(cfg.head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(10000.0)
-    w.add_rope_dimension_count(int(cfg.head_dim * 0.5))
-    w.add_rope_dimension_sections([2, 1, 1, 0])
+    w.add_rope_dimension_count(cfg.head_dim // 2)
+    w.add_rope_dimension_sections([cfg.head_dim // 8, cfg.head_dim // 16, cfg.head_dim // 16, 0])
     w.add_vocab_size(cfg.vocab_size)
     w.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
     w.add_ssm_state_size(cfg.linear_key_head_dim)
@@ -163,9 +184,12 @@ def write_tiny_qwen35(path: str, num_layers: int = 4, seed: int = 0, qtype: str 
         p = f"blk.{i}."
         _add(w, p + "attn_norm.weight", 1 + layer.input_layernorm.weight)
         _add(w, p + "post_attention_norm.weight", 1 + layer.post_attention_layernorm.weight)
-        for name, lin in (("ffn_gate", layer.mlp.gate_proj), ("ffn_up", layer.mlp.up_proj),
-                          ("ffn_down", layer.mlp.down_proj)):
-            _add(w, p + name + ".weight", lin.weight, qtype)
+        if experts:
+            _experts(w, p, layer.mlp, qtype)
+        else:
+            for name, lin in (("ffn_gate", layer.mlp.gate_proj), ("ffn_up", layer.mlp.up_proj),
+                              ("ffn_down", layer.mlp.down_proj)):
+                _add(w, p + name + ".weight", lin.weight, qtype)
         if layer.block_type == "linear_attention":
             _delta_net(w, p, layer.linear_attn, cfg, qtype)
         else:
@@ -177,6 +201,20 @@ def write_tiny_qwen35(path: str, num_layers: int = 4, seed: int = 0, qtype: str 
             _add(w, p + "attn_k_norm.weight", 1 + a.k_norm.weight)
     _close(w)
     return path, hf
+
+
+def _experts(w: gguf.GGUFWriter, p: str, moe, qtype: str) -> None:
+    """A Qwen3.5 mixture of experts as the converter writes it: the router, each expert's gate, up and down stacked,
+    the shared expert and its gate."""
+    ff = moe.experts.gate_up_proj.shape[1] // 2
+    _add(w, p + "ffn_gate_inp.weight", moe.gate.weight)
+    _add(w, p + "ffn_gate_exps.weight", moe.experts.gate_up_proj[:, :ff])
+    _add(w, p + "ffn_up_exps.weight", moe.experts.gate_up_proj[:, ff:])
+    _add(w, p + "ffn_down_exps.weight", moe.experts.down_proj)
+    _add(w, p + "ffn_gate_inp_shexp.weight", moe.shared_expert_gate.weight.flatten())
+    for name, lin in (("ffn_gate_shexp", moe.shared_expert.gate_proj), ("ffn_up_shexp", moe.shared_expert.up_proj),
+                      ("ffn_down_shexp", moe.shared_expert.down_proj)):
+        _add(w, p + name + ".weight", lin.weight, qtype)
 
 
 def _delta_net(w: gguf.GGUFWriter, p: str, g, cfg, qtype: str) -> None:

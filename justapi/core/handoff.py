@@ -5,6 +5,7 @@ was computed elsewhere straight into decoding. Part of the Scheduler; its state 
 
 from __future__ import annotations
 
+from ..config import SchedulerConfig
 from ..request import Request, with_min_tokens_stop_ids
 from ..sampling_params import SamplingParams
 from .kv_blocks import KvBlocks
@@ -14,6 +15,7 @@ from .limits import RequestLimits
 class HandOffs:
     """The hand-off steps of core.scheduler.Scheduler, over the parts of it they use (declared here)."""
 
+    config: SchedulerConfig
     requests: dict[str, Request]
     handoffs: dict[str, Request]  # handed off, their KV not yet shipped
     running: list[Request]
@@ -49,10 +51,13 @@ class HandOffs:
         if req is not None:
             self.kv.release(req)
             self._forget(req)
+            if self.config.holds_states:
+                self._finished_ids.add(request_id)  # the runner frees its state slot now
 
     def _hand_off(self, req: Request) -> None:
         """Out of the batch with its blocks kept: its KV is about to be shipped to a decode worker."""
         self.running.remove(req)
         self.handoffs[req.request_id] = req
-        self._finished_ids.add(req.request_id)  # the runner drops its state
+        if not self.config.holds_states:  # a hybrid's state slot is kept, its states leave with the KV
+            self._finished_ids.add(req.request_id)  # the runner drops its state
         self._new_ids.discard(req.request_id)

@@ -27,7 +27,7 @@ waiting request may push a running one out. The scheduler asks; a policy never m
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from ..request import Request
 
@@ -63,6 +63,15 @@ class FcfsPolicy:
 
     def charge(self, req: Request, num_prompt_tokens: int, num_output_tokens: int) -> None:
         """Tokens computed for ``req`` this step."""
+
+    def charge_step(self, requests: Mapping[str, Request], scheduled: Mapping[str, int]) -> None:
+        """What each scheduled request computes this step: its prompt tokens, or one output token."""
+        for rid, n in scheduled.items():
+            req = requests[rid]
+            if req.num_tokens - req.num_computed_tokens == 1:
+                self.charge(req, 0, 1)
+            else:
+                self.charge(req, n, 0)
 
 
 class PriorityPolicy(FcfsPolicy):

@@ -140,7 +140,7 @@ class Scheduler(HandOffs):
         if not preempted and self.batching.admits_each_step:
             self._schedule_waiting(out, budget, now)
         self._schedule_deferred(out, budget, deferred)
-        self._charge(out)
+        self.policy.charge_step(self.requests, out.num_scheduled_tokens)
         out.finished_request_ids = self._finished_ids
         self._finished_ids = set()
         self.stats.num_steps += 1
@@ -224,24 +224,15 @@ class Scheduler(HandOffs):
         for it. One a step: the freed room is tried before more is taken."""
         if not self.waiting or not self.running:
             return
-        if len(self.running) < self.config.max_seqs and not self._short_of_blocks:
+        if self._num_holding < self.config.max_seqs and not self._short_of_blocks:
             return
         head = self.policy.next_waiting(self.waiting, now)
         if self.policy.displaces(head, self.running[-1], now):
             self._preempt(self.running[-1])
 
-    def _charge(self, out: SchedulerOutput) -> None:
-        """Tell the policy what each request is computed this step (prompt tokens, or one output token)."""
-        for rid, n in out.num_scheduled_tokens.items():
-            req = self.requests[rid]
-            if req.num_tokens - req.num_computed_tokens == 1:
-                self.policy.charge(req, 0, 1)
-            else:
-                self.policy.charge(req, n, 0)
-
     def _schedule_waiting(self, out: SchedulerOutput, budget: StepBudget, now: float) -> None:
         self._short_of_blocks = False
-        while self.waiting and len(self.running) < self.config.max_seqs:
+        while self.waiting and self._num_holding < self.config.max_seqs:
             req = self.policy.next_waiting(self.waiting, now)
             if req.imported_kv is not None:
                 req.num_computed_tokens = req.num_prompt_tokens  # its prompt's KV arrives with it
@@ -393,6 +384,11 @@ class Scheduler(HandOffs):
     def check_integrity(self) -> None:
         """Assert every block is free, cached or held by a running or handed-off request."""
         self.kv.check_integrity([*self.running, *self.handoffs.values()], self.waiting)
+
+    @property
+    def _num_holding(self) -> int:
+        """Requests holding a sequence slot: the running ones, and a hybrid's hand-offs (their state slots)."""
+        return len(self.running) + (len(self.handoffs) if self.config.holds_states else 0)
 
     @property
     def num_cached_blocks(self) -> int:

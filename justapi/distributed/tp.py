@@ -44,12 +44,16 @@ class TpPlan:
     ffn: tuple[int, int]  # intermediate rows [start, end)
     vocab: tuple[int, int]  # vocabulary rows [start, end)
     experts: tuple[int, int] = (0, 0)  # a mixture of experts' experts this rank holds [start, end)
+    # a hybrid's recurrent layers (model.recurrent): the key heads (Gated DeltaNet, each with its value heads) or
+    # the channels (short convolutions) this rank holds [start, end)
+    recurrent: tuple[int, int] = (0, 0)
 
     @classmethod
     def make(cls, cfg: ModelConfig, rank: int, size: int) -> TpPlan:
         """The plan, or ValueError naming the dimension that cannot be split ``size`` ways."""
         dims = [("attention heads", cfg.num_heads), ("intermediate (MLP) rows", cfg.intermediate_size),
-                ("vocabulary entries", cfg.vocab_size)] + ([("experts", cfg.num_experts)] if cfg.num_experts else [])
+                ("vocabulary entries", cfg.vocab_size)] + ([("experts", cfg.num_experts)] if cfg.num_experts else []) \
+            + ([("recurrent layers' " + _recurrent_unit(cfg)[0], _recurrent_unit(cfg)[1])] if cfg.recurrent else [])
         for dim, value in dims:
             if size > value:
                 raise ValueError(f"--tp {size} exceeds the model's {value} {dim}: every rank needs at least one")
@@ -67,7 +71,15 @@ class TpPlan:
             q = tuple(range(a, b))
             kv = tuple(i // group for i in q)
         return cls(rank, size, q, kv, even_range(cfg.intermediate_size, size, rank),
-                   even_range(cfg.vocab_size, size, rank), even_range(cfg.num_experts, size, rank))
+                   even_range(cfg.vocab_size, size, rank), even_range(cfg.num_experts, size, rank),
+                   even_range(_recurrent_unit(cfg)[1], size, rank) if cfg.recurrent else (0, 0))
+
+
+def _recurrent_unit(cfg: ModelConfig) -> tuple[str, int]:
+    """What a hybrid's recurrent layers split by: Gated DeltaNet's key heads, a short convolution's channels."""
+    shape = cfg.recurrent
+    assert shape is not None
+    return ("key heads", shape.key_heads) if shape.kind == "gated_delta" else ("channels", cfg.hidden_size)
 
 
 def head_rows(heads: tuple[int, ...], head_dim: int) -> torch.Tensor:

@@ -98,6 +98,7 @@ class EngineCore(ModelFront):
             state_snapshots=self.executor.rank.state_snapshots(),
             whole_prompts=self.model_config.is_encoder,
             hand_off_after_prefill=self.role == "prefill",
+            holds_states=self.model_config.is_hybrid,
             spec_method=config.speculation,
             gamma=config.gamma or DEFAULT_GAMMA,
             branch=config.branch or DEFAULT_BRANCH,
@@ -262,11 +263,23 @@ class EngineCore(ModelFront):
         self.scheduler.release_handoff(request_id)
 
     def admit_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token: int, params: SamplingParams,
-                        seed: int, kv: torch.Tensor, num_cached_tokens: int) -> None:
-        """A decode worker's request computed elsewhere, straight into decoding with its prompt's KV copied in;
-        ValueError where it can never fit."""
+                        seed: int, kv: torch.Tensor, num_cached_tokens: int, state: torch.Tensor | None = None) -> None:
+        """A decode worker's request computed elsewhere, straight into decoding with its prompt's KV (and a hybrid's
+        recurrent states) copied in; ValueError where it can never fit."""
         self.scheduler.add_prefilled_request(request_id, prompt_token_ids, first_token, params,
-                                             self.tokenizer.eos_token_ids, seed, kv, num_cached_tokens)
+                                             self.tokenizer.eos_token_ids, seed,
+                                             kv if state is None else (kv, state), num_cached_tokens)
+
+    def handoff_state(self, request_id: str) -> torch.Tensor | None:
+        """A handed-off hybrid request's recurrent states (flat, fp32; its slot is held until its KV is sent), or
+        None for a model without any."""
+        states = self.runner.state_cache
+        return None if states is None else states.export(request_id)
+
+    def state_specs(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """The shape and dtype of a hybrid's states in a KV transfer (none for other models)."""
+        per_seq = state_bytes_per_seq(self.model)
+        return [((per_seq // 4,), torch.float32)] if per_seq else []
 
     def last_step_shape(self) -> tuple[int, int]:
         """The latest step's prefill tokens and decode rows (what its time is fitted by: core.admission)."""

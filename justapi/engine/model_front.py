@@ -141,12 +141,10 @@ def _check_encoder_flags(config: EngineConfig, arch: str) -> None:
 
 def _check_hybrid_flags(config: EngineConfig, arch: str) -> None:
     """The flags a hybrid model's recurrent states do not serve yet, refused at start-up, each by name."""
-    refused = {"--tp": config.tp > 1, "--disaggregate": config.disaggregate,
-               "--draft-model / --spec-method": config.speculation is not None}
-    named = [flag for flag, given in refused.items() if given]
-    if named:
-        raise ValueError(f"{', '.join(named)} cannot serve a hybrid model ({arch}) yet: its recurrent layers' states "
-                         "are not sharded, shipped between workers or rolled back after rejected drafts")
+    worker_tp = config.disaggregate and max(config.prefill_tp or config.tp, config.decode_tp or config.tp) > 1
+    if worker_tp:
+        raise ValueError(f"--disaggregate with tensor-parallel workers cannot serve a hybrid model ({arch}) yet: "
+                         "its recurrent states would have to be gathered from every rank")
 
 
 def _template_source(path: str | None) -> str | None:

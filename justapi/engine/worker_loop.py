@@ -106,11 +106,13 @@ class WorkerLoop:
                 if kv is None:  # aborted meanwhile, or not ours
                     self._failed(rid, "its KV is not on the prefill worker")
                     return
-                self.sends[rid] = send_kv(rid, kv, dst, tag)
+                state = self.engine.handoff_state(rid)  # a hybrid's recurrent states after the prompt
+                self.sends[rid] = send_kv(rid, [kv] + ([state] if state is not None else []), dst, tag)
             case RecvKv(rid, src, tag, shape, request):
                 from ..distributed.kv_transfer import recv_kv
 
-                transfer = recv_kv(rid, shape, self.engine.model.kv_dtype, src, tag, self.engine.config.device)
+                specs = [(shape, self.engine.model.kv_dtype)] + self.engine.state_specs()
+                transfer = recv_kv(rid, specs, src, tag, self.engine.config.device)
                 self.recvs[rid] = (transfer, dataclasses.replace(
                     request, params=local_params(request.params, request.deadline_in), deadline_in=None))
             case CheckIntegrity():
@@ -145,7 +147,7 @@ class WorkerLoop:
                 continue
             try:
                 self.engine.admit_prefilled(rid, r.prompt_token_ids, r.first_token, r.params, r.seed, t.tensor,
-                                            r.num_cached_tokens)
+                                            r.num_cached_tokens, t.tensors[1] if len(t.tensors) > 1 else None)
             except ValueError as e:
                 self._failed(rid, str(e))
                 continue

@@ -99,7 +99,8 @@ class WorkerPoolEngine(ModelFront):
         smallest = min(n for n, _ in ready.values())
         self._limits = RequestLimits(self.max_model_len, smallest, cfg.block_size)
         c = self.model_config
-        self._kv_shape = (c.num_layers, 2, c.num_kv_heads, None, cfg.block_size, c.head_dim)
+        kv_layers = c.num_layers - sum(c.recurrent_layers)  # a hybrid's recurrent layers keep states, not KV
+        self._kv_shape = (kv_layers, 2, c.num_kv_heads, None, cfg.block_size, c.head_dim)
 
     def _await_ready(self, roles: list[str], mode: str) -> dict[int, tuple[int, int]]:
         """Each worker's (KV blocks, block size) once it has loaded the model; ModelLoadError (every worker stopped)

@@ -46,6 +46,9 @@ class SeqSpan:
     # built by the first layer that needs one and reused by the others
     biases: dict = field(default_factory=dict, repr=False, compare=False)
     state_slot: int = -1  # the sequence's slot in a hybrid model's state cache (model.state_cache); -1: none
+    # a draft verification's rows (the last real token, then the drafts): each row's parent row (-1: the sequence's
+    # state), so that a hybrid's recurrent layers step each node from its parent's state (model.recurrent)
+    parents: list[int] | None = None
 
 
 @dataclass

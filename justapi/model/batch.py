@@ -26,13 +26,13 @@ class FlatBatch:
 
     def add(self, token_ids: list[int], positions: list[int], first_slot: int, block_ids: list[int],
             mask: torch.Tensor | None = None, logits: str | None = None, hidden: str | None = None,
-            state_slot: int = -1) -> None:
+            state_slot: int = -1, parents: list[int] | None = None) -> None:
         """A sequence's new tokens, stored at slot positions ``first_slot ..``, seeing everything before them.
 
         ``logits``: "last" (the row after the last token), "all", "first", or None (no row: a prefill chunk
         mid-prompt);
         ``hidden`` the same for final hidden states (an embedding request's); ``state_slot``: the sequence's slot in a
-        hybrid model's state cache.
+        hybrid model's state cache; ``parents``: a draft verification's row parents (SeqSpan.parents).
         """
         bs = self.block_size
         n = len(token_ids)
@@ -42,7 +42,7 @@ class FlatBatch:
         self.positions.extend(positions)
         self.slots.extend(block_ids[p // bs] * bs + p % bs for p in range(first_slot, end))
         self.tables.append(block_ids[: -(-end // bs)])
-        self.spans.append(SeqSpan(row, n, end, None, mask, positions, state_slot=state_slot))
+        self.spans.append(SeqSpan(row, n, end, None, mask, positions, state_slot=state_slot, parents=parents))
         for kind, rows in ((logits, self.logits_rows), (hidden, self.hidden_rows)):
             if kind == "last":
                 rows.append(row + n - 1)
@@ -56,7 +56,8 @@ class FlatBatch:
         None without hidden rows)."""
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.tensor(self.slots, dtype=torch.long, device=dev), seqs=self.spans)
-        decode = [i for i, s in enumerate(self.spans) if s.num_query_tokens == 1 and s.mask is None]
+        decode = [i for i, s in enumerate(self.spans) if s.num_query_tokens == 1 and s.mask is None
+                  and s.parents is None]
         if decode:
             _add_decode_batch(meta, [self.spans[i] for i in decode], [self.tables[i] for i in decode], dev)
         for span, table in zip(self.spans, self.tables):

@@ -91,8 +91,8 @@ class Attention:
         from ..distributed.tp import head_rows
 
         d = config.head_dim
-        if kind == "attn_q":  # weight rows and bias entries of the rank's query heads
-            return 0, head_rows(tp.q_heads, d)
+        if kind == "attn_q":  # weight rows and bias entries of the rank's query heads (and their gates' rows)
+            return 0, head_rows(tp.q_heads, 2 * d if config.traits.gated_attention else d)
         if kind in ("attn_k", "attn_v"):  # ... of its KV heads (repeated where replicated)
             return 0, head_rows(tp.kv_heads, d)
         if kind == "attn_qkv":

@@ -3,8 +3,8 @@ layers are recurrent and the recurrent layers' sizes (model_config.RecurrentShap
 
 - lfm2: ``{arch}.attention.head_count_kv`` is an array, 0 for a short-convolution layer; ``{arch}.shortconv.l_cache``
   is the convolution's length.
-- qwen35: every ``{arch}.full_attention_interval``-th layer attends (3, 7, ... for 4), the others are Gated DeltaNet
-  with ``{arch}.ssm.{conv_kernel, group_count, time_step_rank, state_size, inner_size}``.
+- qwen35, qwen35moe: every ``{arch}.full_attention_interval``-th layer attends (3, 7, ... for 4), the others are
+  Gated DeltaNet with ``{arch}.ssm.{conv_kernel, group_count, time_step_rank, state_size, inner_size}``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def recurrent_layers(reader, arch: str, num_layers: int, path: str) -> tuple[tup
                                  "KV heads (0 for a convolution layer)")
         shape = RecurrentShape("short_conv", _need(reader, arch, "shortconv.l_cache", path))
         return tuple(h == 0 for h in heads), shape
-    if arch == "qwen35":
+    if arch in ("qwen35", "qwen35moe"):
         interval = int(field_value(reader, f"{arch}.full_attention_interval", 4))
         if interval < 1:
             raise ModelLoadError(f"{path}: {arch}.full_attention_interval is {interval}, not a positive number")

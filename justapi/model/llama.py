@@ -85,7 +85,8 @@ class LlamaModel:
         which kernels serve which weights (model.kernel_policy); None: the pure-torch path. ``huge_pages``: on CPU, the
         weights and this model's KV cache on transparent huge pages where available (model.hugepages)."""
         if tp is not None:
-            config = dataclasses.replace(config, num_heads=len(tp.q_heads), num_kv_heads=len(tp.kv_heads))
+            config = dataclasses.replace(config, num_heads=len(tp.q_heads), num_kv_heads=len(tp.kv_heads),
+                                         recurrent=_rank_recurrent(config, tp))
         self.config = config
         self.batch_invariant = batch_invariant
         self.kv_dtype = kv_dtype
@@ -289,14 +290,28 @@ class LlamaModel:
         return logits
 
 
+def _rank_recurrent(config: ModelConfig, tp):
+    """The recurrent layers' shape on rank ``tp``: its share of Gated DeltaNet's key heads and their value heads."""
+    shape = config.recurrent
+    if shape is None or shape.kind != "gated_delta":
+        return shape  # a short convolution's channels are its tensors' rows
+    keys = tp.recurrent[1] - tp.recurrent[0]
+    return dataclasses.replace(shape, key_heads=keys, value_heads=keys * (shape.value_heads // shape.key_heads))
+
+
 def shard_selection(name: str, tp, config: ModelConfig):
     """The rows (dim 0) or columns (dim 1) of the GGUF tensor ``name`` [out, in] that rank ``tp`` holds, or None
     for the whole tensor (see distributed.tp for the split); gguf_loader.load_tensors reads only those. The
     embedding and the head split by vocabulary rows; each layer part says how its own tensors split."""
-    kind = name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0]
+    # a layer's tensor by its name between "blk.N." and ".weight" / ".bias" (attn_q, shortconv.in_proj, ssm_a)
+    kind = name.split(".", 2)[2].removesuffix(".weight").removesuffix(".bias") if name.startswith("blk.") \
+        else name.split(".")[0]
     if kind in ("token_embd", "output"):  # vocabulary rows
         return 0, torch.arange(*tp.vocab)
-    for part in (Attention, DenseMlp, MoeMlp):
+    # a layer's token mixer: attention, or a hybrid's recurrent layer (Qwen3.5's attn_qkv is its DeltaNet's)
+    recurrent = name.startswith("blk.") and config.is_recurrent(int(name.split(".")[1]))
+    mixers = (ShortConv, GatedDeltaNet) if recurrent else (Attention,)
+    for part in (*mixers, DenseMlp, MoeMlp):
         selection = part.shard(kind, tp, config)
         if selection is not None:
             return selection

@@ -3,8 +3,10 @@ convolution and Qwen3.5's Gated DeltaNet. Each keeps a fixed-size state per sequ
 slots) instead of a growing KV cache.
 
 A flat batch mixes sequences: decode rows (one new token each) are stepped together, gathering their slots' states
-and scattering the new ones back; every other span (a prompt chunk) runs its own scan from its slot's state, or from
-zeros where the span starts its sequence. A layer's state is a list of tensors, each [slots, ...].
+and scattering the new ones back; a prompt chunk runs its own scan from its slot's state, or from zeros where the
+span starts its sequence; a draft verification (a chain or a tree) steps each row from its parent row's state and
+keeps every row's (model.state_cache: the runner keeps the last accepted one). A layer's states are a LayerStates,
+tensors [slots, ...].
 """
 
 from __future__ import annotations
@@ -22,11 +24,11 @@ from .layers import linear
 Scan = Callable[[tuple, list], tuple]
 
 
-def _over_sequences(fp, inputs: tuple, states: list[torch.Tensor], seq: Scan, step: Scan, width: int):
+def _over_sequences(fp, inputs: tuple, layer, seq: Scan, step: Scan, width: int):
     """Each sequence's rows of ``inputs`` (row-major tensors) through its recurrence: the decode rows at once
-    (``step``), every other span alone (``seq``); each slot's state updated in place. Returns the outputs
-    [rows, width] in the batch's row order."""
-    meta = fp.meta
+    (``step``), every other span alone (``seq``, or ``step`` row by row for a draft verification); each slot's state
+    updated in place. Returns the outputs [rows, width] in the batch's row order."""
+    meta, states = fp.meta, layer.tensors
     out = inputs[0].new_empty(inputs[0].shape[0], width)
     if meta.decode_rows is not None:
         rows, slots = meta.decode_rows, meta.decode_state_slots
@@ -35,10 +37,11 @@ def _over_sequences(fp, inputs: tuple, states: list[torch.Tensor], seq: Scan, st
         for s, n in zip(states, new):
             s.index_copy_(0, slots, n.to(s.dtype))
     for span in meta.seqs:
-        if span.num_query_tokens == 1 and span.mask is None and meta.decode_rows is not None:
+        if span.num_query_tokens == 1 and span.parents is None and meta.decode_rows is not None:
             continue  # stepped with the decode rows
-        if span.mask is not None:
-            raise ValueError("draft trees are not verified on recurrent layers")
+        if span.parents is not None:
+            layer.checkpoints[span.state_slot] = _verify_rows(span, inputs, states, step, out)
+            continue
         rows = slice(span.query_start, span.query_start + span.num_query_tokens)
         fresh = span.context_len == span.num_query_tokens  # the span starts its sequence
         start = [torch.zeros_like(s[span.state_slot]) if fresh else s[span.state_slot] for s in states]
@@ -54,6 +57,19 @@ def _l2_normalized(t: torch.Tensor) -> torch.Tensor:
     return t * torch.rsqrt((t * t).sum(-1, keepdim=True) + 1e-6)
 
 
+def _verify_rows(span, inputs: tuple, states: list[torch.Tensor], step: Scan, out: torch.Tensor) -> list:
+    """A draft verification's rows stepped one by one, each from its parent row's state (the first from the
+    slot's): the state after each row, the slot left as it was."""
+    after: list[list[torch.Tensor]] = []
+    for j, parent in enumerate(span.parents):
+        start = [s[span.state_slot].unsqueeze(0) for s in states] if parent < 0 else after[parent]
+        row = span.query_start + j
+        o, new = step(tuple(t[row : row + 1] for t in inputs), start)
+        out[row] = o[0].to(out.dtype)
+        after.append(new)
+    return [[s[0] for s in states_after] for states_after in after]
+
+
 @dataclass
 class ShortConv:
     """LFM2's gated short convolution: B, C, x = in_proj(h); y = C * conv(B * x); out_proj(y). Its state is the
@@ -63,13 +79,27 @@ class ShortConv:
     conv: torch.Tensor  # [hidden, K] fp32
     out_proj: object
 
+    @staticmethod
+    def shard(kind: str, tp, config) -> tuple[int, torch.Tensor] | None:
+        """A tensor-parallel rank's channels: its rows of B, C and x and of the convolution, its columns of
+        out_proj (None: not this layer's tensor)."""
+        a, b = tp.recurrent
+        rows, hidden = torch.arange(a, b), config.hidden_size
+        if kind == "shortconv.in_proj":
+            return 0, torch.cat([rows, hidden + rows, 2 * hidden + rows])
+        if kind == "shortconv.conv":
+            return 0, rows
+        if kind == "shortconv.out_proj":
+            return 1, rows
+        return None
+
     def state_shapes(self) -> list[tuple[int, ...]]:
         return [(self.conv.shape[0], self.conv.shape[1] - 1)]
 
     def linears(self) -> list:
         return [self.in_proj, self.out_proj]
 
-    def __call__(self, h: torch.Tensor, fp, states: list[torch.Tensor]) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, fp, states) -> torch.Tensor:
         b, c, x = linear(h, self.in_proj, None, fp.batch_invariant).chunk(3, dim=-1)
         weight = self.conv
 
@@ -81,8 +111,11 @@ class ShortConv:
             y, tails = delta_rule.conv_step(inputs[0].float(), start[0], weight)
             return y, [tails]
 
-        y = _over_sequences(fp, ((b * x),), states, seq, step, h.shape[1])
+        y = _over_sequences(fp, ((b * x),), states, seq, step, x.shape[1])
         return fp.all_reduce(linear(c * y, self.out_proj, None, fp.batch_invariant))
+
+
+_DELTA_NET_TENSORS = ("attn_qkv", "ssm_conv1d", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_a", "ssm_dt", "ssm_out")
 
 
 @dataclass
@@ -105,13 +138,33 @@ class GatedDeltaNet:
     value_dim: int
     eps: float
 
+    @staticmethod
+    def shard(kind: str, tp, config) -> tuple[int, torch.Tensor] | None:
+        """A tensor-parallel rank's key heads and the value heads they serve (llama.cpp's tiled order: value head
+        j * key_heads + k uses key head k), listed so that the rank's own heads keep that order: their rows of the
+        input projections and the convolution, their entries of A and dt_bias, their columns of ssm_out."""
+        from ..distributed.tp import head_rows
+
+        if kind not in _DELTA_NET_TENSORS:
+            return None
+        s = config.recurrent
+        keys = tuple(range(*tp.recurrent))
+        values = tuple(j * s.key_heads + k for j in range(s.value_heads // s.key_heads) for k in keys)
+        qkv = torch.cat([head_rows(keys, s.key_dim), s.key_heads * s.key_dim + head_rows(keys, s.key_dim),
+                         2 * s.key_heads * s.key_dim + head_rows(values, s.value_dim)])
+        selections = {"attn_qkv": (0, qkv), "ssm_conv1d": (0, qkv), "attn_gate": (0, head_rows(values, s.value_dim)),
+                      "ssm_beta": (0, torch.tensor(values)), "ssm_alpha": (0, torch.tensor(values)),
+                      "ssm_a": (0, torch.tensor(values)), "ssm_dt": (0, torch.tensor(values)),
+                      "ssm_out": (1, head_rows(values, s.value_dim))}
+        return selections.get(kind)
+
     def state_shapes(self) -> list[tuple[int, ...]]:
         return [(self.conv.shape[0], self.conv.shape[1] - 1), (self.value_heads, self.key_dim, self.value_dim)]
 
     def linears(self) -> list:
         return [self.in_proj, self.out_proj]
 
-    def __call__(self, h: torch.Tensor, fp, states: list[torch.Tensor]) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, fp, states) -> torch.Tensor:
         n = h.shape[0]
         qk, vd = self.key_heads * self.key_dim, self.value_heads * self.value_dim
         proj = linear(h, self.in_proj, None, fp.batch_invariant).float()

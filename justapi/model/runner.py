@@ -119,8 +119,11 @@ class ModelRunner:
                     self._failed[new.request_id] = _failure("its grammar", e)
             self.states[new.request_id] = st
             starts[new.request_id] = new.num_computed_tokens
-            if new.kv_import is not None:
-                self.import_kv(new.block_ids, new.kv_import)
+            if new.kv_import is not None:  # disaggregation: the prompt's KV, and a hybrid's states, computed elsewhere
+                kv, state = new.kv_import if isinstance(new.kv_import, tuple) else (new.kv_import, None)
+                self.import_kv(new.block_ids, kv)
+                if state is not None and self.state_cache is not None:
+                    self.state_cache.import_(new.request_id, state)
             if self.proposer is not None:
                 self.proposer.drop(new.request_id)  # a resumed request: its draft KV is recomputed
         for cached in sched.cached_requests:
@@ -180,10 +183,12 @@ class ModelRunner:
             elif tree:  # the last real token, then the draft nodes, each at its own slot
                 mask = None if tree.is_chain else tree.attention_mask(self.device)
                 batch.add([st.token_ids[start]] + tree.tokens, [start] + [start + d for d in tree.depths], start,
-                          st.block_ids, mask, logits="all")
+                          st.block_ids, mask, logits="all", state_slot=slot(rid),
+                          parents=[-1] + [1 + p for p in tree.parents])
                 sample_ids.append(rid)
             elif rid in sched.drafts:  # slots reserved for drafts the proposer did not make: one token
-                batch.add(st.token_ids[start : start + 1], [start], start, st.block_ids, logits="last")
+                batch.add(st.token_ids[start : start + 1], [start], start, st.block_ids, logits="last",
+                          state_slot=slot(rid))
                 sample_ids.append(rid)
             else:
                 end = start + n
@@ -196,6 +201,8 @@ class ModelRunner:
         for rid, snapshot in sched.state_saves.items():  # a hybrid's prefix cache: the state after this chunk
             self.state_cache.save(rid, snapshot)
         out = self._sample(logits, sample_ids, trees, starts)
+        if self.state_cache is not None:
+            self.state_cache.drop_checkpoints()  # rejected drafts' states, and those of requests that failed
         self._pool(hidden, pooled, out)
         out.failed = self._failed
         return out
@@ -289,6 +296,8 @@ class ModelRunner:
         emitted, path = spec_decode_tree(rows_logits, tree, row)
         moves = [(start + a, start + b) for a, b in tree.path_moves(path)]
         move_kv(self.kv_caches, st.block_ids, self.block_size, moves)
+        if self.state_cache is not None:  # a hybrid keeps the state after its last accepted row
+            self.state_cache.keep(rid, 1 + path[-1] if path else 0)
         if self.proposer is not None and rid in self.proposer.positions:
             self.proposer.accepted(rid, st.block_ids, start, tree, path)
         answered = emitted

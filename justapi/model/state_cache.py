@@ -22,7 +22,7 @@ def state_bytes_per_seq(model) -> int:
 
 def layer_caches(model, kv_caches: list, states: StateCache | None) -> list:
     """What each of ``model``'s layers reads in its forward pass: an attention layer its (K, V) from
-    ``kv_caches`` (the attention layers', in order), a recurrent one its state tensors."""
+    ``kv_caches`` (the attention layers', in order), a recurrent one its LayerStates."""
     if states is None or not states.layers:
         return kv_caches
     kv = iter(kv_caches)
@@ -36,6 +36,16 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+class LayerStates:
+    """One recurrent layer's states: ``tensors`` [slots + snapshots, ...], and while a step verifies drafts, each
+    verifying sequence's state after each of its rows (``checkpoints[slot][row]``), until the runner keeps the
+    accepted one."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+        self.checkpoints: dict[int, list[list[torch.Tensor]]] = {}
+
+
 class StateCache:
     """Per recurrent layer, its state tensors [slots + snapshots, ...] (fp32, zeroed); which request holds which
     slot. Snapshot k (core.state_snapshots: the prefix cache's states, which the scheduler assigns) is row
@@ -44,9 +54,9 @@ class StateCache:
     def __init__(self, model, slots: int, device: str, snapshots: int = 0) -> None:
         self.num_slots = slots
         self.num_snapshots = snapshots
-        self.layers: dict[int, list[torch.Tensor]] = {
-            i: [torch.zeros((slots + snapshots, *shape), dtype=torch.float32, device=device)
-                for shape in model.layers[i].attn.state_shapes()]
+        self.layers: dict[int, LayerStates] = {
+            i: LayerStates([torch.zeros((slots + snapshots, *shape), dtype=torch.float32, device=device)
+                            for shape in model.layers[i].attn.state_shapes()])
             for i in recurrent_layers(model)}
         self._free = list(range(slots))[::-1]
         self._slots: dict[str, int] = {}
@@ -67,9 +77,35 @@ class StateCache:
         """Snapshot ``snapshot`` becomes ``request_id``'s state as it is now."""
         self._copy(self.slot(request_id), self.num_slots + snapshot)
 
+    def keep(self, request_id: str, row: int) -> None:
+        """A verified draft: ``request_id``'s state becomes the one after row ``row`` of its verification (the last
+        token it accepted)."""
+        slot = self.slot(request_id)
+        for layer in self.layers.values():
+            for t, kept in zip(layer.tensors, layer.checkpoints[slot][row]):
+                t[slot] = kept
+
+    def drop_checkpoints(self) -> None:
+        for layer in self.layers.values():
+            layer.checkpoints.clear()
+
+    def export(self, request_id: str) -> torch.Tensor:
+        """``request_id``'s states, every layer's flattened and concatenated (what a KV transfer carries)."""
+        slot = self.slot(request_id)
+        return torch.cat([t[slot].flatten() for layer in self.layers.values() for t in layer.tensors])
+
+    def import_(self, request_id: str, flat: torch.Tensor) -> None:
+        """``request_id``'s states from ``export``'s form."""
+        slot, offset = self.slot(request_id), 0
+        for layer in self.layers.values():
+            for t in layer.tensors:
+                n = t[slot].numel()
+                t[slot] = flat[offset : offset + n].view(t.shape[1:])
+                offset += n
+
     def _copy(self, src: int, dst: int) -> None:
-        for states in self.layers.values():
-            for t in states:
+        for layer in self.layers.values():
+            for t in layer.tensors:
                 t[dst] = t[src]
 
     def release(self, request_id: str) -> None:
@@ -83,4 +119,4 @@ class StateCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for states in self.layers.values() for t in states)
+        return sum(t.numel() * t.element_size() for layer in self.layers.values() for t in layer.tensors)
