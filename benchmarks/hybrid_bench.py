@@ -11,6 +11,7 @@ test extra is needed). Random weights decode as fast as trained ones; the vocabu
 LM head costs little and the layers dominate.
 
     .venv/bin/python benchmarks/hybrid_bench.py [--hidden 768] [--layers 12] [--qtype Q8_0] [--out FILE.json]
+        [--disable delta_rule]
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def measure(path: str, args) -> dict:
     from justapi import LLM, SamplingParams
     from justapi.model.state_cache import state_bytes_per_seq
 
-    llm = LLM(path, show_progress=False, max_seqs=8, pool_blocks=4096 // 16 * 9)
+    llm = LLM(path, show_progress=False, max_seqs=8, pool_blocks=4096 // 16 * 9, disabled_kernels=args.disable)
     vocab = llm.engine.model_config.vocab_size
     rng = random.Random(0)
     prompt = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
@@ -112,7 +113,7 @@ def recurrence_share(path: str, args) -> float:
 def shared_prompt(path: str, args) -> dict:
     """A shared system prompt (--prompt tokens) and 16 questions of 32 tokens, one after another: the mean time to
     the first token and the prefix cache's hit ratio, with and without the prefix cache; then a small pool that
-    preempts 8 such requests decoding together: preemptions, tokens recomputed and resumed from cached blocks."""
+    preempts 8 requests decoding together: preemptions, tokens recomputed and resumed from cached blocks."""
     from justapi import LLM, SamplingParams
 
     rng = random.Random(1)
@@ -130,11 +131,14 @@ def shared_prompt(path: str, args) -> dict:
         stats = llm.engine.scheduler.cache
         out["ttft_ms_cached" if cache else "ttft_ms_uncached"] = 1000 * sum(times[1:]) / (len(times) - 1)
         if cache:
-            out["hit_ratio"] = stats.hit_ratio()
+            out["hit_ratio"] = stats.hit_ratio
+        # 8 distinct prompts decoding 4 * --output tokens each in a pool that admits them all but cannot hold their
+        # growth: preempted requests recompute, or resume from their own prompt's snapshot where the cache has it
+        own = [[rng.randrange(3, 250) for _ in range(args.prompt)] for _ in range(8)]
         small = LLM(path, show_progress=False, max_seqs=8, prefix_cache=cache,
-                    pool_blocks=(args.prompt + 32 + args.output) * 5 // 16)
+                    pool_blocks=8 * (-(-args.prompt // 16) + 2))
         t = time.perf_counter()
-        small.generate(asks[:8], SamplingParams(temperature=0, max_tokens=args.output, ignore_eos=True))
+        small.generate(own, SamplingParams(temperature=0, max_tokens=4 * args.output, ignore_eos=True))
         st = small.engine.scheduler.stats
         out["preemption" + ("" if cache else "_uncached")] = {
             "seconds": time.perf_counter() - t, "preemptions": st.num_preemptions,
@@ -148,6 +152,9 @@ def llama_bench(path: str, args) -> dict | None:
     if binary is None:
         return None
     cmd = [binary, "-m", path, "-p", str(args.prompt), "-n", str(args.output), "-t", "2", "-r", "2", "-o", "json"]
+    with open("/proc/cpuinfo") as f:
+        if "amx_tile" in f.read():
+            cmd += ["--repack", "0"]  # ggml's AMX repacking crashes on these machines (as peers_bench.sh notes)
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         rows = json.loads(done.stdout)
@@ -165,6 +172,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--output", type=int, default=64)
     ap.add_argument("--out", help="also write the figures to this JSON file")
+    ap.add_argument("--disable", nargs="*", default=(), help="kernels off in the throughput runs (--disable-kernels), "
+                    "e.g. delta_rule for the torch path of the recurrence")
     args = ap.parse_args()
     results = {}
     with tempfile.TemporaryDirectory() as folder:

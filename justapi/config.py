@@ -69,7 +69,8 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 # dpbf16 (the same weights on AVX-512 BF16 vectors, where AMX is absent or disabled), q8_small (1-4 rows times 8-bit
 # units with AVX-512 FMAs), q4_small (1-2 rows times 4-bit units so, beside dpbf16), prepack (dense weights in oneDNN's
 # blocked layout), fused_silu (silu(gate) * up in one C++ call), prefill_attention (prompt chunks' attention in C++).
-OPTIONAL_KERNELS = ("q_matmul", "amx", "dpbf16", "q8_small", "q4_small", "prepack", "fused_silu", "prefill_attention")
+OPTIONAL_KERNELS = ("q_matmul", "amx", "dpbf16", "q8_small", "q4_small", "prepack", "fused_silu", "prefill_attention",
+                    "delta_rule")
 
 
 def flag(default, help: str, name: str | None = None, choices=None, metavar: str | None = None):

@@ -302,3 +302,34 @@ def test_disaggregated_workers_ship_the_states_with_the_kv(hybrid):
             assert held["running"] == held["handoffs"] == held["transfers"] == held["blocks_held_by_requests"] == 0
     finally:
         engine.close()
+
+
+def test_the_cpp_delta_rule_step_updates_the_slots_as_the_torch_step_does(cpp_kernels):
+    """kernels.delta_rule_step (decode rows in place on their state slots) against model.delta_rule.delta_step on
+    gathered states: outputs and every slot's new state within fp32 rounding, the slots not named untouched."""
+    g = torch.Generator().manual_seed(1)
+    rows, heads, dk, dv = 5, 4, 16, 24
+    q, k = (torch.nn.functional.normalize(torch.randn(rows, heads, dk, generator=g), dim=-1) for _ in range(2))
+    v = torch.randn(rows, heads, dv, generator=g)
+    decay, beta = -torch.rand(rows, heads, generator=g), torch.rand(rows, heads, generator=g)
+    states = torch.randn(9, heads, dk, dv, generator=g)
+    slots = torch.tensor([7, 0, 3, 8, 5])
+    want, new = delta_rule.delta_step(q, k, v, decay, beta, states[slots])
+    out, kept = torch.empty(rows, heads, dv), states.clone()
+    cpp_kernels.delta_rule_step(q, k, v, decay, beta, states, slots, out)
+    assert (out - want).abs().max() < 1e-5 and (states[slots] - new).abs().max() < 1e-5
+    others = [i for i in range(9) if i not in slots.tolist()]
+    assert torch.equal(states[others], kept[others])
+
+
+def test_greedy_text_identical_with_and_without_the_delta_rule_kernel(hybrid):
+    """The exact path (fp32) with the C++ delta-rule step and with it off (--disable-kernels delta_rule): the same
+    greedy text, which is transformers'."""
+    arch, path, _, greedy = hybrid
+    outs = {}
+    for disabled in ((), ("delta_rule",)):
+        llm = LLM(path, block_size=4, pool_blocks=64, dtype="float32", disabled_kernels=disabled, show_progress=False)
+        assert llm.engine.model.policy.uses("delta_rule") == (not disabled)
+        outs[disabled] = [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12,
+                                                                                    ignore_eos=True))]
+    assert outs[()] == outs[("delta_rule",)] == greedy

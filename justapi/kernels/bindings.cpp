@@ -44,6 +44,10 @@ bool prefill_attention_fp32();
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                 torch::Tensor block_table, int64_t context_len, double scale, int64_t window);
 
+// recurrent.cpp
+void delta_rule_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g, torch::Tensor beta,
+                     torch::Tensor states, torch::Tensor slots, torch::Tensor out);
+
 // q_matmul.cpp
 bool q_matmul_available();
 torch::Tensor q_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scale, c10::optional<torch::Tensor> offset,
@@ -81,6 +85,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether prefill_attention computes in fp32 (the AVX2 build) rather than with bf16 products (AVX-512 BF16)");
   m.def("prefill_attention", &prefill_attention,
         "a prompt chunk's causal attention over its bf16 cache: bf16 products on AVX-512 BF16, fp32 on AVX2");
+  m.def("delta_rule_step", &delta_rule_step,
+        "one decode token of the gated delta rule per row, in place on the rows' state slots (fp32)");
   m.def("q_matmul_available", &q_matmul_available, "whether q_matmul can run here (an AVX2 + FMA build)");
   m.def("q_matmul", &q_matmul, "x @ w.T, fp32 rows (rounded to 16-bit integers) x a packed 4-bit or Q8_0 weight, on AVX2");
 }

@@ -35,6 +35,8 @@ class ForwardPass:
         self.fused = model.policy.layer_ops and on_cpu
         self.fused_silu = self.fused and model.policy.uses("fused_silu")
         self.prefill_kernel = model.policy.uses("prefill_attention") and on_cpu
+        # the C++ delta-rule step for a hybrid's decode rows (its sums in another order: not batch-invariant)
+        self.delta_kernel = model.policy.uses("delta_rule") and on_cpu and not model.batch_invariant
         self.comm = model.comm
         self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 

@@ -24,13 +24,17 @@ from .layers import linear
 Scan = Callable[[tuple, list], tuple]
 
 
-def _over_sequences(fp, inputs: tuple, layer, seq: Scan, step: Scan, width: int):
+def _over_sequences(fp, inputs: tuple, layer, seq: Scan, step: Scan, width: int, in_place=None):
     """Each sequence's rows of ``inputs`` (row-major tensors) through its recurrence: the decode rows at once
-    (``step``), every other span alone (``seq``, or ``step`` row by row for a draft verification); each slot's state
-    updated in place. Returns the outputs [rows, width] in the batch's row order."""
+    (``step``, or ``in_place(rows' inputs, states, slots)`` where it updates the slots itself), every other span
+    alone (``seq``, or ``step`` row by row for a draft verification); each slot's state updated in place. Returns
+    the outputs [rows, width] in the batch's row order."""
     meta, states = fp.meta, layer.tensors
     out = inputs[0].new_empty(inputs[0].shape[0], width)
-    if meta.decode_rows is not None:
+    if meta.decode_rows is not None and in_place is not None:
+        rows = meta.decode_rows
+        out[rows] = in_place(tuple(t[rows] for t in inputs), states, meta.decode_state_slots).to(out.dtype)
+    elif meta.decode_rows is not None:
         rows, slots = meta.decode_rows, meta.decode_state_slots
         o, new = step(tuple(t[rows] for t in inputs), [s.index_select(0, slots) for s in states])
         out[rows] = o.to(out.dtype)
@@ -172,7 +176,9 @@ class GatedDeltaNet:
         beta = b.sigmoid()
         g = self.a * F.softplus(alpha + self.dt_bias)
         scan = delta_rule.per_token if fp.batch_invariant else delta_rule.chunked
-        o = _over_sequences(fp, (mixed, g, beta), states, lambda i, s: self._seq(i, s, scan), self._step, vd)
+        in_place = (lambda i, s, slots: self._step_in_place(i, s, slots, fp.kernels)) if fp.delta_kernel else None
+        o = _over_sequences(fp, (mixed, g, beta), states, lambda i, s: self._seq(i, s, scan), self._step, vd,
+                            in_place)
         o = F.rms_norm(o.view(n, self.value_heads, self.value_dim), (self.value_dim,), self.norm, self.eps)
         o = (o * F.silu(z.view(n, self.value_heads, self.value_dim))).to(h.dtype)
         return fp.all_reduce(linear(o.reshape(n, vd), self.out_proj, None, fp.batch_invariant))
@@ -193,6 +199,17 @@ class GatedDeltaNet:
         q, k, v = self._qkv(conv_out)
         o, state = scan(q, k, v, g, beta, start[1])
         return o.reshape(o.shape[0], -1), [tail, state]
+
+    def _step_in_place(self, inputs: tuple, states: list[torch.Tensor], slots: torch.Tensor, kernels):
+        """Decode rows through the C++ delta-rule step, which updates their slots' states where they are (the
+        small convolution tails are gathered and scattered as on the torch path)."""
+        mixed, g, beta = inputs
+        conv_out, tails = delta_rule.conv_step(mixed, states[0].index_select(0, slots), self.conv)
+        states[0].index_copy_(0, slots, tails)
+        q, k, v = self._qkv(conv_out)
+        out = v.new_empty(v.shape)
+        kernels.delta_rule_step(q, k, v, g, beta, states[1], slots, out)
+        return out.reshape(out.shape[0], -1)
 
     def _step(self, inputs: tuple, start: list) -> tuple:
         mixed, g, beta = inputs
