@@ -12,7 +12,8 @@ import torch
 
 def recurrent_layers(model) -> list[int]:
     """The indices of ``model``'s layers with a recurrent state instead of a KV cache."""
-    return [i for i, layer in enumerate(getattr(model, "layers", [])) if hasattr(layer.attn, "state_shapes")]
+    layers = getattr(model, "layers", [])  # an encoder's layers have no token mixer of this kind
+    return [i for i, layer in enumerate(layers) if hasattr(getattr(layer, "attn", None), "state_shapes")]
 
 
 def state_bytes_per_seq(model) -> int:
