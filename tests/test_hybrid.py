@@ -333,3 +333,15 @@ def test_greedy_text_identical_with_and_without_the_delta_rule_kernel(hybrid):
         outs[disabled] = [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12,
                                                                                     ignore_eos=True))]
     assert outs[()] == outs[("delta_rule",)] == greedy
+
+
+def test_a_sequence_starting_with_one_token_starts_from_a_zero_state(hybrid):
+    """One state slot (--max-seqs 1), reused: a one-token prompt (its first step goes with the decode rows, which read
+    their slot) after a long request gives the same text as on a fresh engine, not a continuation of the slot's
+    previous holder."""
+    _, path, _, _ = hybrid
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    fresh = LLM(path, block_size=4, pool_blocks=64, max_seqs=1, show_progress=False).generate([[IDS[7]]], params)
+    llm = LLM(path, block_size=4, pool_blocks=64, max_seqs=1, show_progress=False)
+    llm.generate([IDS], params)
+    assert llm.generate([[IDS[7]]], params)[0].token_ids == fresh[0].token_ids

@@ -122,7 +122,7 @@ class EngineCore(ModelFront):
             # tensor-parallel ranks on one host share its memory: each takes its part of the fraction
             budget = int(available_memory_bytes() * self.config.kv_memory_fraction / self.config.tp)
         states = self.executor.rank.state_bytes()  # a hybrid's state cache comes out of the same budget
-        if states >= budget:
+        if states and states >= budget:
             raise ModelLoadError(f"the state cache of --max-seqs {self.config.max_seqs} sequences takes "
                                  f"{states / 2**30:.2f} GiB, the KV memory budget is {budget / 2**30:.2f} GiB: "
                                  "lower --max-seqs")

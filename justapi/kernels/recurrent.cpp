@@ -31,6 +31,9 @@ void delta_rule_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
   TORCH_CHECK(states.dim() == 4 && states.size(1) == heads && states.size(2) == dk && states.size(3) == dv,
               "delta_rule_step: states must be [slots, heads, key_dim, value_dim]");
   TORCH_CHECK(slots.numel() == rows && out.numel() == rows * heads * dv, "delta_rule_step: one slot and row each");
+  TORCH_CHECK(k.sizes() == q.sizes() && v.dim() == 3 && v.size(0) == rows && v.size(1) == heads,
+              "delta_rule_step: q, k [rows, heads, key_dim], v [rows, heads, value_dim]");
+  TORCH_CHECK(g.numel() == rows * heads && beta.numel() == rows * heads, "delta_rule_step: g, beta [rows, heads]");
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t b = 0; b < rows; ++b) {
     TORCH_CHECK(slot[b] >= 0 && slot[b] < states.size(0), "delta_rule_step: slot out of range");

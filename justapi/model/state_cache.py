@@ -63,11 +63,15 @@ class StateCache:
         self._slots: dict[str, int] = {}
 
     def slot(self, request_id: str) -> int:
-        """``request_id``'s slot, taken now if it has none (the scheduler runs no more sequences than slots)."""
+        """``request_id``'s slot, taken now if it has none (the scheduler runs no more sequences than slots) and
+        zeroed: a sequence's first step may be a single token, which steps with the decode rows from its slot."""
         if request_id not in self._slots:
             if not self._free:
                 raise RuntimeError(f"state cache: all {self.num_slots} slots are taken (--max-seqs bounds them)")
-            self._slots[request_id] = self._free.pop()
+            slot = self._slots[request_id] = self._free.pop()
+            for layer in self.layers.values():
+                for t in layer.tensors:
+                    t[slot].zero_()
         return self._slots[request_id]
 
     def load(self, request_id: str, snapshot: int) -> None:
