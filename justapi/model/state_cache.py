@@ -80,12 +80,12 @@ class StateCache:
 
     def save(self, request_id: str, snapshot: int) -> None:
         """Snapshot ``snapshot`` becomes ``request_id``'s state as it is now."""
-        self._copy(self.slot(request_id), self.num_slots + snapshot)
+        self._copy(self._slots[request_id], self.num_slots + snapshot)
 
     def keep(self, request_id: str, row: int) -> None:
         """A verified draft: ``request_id``'s state becomes the one after row ``row`` of its verification (the last
         token it accepted)."""
-        slot = self.slot(request_id)
+        slot = self._slots[request_id]
         for layer in self.layers.values():
             for t, kept in zip(layer.tensors, layer.checkpoints[slot][row]):
                 t[slot] = kept
@@ -96,7 +96,7 @@ class StateCache:
 
     def export(self, request_id: str) -> torch.Tensor:
         """``request_id``'s states, every layer's flattened and concatenated (what a KV transfer carries)."""
-        slot = self.slot(request_id)
+        slot = self._slots[request_id]
         return torch.cat([t[slot].flatten() for layer in self.layers.values() for t in layer.tensors])
 
     def import_(self, request_id: str, flat: torch.Tensor) -> None:
