@@ -25,6 +25,7 @@ def paged_prefill_logits(model, token_ids: list[int], block_size: int = 4, chunk
         pos = torch.arange(start, end)
         slots = table[pos // block_size] * block_size + pos % block_size
         span = SeqSpan(0, end - start, end, table[: -(-end // block_size)], state_slot=0)
-        meta = AttentionMetadata(slot_mapping=slots, seqs=[span])
+        meta = AttentionMetadata(slot_mapping=slots, seqs=[span], state_runs=torch.tensor([[0, end - start, 0,
+                                                                                          int(start == 0)]]))
         out.append(model.forward(torch.tensor(token_ids[start:end]), pos, meta, caches, torch.arange(end - start)))
     return torch.cat(out)

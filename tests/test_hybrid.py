@@ -10,6 +10,8 @@ import torch
 
 from justapi import LLM, SamplingParams
 from justapi.model import delta_rule
+from justapi.model.kernel_policy import KernelPolicy
+from justapi.model.recurrent import GatedDeltaNet
 from paged_helpers import paged_prefill_logits
 from server_helpers import InProcessServer, metric, undocumented_metrics
 from test_model import load_model
@@ -40,14 +42,17 @@ def test_the_file_reads_as_a_hybrid(hybrid):
     assert kinds == expected[arch] and model.kv_layers == 1
 
 
-@pytest.mark.parametrize("batch_invariant", [True, False], ids=["per-token", "chunked-scan"])
-def test_logits_match_transformers_over_chunks(hybrid, batch_invariant):
+@pytest.mark.parametrize("path_", ["per-token", "chunked-scan", "kernel"])
+def test_logits_match_transformers_over_chunks(hybrid, path_, cpp_kernels):
     """fp32 logits of a 90-token prompt within 1e-4 of transformers', prefilled whole and in chunks of 7 and 64 (the
-    states carried between chunks in the state cache); the per-token rule (--batch-invariant) and the chunked scan."""
+    states carried between chunks in the state cache): the per-token rule (--batch-invariant), the chunked scan, and
+    the C++ runs (Qwen3.5's Gated DeltaNet; LFM2 has no kernel and takes the chunked path)."""
     _, path, hf, _ = hybrid
     with torch.no_grad():
         ref = hf(torch.tensor([IDS])).logits[0]
-    model = load_model(path, batch_invariant=batch_invariant)
+    model = load_model(path, batch_invariant=path_ == "per-token",
+                       policy=KernelPolicy.make(torch.float32, cpp_kernels) if path_ == "kernel" else None)
+    assert model.policy.uses("delta_rule") == (path_ == "kernel")
     for chunk in (7, 64, 90):
         assert (paged_prefill_logits(model, IDS, block_size=4, chunk=chunk) - ref).abs().max().item() < 1e-4
 
@@ -304,26 +309,37 @@ def test_disaggregated_workers_ship_the_states_with_the_kv(hybrid):
         engine.close()
 
 
-def test_the_cpp_delta_rule_step_updates_the_slots_as_the_torch_step_does(cpp_kernels):
-    """kernels.delta_rule_step (decode rows in place on their state slots) against model.delta_rule.delta_step on
-    gathered states: outputs and every slot's new state within fp32 rounding, the slots not named untouched."""
+def test_the_cpp_gated_delta_runs_update_the_slots_as_the_torch_path_does(cpp_kernels):
+    """kernels.gated_delta_runs (a batch's runs in place on their state slots: a fresh prompt, a decode row, a
+    continued chunk) against GatedDeltaNet's torch path run by run (the convolution from the slot's tail, SiLU, the
+    normalized and repeated heads, the rule token by token): outputs and every slot's new tail and state within
+    fp32 rounding, the slots not named untouched, and a fresh run's stale slot ignored."""
     g = torch.Generator().manual_seed(1)
-    rows, heads, dk, dv = 5, 4, 16, 24
-    q, k = (torch.nn.functional.normalize(torch.randn(rows, heads, dk, generator=g), dim=-1) for _ in range(2))
-    v = torch.randn(rows, heads, dv, generator=g)
-    decay, beta = -torch.rand(rows, heads, generator=g), torch.rand(rows, heads, generator=g)
-    states = torch.randn(9, heads, dk, dv, generator=g)
-    slots = torch.tensor([7, 0, 3, 8, 5])
-    want, new = delta_rule.delta_step(q, k, v, decay, beta, states[slots])
-    out, kept = torch.empty(rows, heads, dv), states.clone()
-    cpp_kernels.delta_rule_step(q, k, v, decay, beta, states, slots, out)
-    assert (out - want).abs().max() < 1e-5 and (states[slots] - new).abs().max() < 1e-5
-    others = [i for i in range(9) if i not in slots.tolist()]
-    assert torch.equal(states[others], kept[others])
+    key_heads, value_heads, dk, dv, taps = 2, 4, 8, 12, 4
+    net = GatedDeltaNet(None, torch.randn(2 * key_heads * dk + value_heads * dv, taps, generator=g), None, None, None,
+                        None, key_heads, value_heads, dk, dv, 1e-6)
+    channels = net.conv.shape[0]
+    runs = torch.tensor([[0, 9, 7, 1], [9, 1, 0, 0], [10, 5, 3, 0]])
+    rows = 15
+    mixed = torch.randn(rows, channels, generator=g)
+    decay, beta = -torch.rand(rows, value_heads, generator=g), torch.rand(rows, value_heads, generator=g)
+    tails = torch.randn(9, channels, taps - 1, generator=g)
+    states = torch.randn(9, value_heads, dk, dv, generator=g)
+    want_tails, want_states, want = tails.clone(), states.clone(), torch.empty(rows, value_heads * dv)
+    for first, n, slot, fresh in runs.tolist():
+        start = [torch.zeros_like(t[slot]) if fresh else t[slot] for t in (tails, states)]
+        part = slice(first, first + n)
+        want[part], (want_tails[slot], want_states[slot]) = net._seq((mixed[part], decay[part], beta[part]), start,
+                                                                     delta_rule.per_token)
+    out = torch.empty(rows, value_heads * dv)
+    cpp_kernels.gated_delta_runs(mixed, decay, beta, net.conv, tails, states, runs, key_heads, out)
+    assert (out - want).abs().max() < 1e-5
+    assert (tails - want_tails).abs().max() < 1e-6 and (states - want_states).abs().max() < 1e-5
+    assert torch.equal(tails[[1, 2, 4, 5, 6, 8]], want_tails[[1, 2, 4, 5, 6, 8]])
 
 
 def test_greedy_text_identical_with_and_without_the_delta_rule_kernel(hybrid):
-    """The exact path (fp32) with the C++ delta-rule step and with it off (--disable-kernels delta_rule): the same
+    """The exact path (fp32) with the C++ Gated DeltaNet runs and with them off (--disable-kernels delta_rule): the same
     greedy text, which is transformers'."""
     arch, path, _, greedy = hybrid
     outs = {}

@@ -19,10 +19,11 @@ from paged_helpers import paged_prefill_logits
 from tiny_gguf import write_tiny_model
 
 
-def load_model(path: str, batch_invariant: bool = True) -> LlamaModel:
+def load_model(path: str, batch_invariant: bool = True, policy=None) -> LlamaModel:
+    """An fp32 model of the file; ``policy``: its kernels (model.kernel_policy; None: the pure-torch path)."""
     reader = open_gguf(path)
     cfg = read_model_config(reader, path)
-    return LlamaModel(cfg, load_tensors(reader, path, torch.float32, False), "cpu", batch_invariant)
+    return LlamaModel(cfg, load_tensors(reader, path, torch.float32, False), "cpu", batch_invariant, policy=policy)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

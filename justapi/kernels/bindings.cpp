@@ -45,8 +45,9 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::T
                                 torch::Tensor block_table, int64_t context_len, double scale, int64_t window);
 
 // recurrent.cpp
-void delta_rule_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g, torch::Tensor beta,
-                     torch::Tensor states, torch::Tensor slots, torch::Tensor out);
+void gated_delta_runs(torch::Tensor mixed, torch::Tensor g, torch::Tensor beta, torch::Tensor conv_weight,
+                      torch::Tensor tails, torch::Tensor states, torch::Tensor runs, int64_t key_heads,
+                      torch::Tensor out);
 
 // q_matmul.cpp
 bool q_matmul_available();
@@ -85,8 +86,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether prefill_attention computes in fp32 (the AVX2 build) rather than with bf16 products (AVX-512 BF16)");
   m.def("prefill_attention", &prefill_attention,
         "a prompt chunk's causal attention over its bf16 cache: bf16 products on AVX-512 BF16, fp32 on AVX2");
-  m.def("delta_rule_step", &delta_rule_step,
-        "one decode token of the gated delta rule per row, in place on the rows' state slots (fp32)");
+  m.def("gated_delta_runs", &gated_delta_runs,
+        "Gated DeltaNet's convolution and delta rule over runs of rows (decode rows, prompt chunks), in place on "
+        "their state slots (fp32)");
   m.def("q_matmul_available", &q_matmul_available, "whether q_matmul can run here (an AVX2 + FMA build)");
   m.def("q_matmul", &q_matmul, "x @ w.T, fp32 rows (rounded to 16-bit integers) x a packed 4-bit or Q8_0 weight, on AVX2");
 }

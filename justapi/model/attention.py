@@ -63,6 +63,9 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64
     decode_max_context: int = 0
     decode_state_slots: torch.Tensor | None = None  # [num_decodes] int64: their state slots (hybrid models)
+    # a hybrid's recurrent layers' runs (model.recurrent): [n, 4] int64 (first row, rows, state slot, 1 where the run
+    # starts its sequence) for every span with a state slot but a draft verification's
+    state_runs: torch.Tensor | None = None
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

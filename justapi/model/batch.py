@@ -60,6 +60,10 @@ class FlatBatch:
                   and s.parents is None]
         if decode:
             _add_decode_batch(meta, [self.spans[i] for i in decode], [self.tables[i] for i in decode], dev)
+        runs = [(s.query_start, s.num_query_tokens, s.state_slot, int(s.context_len == s.num_query_tokens))
+                for s in self.spans if s.state_slot >= 0 and s.parents is None]
+        if runs:
+            meta.state_runs = torch.tensor(runs, dtype=torch.long, device=dev)
         for span, table in zip(self.spans, self.tables):
             if not (span.num_query_tokens == 1 and span.mask is None):  # the decode batch reads its own tables
                 span.block_table = torch.tensor(table, dtype=torch.long, device=dev)

@@ -35,7 +35,8 @@ class ForwardPass:
         self.fused = model.policy.layer_ops and on_cpu
         self.fused_silu = self.fused and model.policy.uses("fused_silu")
         self.prefill_kernel = model.policy.uses("prefill_attention") and on_cpu
-        # the C++ delta-rule step for a hybrid's decode rows (its sums in another order: not batch-invariant)
+        # the C++ Gated DeltaNet runs for a hybrid's decode rows and prompt chunks (its sums in another order than
+        # the torch steps that verify drafts, so --batch-invariant keeps the torch path)
         self.delta_kernel = model.policy.uses("delta_rule") and on_cpu and not model.batch_invariant
         self.comm = model.comm
         self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

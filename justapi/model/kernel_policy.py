@@ -168,9 +168,10 @@ class KernelPolicy:
                 # kernel uses for bf16 (brgemm) and which this kernel was not measured against (docs/benchmarks.md)
                 "prefill_attention": (cpu.prefill_attention and bf16 and not cpu.amx
                                       or cpu.prefill_attention_fp32 and dtype == torch.float32),
-                # a hybrid's decode rows through the gated delta rule, in place on their state slots (fp32 states
-                # whatever the model's dtype); --batch-invariant keeps the torch path (model.recurrent)
-                "delta_rule": kernels is not None and hasattr(kernels, "delta_rule_step")}
+                # Gated DeltaNet's convolution and delta rule over a batch's decode rows and prompt chunks, in place
+                # on their state slots (fp32 states whatever the model's dtype); --batch-invariant keeps the torch
+                # path, whose draft verification steps round as its decode does (model.recurrent)
+                "delta_rule": kernels is not None and hasattr(kernels, "gated_delta_runs")}
         assert set(runs) == set(OPTIONAL_KERNELS)
         return cls(dtype, kernels, cpu, frozenset(k for k, ok in runs.items() if ok and k not in disabled))
 

@@ -24,28 +24,28 @@ from .layers import linear
 Scan = Callable[[tuple, list], tuple]
 
 
-def _over_sequences(fp, inputs: tuple, layer, seq: Scan, step: Scan, width: int, in_place=None):
-    """Each sequence's rows of ``inputs`` (row-major tensors) through its recurrence: the decode rows at once
-    (``step``, or ``in_place(rows' inputs, states, slots)`` where it updates the slots itself), every other span
-    alone (``seq``, or ``step`` row by row for a draft verification); each slot's state updated in place. Returns
-    the outputs [rows, width] in the batch's row order."""
+def _over_sequences(fp, inputs: tuple, layer, seq: Scan, step: Scan, width: int, runs=None):
+    """Each sequence's rows of ``inputs`` (row-major tensors) through its recurrence, each slot's state updated in
+    place. With ``runs(inputs, states, meta.state_runs, out)`` (a kernel that steps every run where its slot is) it
+    takes every span but a draft verification's; otherwise the decode rows go at once (``step``) and every other
+    span alone (``seq``). A draft verification steps its rows one by one (``step``). Returns the outputs
+    [rows, width] in the batch's row order."""
     meta, states = fp.meta, layer.tensors
     out = inputs[0].new_empty(inputs[0].shape[0], width)
-    if meta.decode_rows is not None and in_place is not None:
-        rows = meta.decode_rows
-        out[rows] = in_place(tuple(t[rows] for t in inputs), states, meta.decode_state_slots).to(out.dtype)
-    elif meta.decode_rows is not None:
+    if runs is not None and meta.state_runs is not None:
+        runs(inputs, states, meta.state_runs, out)
+    elif runs is None and meta.decode_rows is not None:
         rows, slots = meta.decode_rows, meta.decode_state_slots
         o, new = step(tuple(t[rows] for t in inputs), [s.index_select(0, slots) for s in states])
         out[rows] = o.to(out.dtype)
         for s, n in zip(states, new):
             s.index_copy_(0, slots, n.to(s.dtype))
     for span in meta.seqs:
-        if span.num_query_tokens == 1 and span.parents is None and meta.decode_rows is not None:
-            continue  # stepped with the decode rows
         if span.parents is not None:
             layer.checkpoints[span.state_slot] = _verify_rows(span, inputs, states, step, out)
             continue
+        if runs is not None or (span.num_query_tokens == 1 and meta.decode_rows is not None):
+            continue  # in the kernel's runs, or stepped with the decode rows
         rows = slice(span.query_start, span.query_start + span.num_query_tokens)
         fresh = span.context_len == span.num_query_tokens  # the span starts its sequence
         start = [torch.zeros_like(s[span.state_slot]) if fresh else s[span.state_slot] for s in states]
@@ -176,9 +176,10 @@ class GatedDeltaNet:
         beta = b.sigmoid()
         g = self.a * F.softplus(alpha + self.dt_bias)
         scan = delta_rule.per_token if fp.batch_invariant else delta_rule.chunked
-        in_place = (lambda i, s, slots: self._step_in_place(i, s, slots, fp.kernels)) if fp.delta_kernel else None
-        o = _over_sequences(fp, (mixed, g, beta), states, lambda i, s: self._seq(i, s, scan), self._step, vd,
-                            in_place)
+        runs = None
+        if fp.delta_kernel:
+            runs = lambda i, s, r, o: fp.kernels.gated_delta_runs(*i, self.conv, *s, r, self.key_heads, o)  # noqa: E731
+        o = _over_sequences(fp, (mixed, g, beta), states, lambda i, s: self._seq(i, s, scan), self._step, vd, runs)
         o = F.rms_norm(o.view(n, self.value_heads, self.value_dim), (self.value_dim,), self.norm, self.eps)
         o = (o * F.silu(z.view(n, self.value_heads, self.value_dim))).to(h.dtype)
         return fp.all_reduce(linear(o.reshape(n, vd), self.out_proj, None, fp.batch_invariant))
@@ -199,17 +200,6 @@ class GatedDeltaNet:
         q, k, v = self._qkv(conv_out)
         o, state = scan(q, k, v, g, beta, start[1])
         return o.reshape(o.shape[0], -1), [tail, state]
-
-    def _step_in_place(self, inputs: tuple, states: list[torch.Tensor], slots: torch.Tensor, kernels):
-        """Decode rows through the C++ delta-rule step, which updates their slots' states where they are (the
-        small convolution tails are gathered and scattered as on the torch path)."""
-        mixed, g, beta = inputs
-        conv_out, tails = delta_rule.conv_step(mixed, states[0].index_select(0, slots), self.conv)
-        states[0].index_copy_(0, slots, tails)
-        q, k, v = self._qkv(conv_out)
-        out = v.new_empty(v.shape)
-        kernels.delta_rule_step(q, k, v, g, beta, states[1], slots, out)
-        return out.reshape(out.shape[0], -1)
 
     def _step(self, inputs: tuple, start: list) -> tuple:
         mixed, g, beta = inputs
