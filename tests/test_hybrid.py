@@ -312,27 +312,29 @@ def test_disaggregated_workers_ship_the_states_with_the_kv(hybrid):
 def test_the_cpp_gated_delta_runs_update_the_slots_as_the_torch_path_does(cpp_kernels):
     """kernels.gated_delta_runs (a batch's runs in place on their state slots: a fresh prompt, a decode row, a
     continued chunk) against GatedDeltaNet's torch path run by run (the convolution from the slot's tail, SiLU, the
-    normalized and repeated heads, the rule token by token): outputs and every slot's new tail and state within
-    fp32 rounding, the slots not named untouched, and a fresh run's stale slot ignored."""
+    normalized and repeated heads, the gates, the rule token by token, the gated norm): outputs and every slot's new
+    tail and state within fp32 rounding, the slots not named untouched, and a fresh run's stale slot ignored."""
     g = torch.Generator().manual_seed(1)
     key_heads, value_heads, dk, dv, taps = 2, 4, 8, 12, 4
-    net = GatedDeltaNet(None, torch.randn(2 * key_heads * dk + value_heads * dv, taps, generator=g), None, None, None,
-                        None, key_heads, value_heads, dk, dv, 1e-6)
-    channels = net.conv.shape[0]
+    channels = 2 * key_heads * dk + value_heads * dv
+    net = GatedDeltaNet(None, torch.randn(channels, taps, generator=g), -torch.rand(value_heads, generator=g),
+                        torch.randn(value_heads, generator=g), 1 + torch.randn(dv, generator=g) / 4, None, key_heads,
+                        value_heads, dk, dv, 1e-6)
     runs = torch.tensor([[0, 9, 7, 1], [9, 1, 0, 0], [10, 5, 3, 0]])
     rows = 15
-    mixed = torch.randn(rows, channels, generator=g)
-    decay, beta = -torch.rand(rows, value_heads, generator=g), torch.rand(rows, value_heads, generator=g)
+    inputs = tuple(torch.randn(rows, width, generator=g) for width in (channels, value_heads, value_heads,
+                                                                        value_heads * dv))  # mixed, b, alpha, z
     tails = torch.randn(9, channels, taps - 1, generator=g)
     states = torch.randn(9, value_heads, dk, dv, generator=g)
     want_tails, want_states, want = tails.clone(), states.clone(), torch.empty(rows, value_heads * dv)
     for first, n, slot, fresh in runs.tolist():
         start = [torch.zeros_like(t[slot]) if fresh else t[slot] for t in (tails, states)]
         part = slice(first, first + n)
-        want[part], (want_tails[slot], want_states[slot]) = net._seq((mixed[part], decay[part], beta[part]), start,
+        want[part], (want_tails[slot], want_states[slot]) = net._seq(tuple(t[part] for t in inputs), start,
                                                                      delta_rule.per_token)
     out = torch.empty(rows, value_heads * dv)
-    cpp_kernels.gated_delta_runs(mixed, decay, beta, net.conv, tails, states, runs, key_heads, out)
+    cpp_kernels.gated_delta_runs(*inputs, net.conv, net.a, net.dt_bias, net.norm, net.eps, tails, states, runs,
+                                 key_heads, out)
     assert (out - want).abs().max() < 1e-5
     assert (tails - want_tails).abs().max() < 1e-6 and (states - want_states).abs().max() < 1e-5
     assert torch.equal(tails[[1, 2, 4, 5, 6, 8]], want_tails[[1, 2, 4, 5, 6, 8]])

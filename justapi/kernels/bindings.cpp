@@ -45,8 +45,9 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::T
                                 torch::Tensor block_table, int64_t context_len, double scale, int64_t window);
 
 // recurrent.cpp
-void gated_delta_runs(torch::Tensor mixed, torch::Tensor g, torch::Tensor beta, torch::Tensor conv_weight,
-                      torch::Tensor tails, torch::Tensor states, torch::Tensor runs, int64_t key_heads,
+void gated_delta_runs(torch::Tensor mixed, torch::Tensor b, torch::Tensor alpha, torch::Tensor z,
+                      torch::Tensor conv_weight, torch::Tensor a, torch::Tensor dt_bias, torch::Tensor norm_weight,
+                      double eps, torch::Tensor tails, torch::Tensor states, torch::Tensor runs, int64_t key_heads,
                       torch::Tensor out);
 
 // q_matmul.cpp

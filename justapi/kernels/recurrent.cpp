@@ -5,7 +5,9 @@
 //   1. the causal depthwise convolution of q, k, v's channels, continued from the slot's tail, then SiLU;
 //   2. q and k L2-normalized per key head, q scaled by key_dim^-1/2;
 //   3. per value head h (key head h % key_heads, llama.cpp's tiled order), token after token, with S the slot's
-//      [key_dim, value_dim] state:  S = exp(g) S;  u = beta (v - S^T k);  S += k u^T;  o = S^T q.
+//      [key_dim, value_dim] state, beta = sigmoid(b) and g = a softplus(alpha + dt_bias):
+//        S = exp(g) S;  u = beta (v - S^T k);  S += k u^T;  o = S^T q
+//      and the output RMS-normalized over the head (weight norm) and gated by SiLU(z).
 //
 // A prompt is scanned token by token here, not in the chunked (WY) form of the torch path: on a CPU the state of a
 // head (16-64 KiB) stays in L1/L2 and a token costs two passes over it, about as many multiply-adds as the
@@ -157,20 +159,36 @@ void delta_token(float* s, const float* q, const float* k, const float* v, float
   }
 }
 
+// torch's softplus (beta 1, threshold 20): log1p(exp(x)), x itself above the threshold
+inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
+
+// o [n] RMS-normalized (weight w) and multiplied by SiLU(z), as F.rms_norm then o * F.silu(z)
+void gated_norm(float* o, const float* z, const float* w, int64_t n, float eps) {
+  float sum = 0.0f;
+  for (int64_t j = 0; j < n; ++j) sum += o[j] * o[j];
+  const float factor = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+  for (int64_t j = 0; j < n; ++j) o[j] = o[j] * factor * w[j] * (z[j] / (1.0f + std::exp(-z[j])));
+}
+
 }  // namespace
 
-void gated_delta_runs(torch::Tensor mixed, torch::Tensor g, torch::Tensor beta, torch::Tensor conv_weight,
-                      torch::Tensor tails, torch::Tensor states, torch::Tensor runs, int64_t key_heads,
+void gated_delta_runs(torch::Tensor mixed, torch::Tensor b, torch::Tensor alpha, torch::Tensor z,
+                      torch::Tensor conv_weight, torch::Tensor a, torch::Tensor dt_bias, torch::Tensor norm_weight,
+                      double eps, torch::Tensor tails, torch::Tensor states, torch::Tensor runs, int64_t key_heads,
                       torch::Tensor out) {
-  for (const auto& t : {mixed, g, beta, conv_weight, tails, states, out}) {
+  for (const auto& t : {mixed, b, alpha, z, conv_weight, a, dt_bias, norm_weight, tails, states, out}) {
     TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32, "gated_delta_runs: fp32 CPU tensors");
   }
   TORCH_CHECK(tails.is_contiguous() && states.is_contiguous() && out.is_contiguous(),
               "gated_delta_runs: contiguous states and output");
   mixed = mixed.contiguous();
-  g = g.contiguous();
-  beta = beta.contiguous();
+  b = b.contiguous();
+  alpha = alpha.contiguous();
+  z = z.contiguous();
   conv_weight = conv_weight.contiguous();
+  a = a.contiguous();
+  dt_bias = dt_bias.contiguous();
+  norm_weight = norm_weight.contiguous();
   runs = runs.to(torch::kInt64).contiguous();
   TORCH_CHECK(states.dim() == 4 && tails.dim() == 3 && runs.dim() == 2 && runs.size(1) == 4,
               "gated_delta_runs: states [slots, value_heads, key_dim, value_dim], tails [slots, channels, K-1], "
@@ -181,8 +199,10 @@ void gated_delta_runs(torch::Tensor mixed, torch::Tensor g, torch::Tensor beta, 
               "gated_delta_runs: mixed must hold q, k [key_heads * key_dim] and v [value_heads * value_dim]");
   TORCH_CHECK(conv_weight.size(0) == channels && tails.size(0) == slots && tails.size(1) == channels &&
               tails.size(2) == taps - 1, "gated_delta_runs: convolution weight and tails must match mixed");
-  TORCH_CHECK(g.numel() == total * value_heads && beta.numel() == total * value_heads &&
-              out.numel() == total * value_heads * dv, "gated_delta_runs: g, beta [rows, value_heads], out "
+  TORCH_CHECK(b.numel() == total * value_heads && alpha.numel() == total * value_heads &&
+              a.numel() == value_heads && dt_bias.numel() == value_heads && norm_weight.numel() == dv &&
+              z.numel() == total * value_heads * dv && out.numel() == total * value_heads * dv,
+              "gated_delta_runs: b, alpha [rows, value_heads], a, dt_bias [value_heads], norm [value_dim], z and out "
               "[rows, value_heads * value_dim]");
   const int64_t count = runs.size(0);
   std::vector<Run> run(count);
@@ -193,7 +213,8 @@ void gated_delta_runs(torch::Tensor mixed, torch::Tensor g, torch::Tensor beta, 
                 run[i].slot < slots, "gated_delta_runs: a run outside the batch or the slots");
   }
   const float* xp = mixed.data_ptr<float>();
-  const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
+  const float *bp = b.data_ptr<float>(), *alp = alpha.data_ptr<float>(), *zp = z.data_ptr<float>();
+  const float *ap = a.data_ptr<float>(), *dtp = dt_bias.data_ptr<float>(), *nw = norm_weight.data_ptr<float>();
   float *tp = tails.data_ptr<float>(), *sp = states.data_ptr<float>(), *op = out.data_ptr<float>();
   std::vector<float> conv(total * channels);  // the rows' q, k, v after the convolution and SiLU
   const torch::Tensor taps_first = conv_weight.t().contiguous();  // [taps, channels]
@@ -235,8 +256,11 @@ void gated_delta_runs(torch::Tensor mixed, torch::Tensor g, torch::Tensor beta, 
       if (u.fresh) std::fill(s, s + dk * dv, 0.0f);
       for (int64_t t = u.first; t < u.first + u.rows; ++t) {
         const float* row = conv.data() + t * channels;
-        delta_token(s, row + key, row + qk + key, row + 2 * qk + h * dv, gp[t * value_heads + h],
-                    bp[t * value_heads + h], dk, dv, scratch.data(), op + (t * value_heads + h) * dv);
+        const int64_t th = t * value_heads + h;
+        const float g = ap[h] * softplus(alp[th] + dtp[h]), beta = 1.0f / (1.0f + std::exp(-bp[th]));
+        float* o = op + th * dv;
+        delta_token(s, row + key, row + qk + key, row + 2 * qk + h * dv, g, beta, dk, dv, scratch.data(), o);
+        gated_norm(o, zp + th * dv, nw, dv, static_cast<float>(eps));
       }
     }
   });

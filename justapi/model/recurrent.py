@@ -169,20 +169,27 @@ class GatedDeltaNet:
         return [self.in_proj, self.out_proj]
 
     def __call__(self, h: torch.Tensor, fp, states) -> torch.Tensor:
-        n = h.shape[0]
         qk, vd = self.key_heads * self.key_dim, self.value_heads * self.value_dim
         proj = linear(h, self.in_proj, None, fp.batch_invariant).float()
         mixed, z, b, alpha = proj.split([2 * qk + vd, vd, self.value_heads, self.value_heads], dim=-1)
-        beta = b.sigmoid()
-        g = self.a * F.softplus(alpha + self.dt_bias)
+        inputs = (mixed, b, alpha, z)  # the kernel's order
         scan = delta_rule.per_token if fp.batch_invariant else delta_rule.chunked
         runs = None
         if fp.delta_kernel:
-            runs = lambda i, s, r, o: fp.kernels.gated_delta_runs(*i, self.conv, *s, r, self.key_heads, o)  # noqa: E731
-        o = _over_sequences(fp, (mixed, g, beta), states, lambda i, s: self._seq(i, s, scan), self._step, vd, runs)
-        o = F.rms_norm(o.view(n, self.value_heads, self.value_dim), (self.value_dim,), self.norm, self.eps)
-        o = (o * F.silu(z.view(n, self.value_heads, self.value_dim))).to(h.dtype)
-        return fp.all_reduce(linear(o.reshape(n, vd), self.out_proj, None, fp.batch_invariant))
+            runs = lambda i, s, r, o: fp.kernels.gated_delta_runs(  # noqa: E731
+                *i, self.conv, self.a, self.dt_bias, self.norm, self.eps, *s, r, self.key_heads, o)
+        o = _over_sequences(fp, inputs, states, lambda i, s: self._seq(i, s, scan), self._step, vd, runs)
+        return fp.all_reduce(linear(o.to(h.dtype), self.out_proj, None, fp.batch_invariant))
+
+    def _gates(self, b: torch.Tensor, alpha: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rule's log-decay g = -exp(A) softplus(alpha + dt_bias) and its write strength beta = sigmoid(b)."""
+        return self.a * F.softplus(alpha + self.dt_bias), b.sigmoid()
+
+    def _gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The rule's output [rows, value_heads, value_dim] RMS-normalized per head and gated by SiLU(z), flat."""
+        rows = o.shape[0]
+        o = F.rms_norm(o, (self.value_dim,), self.norm, self.eps)
+        return (o * F.silu(z.reshape(rows, self.value_heads, self.value_dim))).reshape(rows, -1)
 
     def _qkv(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k [rows, value_heads, key_dim] (normalized, q scaled, repeated to the value heads) and v
@@ -195,15 +202,15 @@ class GatedDeltaNet:
         return q * self.key_dim ** -0.5, k, v.view(rows, self.value_heads, self.value_dim)
 
     def _seq(self, inputs: tuple, start: list, scan) -> tuple:
-        mixed, g, beta = inputs
+        mixed, b, alpha, z = inputs
         conv_out, tail = delta_rule.conv_continue(mixed, start[0], self.conv)
         q, k, v = self._qkv(conv_out)
-        o, state = scan(q, k, v, g, beta, start[1])
-        return o.reshape(o.shape[0], -1), [tail, state]
+        o, state = scan(q, k, v, *self._gates(b, alpha), start[1])
+        return self._gated_norm(o, z), [tail, state]
 
     def _step(self, inputs: tuple, start: list) -> tuple:
-        mixed, g, beta = inputs
+        mixed, b, alpha, z = inputs
         conv_out, tails = delta_rule.conv_step(mixed, start[0], self.conv)
         q, k, v = self._qkv(conv_out)
-        o, state = delta_rule.delta_step(q, k, v, g, beta, start[1])
-        return o.reshape(o.shape[0], -1), [tails, state]
+        o, state = delta_rule.delta_step(q, k, v, *self._gates(b, alpha), start[1])
+        return self._gated_norm(o, z), [tails, state]
