@@ -266,13 +266,15 @@ def test_tensor_parallel_ranks_split_the_recurrent_layers(hybrid, monkeypatch):
         llm.engine.close()
 
 
-def test_qwen35_moe_matches_transformers(tmp_path):
+@pytest.mark.parametrize("fused", [False, True], ids=["gate-and-up", "gate_up_exps"])
+def test_qwen35_moe_matches_transformers(tmp_path, fused):
     """qwen35moe: Qwen3.5's layers with a mixture of experts (top-2 of 4, renormalized, and a shared expert behind its
-    sigmoid gate) through the engine's MoE path: logits within 1e-4 of transformers' Qwen3_5MoeForCausalLM over
-    chunks, greedy text equal in a batch."""
+    sigmoid gate) through the engine's MoE path, the experts' gate and up as two tensors or as llama.cpp's fused
+    ffn_gate_up_exps: logits within 1e-4 of transformers' Qwen3_5MoeForCausalLM over chunks, greedy text equal in a
+    batch."""
     from justapi.model.blocks import MoeMlp
 
-    path, hf = write_tiny_qwen35(str(tmp_path / "qwen35moe.gguf"), experts=4)
+    path, hf = write_tiny_qwen35(str(tmp_path / "qwen35moe.gguf"), experts=4, fused_experts=fused)
     model = load_model(path)
     assert model.config.arch == "qwen35moe" and isinstance(model.layers[0].mlp, MoeMlp)
     with torch.no_grad():

@@ -144,10 +144,10 @@ def _tiled(t: torch.Tensor, key_heads: int, value_heads: int, dim: int) -> torch
 
 
 def write_tiny_qwen35(path: str, num_layers: int = 4, seed: int = 0, qtype: str = "F32", experts: int = 0,
-                      **sizes):
+                      fused_experts: bool = False, **sizes):
     """Qwen3.5 of ``num_layers`` layers, every fourth gated attention, dense or (``experts``) its mixture of experts
-    (qwen35moe: two a token and a shared expert), of SIZES unless ``sizes`` says otherwise; returns (path, the
-    transformers model)."""
+    (qwen35moe: two a token and a shared expert; ``fused_experts``: each expert's gate and up as one
+    ffn_gate_up_exps), of SIZES unless ``sizes`` says otherwise; returns (path, the transformers model)."""
     hf = _hf_qwen35(len(vocab()[0]), num_layers, seed, sizes, experts)
     cfg = hf.config
     w = gguf.GGUFWriter(path, "qwen35moe" if experts else "qwen35")
@@ -185,7 +185,7 @@ def write_tiny_qwen35(path: str, num_layers: int = 4, seed: int = 0, qtype: str 
         _add(w, p + "attn_norm.weight", 1 + layer.input_layernorm.weight)
         _add(w, p + "post_attention_norm.weight", 1 + layer.post_attention_layernorm.weight)
         if experts:
-            _experts(w, p, layer.mlp, qtype)
+            _experts(w, p, layer.mlp, qtype, fused_experts)
         else:
             for name, lin in (("ffn_gate", layer.mlp.gate_proj), ("ffn_up", layer.mlp.up_proj),
                               ("ffn_down", layer.mlp.down_proj)):
@@ -203,13 +203,17 @@ def write_tiny_qwen35(path: str, num_layers: int = 4, seed: int = 0, qtype: str 
     return path, hf
 
 
-def _experts(w: gguf.GGUFWriter, p: str, moe, qtype: str) -> None:
-    """A Qwen3.5 mixture of experts as the converter writes it: the router, each expert's gate, up and down stacked,
-    the shared expert and its gate."""
+def _experts(w: gguf.GGUFWriter, p: str, moe, qtype: str, fused: bool) -> None:
+    """A Qwen3.5 mixture of experts as the converter writes it: the router, each expert's gate, up and down stacked
+    (gate and up as one tensor, gate rows first, where ``fused``, as llama.cpp's ffn_gate_up_exps holds them), the
+    shared expert and its gate."""
     ff = moe.experts.gate_up_proj.shape[1] // 2
     _add(w, p + "ffn_gate_inp.weight", moe.gate.weight)
-    _add(w, p + "ffn_gate_exps.weight", moe.experts.gate_up_proj[:, :ff])
-    _add(w, p + "ffn_up_exps.weight", moe.experts.gate_up_proj[:, ff:])
+    if fused:
+        _add(w, p + "ffn_gate_up_exps.weight", moe.experts.gate_up_proj)
+    else:
+        _add(w, p + "ffn_gate_exps.weight", moe.experts.gate_up_proj[:, :ff])
+        _add(w, p + "ffn_up_exps.weight", moe.experts.gate_up_proj[:, ff:])
     _add(w, p + "ffn_down_exps.weight", moe.experts.down_proj)
     _add(w, p + "ffn_gate_inp_shexp.weight", moe.shared_expert_gate.weight.flatten())
     for name, lin in (("ffn_gate_shexp", moe.shared_expert.gate_proj), ("ffn_up_shexp", moe.shared_expert.up_proj),

@@ -187,7 +187,7 @@ class MoeMlp:
     @staticmethod
     def shard(kind: str, tp, config) -> tuple[int, torch.Tensor] | None:
         """A rank's experts, whole (the router and the shared expert are every rank's)."""
-        if kind in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+        if kind in ("ffn_gate_exps", "ffn_up_exps", "ffn_gate_up_exps", "ffn_down_exps"):
             return 0, torch.arange(*tp.experts)
         return None
 

@@ -175,11 +175,17 @@ class LlamaModel:
         router in fp32, and the shared expert, which under tensor parallelism rank 0 alone computes (the MLP's
         all-reduce adds it once)."""
         cfg = self.config
-        gates, ups, downs = (w.take(p + f"ffn_{n}_exps.weight") for n in ("gate", "up", "down"))
-        experts = range(len(gates))  # a tensor's first dimension, or a list of packed experts
+        downs = w.take(p + "ffn_down_exps.weight")
+        experts = range(len(downs))  # a tensor's first dimension, or a list of packed experts
+        if w.has(p + "ffn_gate_up_exps.weight"):  # llama.cpp's fused form: each expert's gate rows, then its up rows
+            fused = w.take(p + "ffn_gate_up_exps.weight")
+            gate_ups = [w.linear_of([fused[e]]) for e in experts]
+        else:
+            gates, ups = (w.take(p + f"ffn_{n}_exps.weight") for n in ("gate", "up"))
+            gate_ups = [w.linear_of([gates[e], ups[e]]) for e in experts]
         plain = lambda t: t if isinstance(t, torch.Tensor) else t.dequantize()  # noqa: E731  (router, gate: small)
-        moe = MoeWeights(plain(w.take(p + "ffn_gate_inp.weight")).float(),
-                         [w.linear_of([gates[e], ups[e]]) for e in experts], [w.linear_of([downs[e]]) for e in experts],
+        moe = MoeWeights(plain(w.take(p + "ffn_gate_inp.weight")).float(), gate_ups,
+                         [w.linear_of([downs[e]]) for e in experts],
                          self.tp.experts[0] if self.tp is not None else 0, cfg.num_experts_used,
                          cfg.traits.moe_norm_top_k)
         up = w.take(p + "ffn_up_shexp.weight", False)
