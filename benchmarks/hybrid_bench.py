@@ -1,8 +1,8 @@
 """Hybrid models (issue 57) against an attention-only model of the same size, in process on random weights: prefill
 and decode throughput, each sequence's state cache against its KV cache, the recurrences' share of decode time, a
 shared system prompt's time to first token and hit ratio with and without the prefix cache (state snapshots), and a
-pool small enough to preempt (recomputed against resumed tokens); then llama.cpp's llama-bench on the same files
-where it is installed (../shared/peers builds it) and loads them.
+pool small enough to preempt (recomputed against resumed tokens); then llama.cpp's server on the same files where it
+is installed (../shared/peers builds it) and loads them, driven the same way.
 
 The three files share their sizes: qwen3 (every layer attention), qwen35 (Gated DeltaNet, every fourth layer gated
 attention) and lfm2 (short convolutions, every third layer attention), written as llama.cpp's converter lays them
@@ -21,6 +21,7 @@ import json
 import os
 import random
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -28,7 +29,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-LLAMA_BENCH = os.path.expanduser("~/.cache/justapi-peers/build/llama.cpp/bin/llama-bench")
+LLAMA_SERVER = os.path.expanduser("~/.cache/justapi-peers/build/llama.cpp/bin/llama-server")
 
 
 def write_models(folder: str, args) -> dict[str, str]:
@@ -78,8 +79,8 @@ def measure(path: str, args) -> dict:
 
 
 def recurrence_share(path: str, args) -> float:
-    """The share of a batch-8 decode run's wall time spent in the recurrences themselves (model.delta_rule's
-    convolution and delta-rule functions, their projections aside): what a C++ kernel for them could save."""
+    """The share of a batch-8 decode run's wall time spent in the recurrences themselves (the C++ Gated DeltaNet
+    runs, or model.delta_rule's convolution and delta-rule functions on the torch path; the projections aside)."""
     from justapi import LLM, SamplingParams
     from justapi.model import delta_rule
 
@@ -94,20 +95,22 @@ def recurrence_share(path: str, args) -> float:
                 spent[0] += time.perf_counter() - t
         return run
 
-    names = ("conv_continue", "conv_step", "delta_step", "chunked", "per_token")
-    saved = {n: getattr(delta_rule, n) for n in names}
     llm = LLM(path, show_progress=False, max_seqs=8, pool_blocks=1024)
+    targets = [(delta_rule, n) for n in ("conv_continue", "conv_step", "delta_step", "chunked", "per_token")]
+    if llm.engine.model.kernels is not None:
+        targets.append((llm.engine.model.kernels, "gated_delta_runs"))
+    saved = {(m, n): getattr(m, n) for m, n in targets}
     params = SamplingParams(temperature=0, max_tokens=args.output, ignore_eos=True)
     llm.generate([[5] * 16] * 8, params)  # warm-up
-    for n in names:
-        setattr(delta_rule, n, timed(saved[n]))
+    for (m, n), fn in saved.items():
+        setattr(m, n, timed(fn))
     try:
         t = time.perf_counter()
         llm.generate([[7 + i] * 16 for i in range(8)], params)
         return spent[0] / (time.perf_counter() - t)
     finally:
-        for n in names:
-            setattr(delta_rule, n, saved[n])
+        for (m, n), fn in saved.items():
+            setattr(m, n, fn)
 
 
 def shared_prompt(path: str, args) -> dict:
@@ -146,21 +149,65 @@ def shared_prompt(path: str, args) -> dict:
     return out
 
 
-def llama_bench(path: str, args) -> dict | None:
-    """llama.cpp's pp and tg tok/s on the same file (2 threads), or None where it is absent or refuses the file."""
-    binary = shutil.which("llama-bench") or (LLAMA_BENCH if os.path.exists(LLAMA_BENCH) else None)
+def llama_server(path: str, args) -> dict | None:
+    """llama.cpp's server on the same file (2 threads, 8 slots, loopback), driven as ``measure`` drives JustAPI:
+    prefill tok/s of 8 prompts sent together (one token out), decode tok/s of 1 and 8 sequences. None where it is
+    not installed; an error where it does not load the file."""
+    import concurrent.futures
+
+    import httpx
+
+    binary = shutil.which("llama-server") or (LLAMA_SERVER if os.path.exists(LLAMA_SERVER) else None)
     if binary is None:
         return None
-    cmd = [binary, "-m", path, "-p", str(args.prompt), "-n", str(args.output), "-t", "2", "-r", "2", "-o", "json"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [binary, "-m", path, "--host", "127.0.0.1", "--port", str(port), "-t", "2", "-tb", "2", "-np", "8",
+           "-c", str(8 * (args.prompt + args.output + 64)), "-cb", "-b", "2048", "-ub", "512"]
     with open("/proc/cpuinfo") as f:
         if "amx_tile" in f.read():
-            cmd += ["--repack", "0"]  # ggml's AMX repacking crashes on these machines (as peers_bench.sh notes)
+            cmd.append("--no-repack")  # ggml's AMX repacking crashes on these machines (as peers_bench.sh notes)
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        rows = json.loads(done.stdout)
-    except (subprocess.TimeoutExpired, json.JSONDecodeError):
-        return {"error": "llama-bench did not run on this file"}
-    return {("prefill_tok_s" if r["n_prompt"] else "decode_tok_s_1"): r["avg_ts"] for r in rows}
+        deadline = time.monotonic() + 120
+        while not _healthy(url):
+            if server.poll() is not None or time.monotonic() > deadline:
+                return {"error": "llama-server did not load this file"}
+            time.sleep(0.2)
+        vocab = 250  # ids every test vocabulary has
+        rng = random.Random(0)
+        prompt = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
+
+        def complete(ids: list[int], n: int) -> dict:
+            body = {"prompt": ids, "n_predict": n, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
+            return httpx.post(f"{url}/completion", json=body, timeout=600).json()
+
+        def together(prompts: list[list[int]], n: int) -> float:
+            t = time.perf_counter()
+            with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+                list(pool.map(lambda ids: complete(ids, n), prompts))
+            return time.perf_counter() - t
+
+        complete(prompt(64), 8)  # warm-up
+        figures = {"prefill_tok_s": 8 * args.prompt / together([prompt(args.prompt) for _ in range(8)], 1)}
+        for batch in (1, 8):
+            figures[f"decode_tok_s_{batch}"] = batch * args.output / together([prompt(16) for _ in range(batch)],
+                                                                               args.output)
+        return figures
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def _healthy(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def main() -> None:
@@ -178,20 +225,21 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as folder:
         for arch, path in write_models(folder, args).items():
-            results[arch] = {"justapi": measure(path, args), "llama.cpp": llama_bench(path, args)}
+            results[arch] = {"justapi": measure(path, args), "llama.cpp": llama_server(path, args)}
             if arch != "qwen3":
                 results[arch]["recurrence_share"] = recurrence_share(path, args)
             results[arch]["shared_prompt"] = shared_prompt(path, args)
             print(arch, json.dumps(results[arch]), flush=True)
     base = results["qwen3"]["justapi"]
     print(f"{'model':<8}{'prefill':>10}{'decode 1':>10}{'decode 8':>10}{'state/seq':>12}{'KV/token':>10}"
-          f"{'llama.cpp pp / tg':>22}")
+          f"{'llama.cpp prefill / decode 1 / 8':>34}")
     for arch, r in results.items():
         j, peer = r["justapi"], r["llama.cpp"] or {}
         ratio = lambda k: f"{j[k]:.0f} ({j[k] / base[k]:.2f}x)"  # noqa: E731
         print(f"{arch:<8}{ratio('prefill_tok_s'):>10} {ratio('decode_tok_s_1'):>10} {ratio('decode_tok_s_8'):>10}"
               f"{j['state_bytes_per_seq'] / 2**20:>10.2f}Mi{j['kv_bytes_per_token'] / 2**10:>8.1f}Ki"
-              f"{peer.get('prefill_tok_s', 0):>12.0f} / {peer.get('decode_tok_s_1', 0):.0f}")
+              f"{peer.get('prefill_tok_s', 0):>16.0f} / {peer.get('decode_tok_s_1', 0):.0f} / "
+              f"{peer.get('decode_tok_s_8', 0):.0f}")
     for arch, r in results.items():
         print(arch, "recurrences' share of decode:", f"{r.get('recurrence_share', 0):.1%};", "shared prompt:",
               json.dumps(r["shared_prompt"]))
