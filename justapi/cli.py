@@ -7,18 +7,22 @@ import contextlib
 import signal
 import sys
 
-from .startup import CliError, build_parser, check_model_file, engine_config, serve_app, tp_sizes, uvicorn_stack
+from .startup import (CliError, build_parser, check_model_file, engine_config, models_app, serve_app, several_models,
+                      tp_sizes, uvicorn_stack)
 
 
 def cmd_serve(args) -> int:
     import uvicorn
 
-    cfg = engine_config(args)
-    if cfg.distributed_executor == "ray" and cfg.data_parallel is not None:  # replicas as Ray Serve deployments
-        from .ray_serve import run
+    if several_models(args):
+        app, server_cfg = models_app(args)
+    else:
+        cfg = engine_config(args)
+        if cfg.distributed_executor == "ray" and cfg.data_parallel is not None:  # replicas as Ray Serve deployments
+            from .ray_serve import run
 
-        return run(args)
-    app, server_cfg = serve_app(args)
+            return run(args)
+        app, server_cfg = serve_app(args)
     server = _uvicorn_server_class()(uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port, access_log=False,
                                                     log_level=server_cfg.log_level.lower(),
                                                     timeout_graceful_shutdown=5, **uvicorn_stack()))

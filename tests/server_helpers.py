@@ -227,3 +227,15 @@ def dashboard_events(url: str, n: int, headers=None) -> list[dict]:
                 if len(messages) == n:
                     break
     return messages
+
+
+def wait_until(condition, timeout_s: float = 60, what: str = "the condition"):
+    """Poll ``condition()`` until it returns something truthy (returned), failing after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not hold within {timeout_s} s")
+        time.sleep(0.05)

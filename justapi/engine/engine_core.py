@@ -9,6 +9,7 @@ import time
 import torch
 
 from ..config import DEFAULT_BRANCH, DEFAULT_GAMMA, DEFAULT_MAX_POOL_TOKENS, EngineConfig, SchedulerConfig
+from ..sizes import parse_size
 from ..core.limits import RequestLimits
 from ..core.outputs import EngineCoreOutput
 from ..core.scheduler import Scheduler
@@ -119,8 +120,10 @@ class EngineCore(ModelFront):
             free, _ = torch.cuda.mem_get_info()
             budget = int(free * 0.8)
         else:
-            # tensor-parallel ranks on one host share its memory: each takes its part of the fraction
-            budget = int(available_memory_bytes() * self.config.kv_memory_fraction / self.config.tp)
+            # tensor-parallel ranks on one host share its memory: each takes its part
+            whole = (parse_size(self.config.kv_memory, "--kv-memory") if self.config.kv_memory is not None
+                     else available_memory_bytes() * self.config.kv_memory_fraction)
+            budget = int(whole / self.config.tp)
         states = self.executor.rank.state_bytes()  # a hybrid's state cache comes out of the same budget
         if states and states >= budget:
             raise ModelLoadError(f"the state cache of --max-seqs {self.config.max_seqs} sequences takes "

@@ -68,13 +68,7 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
 
     app = FastAPI(title="JustAPI", lifespan=lifespan)
     app.state.justapi = state
-    install_error_handlers(app)
-    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
-    app.add_middleware(ApiKeys, keys=config.api_keys, open_metrics=config.open_metrics)
-    if config.origins:  # outside the key check: a browser's preflight carries no key
-        app.add_middleware(CORSMiddleware, allow_origins=list(config.origins), allow_methods=["*"],
-                           allow_headers=["*"], allow_credentials="*" not in config.origins)
-    app.add_middleware(InternalErrors)  # the outermost of ours: whatever the others raise is answered too
+    install_middleware(app, config)
     app.include_router(native.router(state))
     if config.dashboard:
         install_dashboard(app, state.ready_llm, lambda: state.engine.tokenizer, state.dashboard,
@@ -86,3 +80,15 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
     app.include_router(responses.router(state))
     app.include_router(infill.router(state))
     return app
+
+
+def install_middleware(app: FastAPI, config: ServerConfig) -> None:
+    """What every request passes through, the one-model server's and the several-model one's alike: the error
+    handlers, the body limit, the key check, CORS where origins are allowed, internal errors answered."""
+    install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(ApiKeys, keys=config.api_keys, open_metrics=config.open_metrics)
+    if config.origins:  # outside the key check: a browser's preflight carries no key
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.origins), allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials="*" not in config.origins)
+    app.add_middleware(InternalErrors)  # the outermost of ours: whatever the others raise is answered too

@@ -12,8 +12,8 @@ from ...model.gguf_loader import field_value, open_gguf
 
 @functools.lru_cache(maxsize=4)
 def _file_facts(path: str, mtime_ns: int, size: int) -> dict:
-    """The file's parameter count, quantization, and a digest (SHA-256 of its first MiB and its size: the whole
-    file's would read gigabytes for a listing)."""
+    """The file's architecture, parameter count, quantization, and a digest (SHA-256 of its first MiB and its size:
+    the whole file's would read gigabytes for a listing)."""
     import gguf
 
     reader = open_gguf(path)
@@ -25,11 +25,11 @@ def _file_facts(path: str, mtime_ns: int, size: int) -> dict:
         quant = str(file_type)
     with open(path, "rb") as f:
         digest = hashlib.sha256(f.read(1 << 20) + str(size).encode()).hexdigest()
-    return {"parameters": params, "quantization": quant, "digest": digest}
+    return {"parameters": params, "quantization": quant, "digest": digest,
+            "arch": str(field_value(reader, "general.architecture"))}
 
 
-def _facts(engine) -> dict:
-    path = engine.config.model
+def _facts(path: str) -> dict:
     st = os.stat(path)
     return _file_facts(os.path.abspath(path), st.st_mtime_ns, st.st_size) | {"size": st.st_size,
                                                                               "mtime": st.st_mtime}
@@ -42,19 +42,19 @@ def _parameter_size(n: int) -> str:
     return str(n)
 
 
-def details(engine) -> dict:
-    facts = _facts(engine)
-    arch = engine.model_config.arch
+def details(path: str) -> dict:
+    facts = _facts(path)
+    arch = facts["arch"]
     return {"parent_model": "", "format": "gguf", "family": arch, "families": [arch],
             "parameter_size": _parameter_size(facts["parameters"]), "quantization_level": facts["quantization"]}
 
 
-def model_entry(engine, name: str) -> dict:
-    """/api/tags' entry for the served model."""
-    facts = _facts(engine)
+def model_entry(path: str, name: str) -> dict:
+    """/api/tags' entry for a model served as ``name`` from the GGUF file ``path``."""
+    facts = _facts(path)
     modified = datetime.fromtimestamp(facts["mtime"], timezone.utc).isoformat().replace("+00:00", "Z")
     return {"name": f"{name}:latest", "model": f"{name}:latest", "modified_at": modified, "size": facts["size"],
-            "digest": facts["digest"], "details": details(engine)}
+            "digest": facts["digest"], "details": details(path)}
 
 
 def capabilities(engine) -> list[str]:
@@ -69,10 +69,11 @@ def capabilities(engine) -> list[str]:
 def show(engine, name: str) -> dict:
     """/api/show: the model's details, its GGUF facts as Ollama's model_info keys, its template, capabilities."""
     cfg = engine.model_config
-    info = {"general.architecture": cfg.arch, "general.parameter_count": _facts(engine)["parameters"],
+    path = engine.config.model
+    info = {"general.architecture": cfg.arch, "general.parameter_count": _facts(path)["parameters"],
             f"{cfg.arch}.context_length": cfg.context_length, f"{cfg.arch}.embedding_length": cfg.hidden_size,
             f"{cfg.arch}.block_count": cfg.num_layers, f"{cfg.arch}.attention.head_count": cfg.num_heads,
             f"{cfg.arch}.attention.head_count_kv": cfg.num_kv_heads}
     return {"modelfile": f"# served by JustAPI\nFROM {engine.config.model}\n", "parameters": "",
-            "template": engine.chat_template.source or "", "details": details(engine), "model_info": info,
-            "capabilities": capabilities(engine), "modified_at": model_entry(engine, name)["modified_at"]}
+            "template": engine.chat_template.source or "", "details": details(path), "model_info": info,
+            "capabilities": capabilities(engine), "modified_at": model_entry(path, name)["modified_at"]}

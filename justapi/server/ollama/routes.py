@@ -48,12 +48,12 @@ def _listing_routes(api: APIRouter, front: Front) -> None:
     @api.get("/api/tags")
     async def tags():
         front.ready_llm()
-        return {"models": [await asyncio.to_thread(model_entry, front.engine, front.model_name)]}
+        return {"models": [await asyncio.to_thread(model_entry, front.engine.config.model, front.model_name)]}
 
     @api.get("/api/ps")
     async def ps():
         front.ready_llm()
-        entry = await asyncio.to_thread(model_entry, front.engine, front.model_name)
+        entry = await asyncio.to_thread(model_entry, front.engine.config.model, front.model_name)
         return {"models": [{**entry, "expires_at": "2318-01-01T00:00:00Z", "size_vram": 0,
                             "context_length": front.engine.limits.max_model_len}]}
 
