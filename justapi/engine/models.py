@@ -76,6 +76,7 @@ class ModelSlot:
     waiting: int = 0
     last_used: float = 0.0
     expires: float | None = None  # when it unloads if idle (time.monotonic()); None: never
+    expiry_reason: str = "idle"  # what set it: idle (--idle-unload) or keep_alive (a request's)
     reserved: int = 0  # bytes of the budget it holds
     error: str | None = None
     failed: tuple[float, tuple] | None = None  # when its latest load failed, and its file's (size, mtime) then
@@ -141,6 +142,7 @@ class ModelSet:
         slot.last_used = time.monotonic()
         keep = self.config.idle_unload_s if keep_alive is None else keep_alive
         slot.expires = None if keep < 0 else slot.last_used + keep
+        slot.expiry_reason = "idle" if keep_alive is None else "keep_alive"
 
     async def _load(self, slot: ModelSlot) -> None:
         try:
@@ -155,7 +157,7 @@ class ModelSet:
             slot.load_seconds = await process.start(self.config.load_timeout_s)
             slot.process, slot.state, slot.loads, slot.failed = process, "loaded", slot.loads + 1, None
             slot.last_used = time.monotonic()
-            slot.expires = slot.last_used + self.config.idle_unload_s
+            slot.expires, slot.expiry_reason = slot.last_used + self.config.idle_unload_s, "idle"
             log.info("loaded %s in %.1f s", spec.name, slot.load_seconds)
         except LoadFailed as e:
             slot.state, slot.error, slot.reserved = "failed", f"the model {slot.name!r} failed to load: {e}", 0
@@ -233,7 +235,7 @@ class ModelSet:
                     slot.unloads["died"] += 1
                     log.error(slot.error)
                 elif not slot.busy and slot.expires is not None and now >= slot.expires:
-                    await self.unload(slot, "idle")
+                    await self.unload(slot, slot.expiry_reason)
             await asyncio.sleep(REAP_INTERVAL_S)
 
     def died(self, slot: ModelSlot) -> str | None:
@@ -247,6 +249,7 @@ class ModelSet:
         return [dict(name=s.name, path=s.spec.path, aliases=list(s.spec.aliases), state=s.state, error=s.error,
                      size=os.path.getsize(s.spec.path) if os.path.exists(s.spec.path) else 0,
                      in_flight=s.in_flight, waiting=s.waiting, reserved_bytes=s.reserved,
+                     pid=s.process.proc.pid if s.process is not None and s.process.proc is not None else None,
                      load_seconds=s.load_seconds,
                      expires_in=None if s.expires is None or s.state != "loaded" else max(0.0, s.expires - now))
                 for s in self.slots.values()]

@@ -98,7 +98,8 @@ def build_models_app(config: ServerConfig, models: ModelSet) -> FastAPI:
 def _listing_routes(app: FastAPI, models: ModelSet) -> None:
     @app.get("/health")
     async def health():
-        return {"status": "ok", "models": {m["name"]: m["state"] for m in models.listing()}}
+        keys = ("name", "state", "error", "pid", "in_flight", "waiting", "expires_in", "load_seconds")
+        return {"status": "ok", "models": [{k: m[k] for k in keys} for m in models.listing()]}
 
     @app.get("/v1/models")
     async def list_models():
