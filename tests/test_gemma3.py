@@ -6,6 +6,8 @@ from __future__ import annotations
 import concurrent.futures
 import json
 
+import httpx
+import openai
 import pytest
 import torch
 
@@ -125,3 +127,26 @@ def test_gemma3_served_with_dtype_auto_stays_close_to_the_exact_path(gemma3_path
         assert same_start >= 7, list(zip(exact_starts, served_texts))
     finally:
         assert srv.stop() == 0
+
+
+def test_smollm2_and_gemma3_behind_one_server(gemma3_path, gemma3_exact, real_model_path, real_llm, tmp_path):
+    """Both real models from one `justapi serve`, each in a process of its own, answer with the greedy text an
+    engine of that model alone gives (--dtype float32); a --models-memory budget that fits one of them unloads the
+    idle one for the other."""
+    from server_helpers import ServerProcess, labelled
+
+    srv = ServerProcess(["--model", f"smollm2={real_model_path}", "--model", f"gemma3={gemma3_path}", "--dtype",
+                         "float32", "--models-memory", "1.2G"], str(tmp_path / "log"))
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        for name, alone in (("smollm2", real_llm), ("gemma3", gemma3_exact)):
+            got = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                            extra_body={"ignore_eos": True}).choices[0].text
+            assert got == alone.generate([PROMPTS[0]], params)[0].text, name
+        states = {m["id"]: m["state"] for m in client.models.list().model_dump()["data"]}
+        assert states == {"smollm2": "unloaded", "gemma3": "loaded"}
+        text = httpx.get(srv.url + "/metrics").text
+        assert labelled(text, "justapi_model_unloads_total", model="smollm2", reason="evicted") == 1
+    finally:
+        srv.stop()
