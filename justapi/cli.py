@@ -1,5 +1,5 @@
-"""The ``justapi`` command: ``serve`` (the OpenAI-compatible server), ``generate`` (one prompt, streamed) and
-``bench`` (benchmarks, in justapi.bench.cli)."""
+"""The ``justapi`` command: ``serve`` (the OpenAI-compatible server), ``generate`` (one prompt, streamed), ``pull``
+(a model from a Hugging Face hub, justapi.hub) and ``bench`` (benchmarks, in justapi.bench.cli)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import contextlib
 import signal
 import sys
 
-from .startup import (CliError, build_parser, check_model_file, engine_config, models_app, serve_app, several_models,
-                      tp_sizes, uvicorn_stack)
+from .startup import (CliError, build_parser, check_model_file, engine_config, models_app, resolve_hub_models,
+                      serve_app, several_models, tp_sizes, uvicorn_stack)
 
 
 def cmd_serve(args) -> int:
@@ -81,18 +81,29 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_pull(args) -> int:
+    from .hub import pull
+
+    print(pull(args.ref))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from .hub import HubError
     from .model.chat_template import ChatTemplateError
     from .model.gguf_loader import ModelLoadError
 
     try:
+        if args.command == "pull":
+            return cmd_pull(args)
+        resolve_hub_models(args)
         if args.command == "bench":
             from .bench.cli import main as bench_main
 
             return bench_main(args, engine_config)
         return {"serve": cmd_serve, "generate": cmd_generate}[args.command](args)
-    except (CliError, ModelLoadError, ChatTemplateError) as e:
+    except (CliError, ModelLoadError, ChatTemplateError, HubError) as e:
         print(f"justapi: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

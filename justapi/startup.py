@@ -33,10 +33,28 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
+    pull = sub.add_parser("pull", help="download a GGUF from a Hugging Face hub into its cache; prints its path")
+    pull.add_argument("ref", metavar="ORG/REPO[:QUANT]", help="the repository, and the quantization (a part of the "
+                      "file's name; default Q4_K_M where there is one)")
     from .bench.cli import add_parser as add_bench_parser
 
     add_bench_parser(sub, add_engine_flags)
     return parser
+
+
+def resolve_hub_models(args) -> None:
+    """``--model hf:ORG/REPO[:QUANT]`` (or ``NAME=hf:...``) replaced by the file pulled from the hub (justapi.hub),
+    once, before anything reads the flags."""
+    from . import hub
+
+    def resolve(entry: str) -> str:
+        name, eq, ref = entry.partition("=")
+        if eq and hub.is_hub_ref(ref):
+            return f"{name}={hub.pull(ref)}"
+        return hub.pull(entry) if hub.is_hub_ref(entry) else entry
+
+    if getattr(args, "model", None):
+        args.model = [resolve(m) for m in args.model]
 
 
 def several_models(args) -> bool:

@@ -9,7 +9,6 @@ import base64
 import concurrent.futures
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -18,8 +17,6 @@ import pytest
 
 from server_helpers import InProcessServer, dashboard_events
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 ARTIFACTS = Path(os.environ.get("JUSTAPI_TEST_ARTIFACTS", Path(__file__).resolve().parent.parent / "test-artifacts"))
 
 
@@ -108,26 +105,6 @@ def test_dashboard_sits_behind_the_api_key_and_is_off_with_a_flag(tiny_model, tm
         assert httpx.get(off.url + "/dashboard/events").status_code == 404
     finally:
         off.stop()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
-        pytest.skip("no Chromium here: apt-get install chromium chromium-driver (CI installs them)")
-    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e '.[test]')")
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    # as root in a container, with no network: no sandbox, and none of Chromium's own connections
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-                "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                "--window-size=1400,1000"):
-        options.add_argument(arg)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    yield driver
-    driver.quit()
 
 
 def _wait_for(driver, script: str, timeout_s: float = 60):

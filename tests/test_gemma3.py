@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 
 import httpx
 import openai
@@ -68,7 +69,8 @@ def test_gemma3_greedy_output_is_the_same_with_every_engine_feature(tiny_gemma3)
     assert_every_engine_feature_gives_the_same_tokens(tiny_gemma3)
 
 
-def test_gemma3_served_with_dtype_auto_stays_close_to_the_exact_path(gemma3_path, gemma3_exact, tmp_path):
+def test_gemma3_served_with_dtype_auto_stays_close_to_the_exact_path(gemma3_path, gemma3_exact, real_model_path,
+                                                                    real_llm, tmp_path):
     """`justapi serve --model gemma-3-270m-q4_k_m.gguf` (--dtype auto: Q4_K weights 4-bit, Q5_0 and Q8_0 ones 8-bit,
     Q6_K ones widened to the compute dtype, the tied Q8_0 embedding kept only as the head's 8-bit form, a bf16 KV
     cache):
@@ -81,7 +83,8 @@ def test_gemma3_served_with_dtype_auto_stays_close_to_the_exact_path(gemma3_path
     - the served model against the exact path: per-position KL of a prompt's next-token distribution below 0.05
       nats with at least 90% argmax agreement, and greedy answers that mostly begin the same. Measured on an Intel
       Xeon (bf16 compute, Q4_K/Q5_0/Q8_0 kept packed): KL at most 0.0060 (mean 0.0006), argmax agreement 1.0, 11 of
-      12 answers with the same first 4 tokens (greedy text flips at near-ties).
+      12 answers with the same first 4 tokens (greedy text flips at near-ties);
+    - and beside SmolLM2 behind one several-model server, the same text (``_behind_one_server``).
     """
     import httpx
 
@@ -127,23 +130,28 @@ def test_gemma3_served_with_dtype_auto_stays_close_to_the_exact_path(gemma3_path
         assert same_start >= 7, list(zip(exact_starts, served_texts))
     finally:
         assert srv.stop() == 0
+    _behind_one_server(gemma3_path, text, real_model_path, real_llm, tmp_path)
 
 
-def test_smollm2_and_gemma3_behind_one_server(gemma3_path, gemma3_exact, real_model_path, real_llm, tmp_path):
-    """Both real models from one `justapi serve`, each in a process of its own, answer with the greedy text an
-    engine of that model alone gives (--dtype float32); a --models-memory budget that fits one of them unloads the
-    idle one for the other."""
+def _behind_one_server(gemma3_path: str, gemma3_text: str, real_model_path: str, real_llm, folder) -> None:
+    """Both real models from one `justapi serve --models-dir` (issue 58), each in a process of its own, answer as
+    a server or an engine of that model alone does: Gemma 3 with --dtype auto as the single server just did,
+    SmolLM2 with --dtype float32 from models.toml as the exact engine; a --models-memory budget that fits one of
+    them unloads the idle one for the other."""
     from server_helpers import ServerProcess, labelled
 
-    srv = ServerProcess(["--model", f"smollm2={real_model_path}", "--model", f"gemma3={gemma3_path}", "--dtype",
-                         "float32", "--models-memory", "1.2G"], str(tmp_path / "log"))
+    os.symlink(real_model_path, folder / "smollm2.gguf")
+    os.symlink(gemma3_path, folder / "gemma3.gguf")
+    (folder / "models.toml").write_text('[flags]\nsmollm2 = ["--dtype", "float32"]\n')
+    srv = ServerProcess(["--models-dir", str(folder), "--models-memory", "1.2G", "--pool-blocks", "256"],
+                        str(folder / "log"))
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
-        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-        for name, alone in (("smollm2", real_llm), ("gemma3", gemma3_exact)):
-            got = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=8, temperature=0,
-                                            extra_body={"ignore_eos": True}).choices[0].text
-            assert got == alone.generate([PROMPTS[0]], params)[0].text, name
+        answer = lambda model, prompt, n: client.completions.create(  # noqa: E731
+            model=model, prompt=prompt, max_tokens=n, temperature=0).choices[0].text
+        want = real_llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8))[0].text
+        assert answer("smollm2", PROMPTS[0], 8) == want
+        assert answer("gemma3", "The capital of France is", 12) == gemma3_text
         states = {m["id"]: m["state"] for m in client.models.list().model_dump()["data"]}
         assert states == {"smollm2": "unloaded", "gemma3": "loaded"}
         text = httpx.get(srv.url + "/metrics").text

@@ -31,7 +31,7 @@ def models_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(models_dir, tmp_path_factory):
-    srv = ServerProcess(["--models-dir", str(models_dir), "--max-loaded-models", "1", "--idle-unload", "600",
+    srv = ServerProcess(["--models-dir", str(models_dir), "--max-loaded-models", "1", "--idle-unload", "3",
                          "--batch-invariant", "--pool-blocks", "128"], str(tmp_path_factory.mktemp("log") / "log"))
     yield srv
     srv.stop()
@@ -53,6 +53,7 @@ def test_each_model_loads_on_demand_and_answers_as_it_does_alone(server, models_
     listings (OpenAI's, Ollama's) name every model with its state."""
     url = server.url
     assert states(url) == {"alpha": "unloaded", "beta": "unloaded", "broken": "unloaded"}
+    want = {name: greedy(str(models_dir / f"{name}.gguf")) for name in ("alpha", "beta")}
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=1)
     answer = lambda model: client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0,  # noqa: E731
                                                      extra_body={"ignore_eos": True}).choices[0].text
@@ -60,9 +61,9 @@ def test_each_model_loads_on_demand_and_answers_as_it_does_alone(server, models_
         answer("broken")
     assert failed.value.status_code == 503
     assert "the model 'broken' failed to load" in failed.value.message and "GGUF" in failed.value.message
-    assert answer("chat") == greedy(str(models_dir / "alpha.gguf"))  # the others serve
+    assert answer("chat") == want["alpha"]  # the others serve
     assert states(url)["alpha"] == "loaded"
-    assert answer("beta") == greedy(str(models_dir / "beta.gguf"))
+    assert answer("beta") == want["beta"]
     assert states(url) == {"alpha": "unloaded", "beta": "loaded", "broken": "failed"}
     with pytest.raises(openai.NotFoundError, match="'gamma' does not exist"):
         answer("gamma")
@@ -78,47 +79,38 @@ def test_each_model_loads_on_demand_and_answers_as_it_does_alone(server, models_
     assert not undocumented_metrics(text)
 
 
-@pytest.fixture(scope="module")
-def short_lived(models_dir, tmp_path_factory):
-    """Two models that unload 1.5 s after their last request."""
-    srv = ServerProcess(["--model", f"a={models_dir / 'alpha.gguf'}", "--model", f"b={models_dir / 'beta.gguf'}",
-                         "--idle-unload", "1.5", "--pool-blocks", "128"], str(tmp_path_factory.mktemp("log") / "log"))
-    yield srv
-    srv.stop()
-
-
 def model_health(url: str, name: str) -> dict:
     return next(m for m in httpx.get(url + "/health").json()["models"] if m["name"] == name)
 
 
-def test_idle_models_unload_and_a_dead_process_restarts(short_lived):
+def test_idle_models_unload_and_a_dead_process_restarts(server):
     """Ollama's keep_alive 0 unloads a model after its answer, an empty /api/generate loads it (and with keep_alive
     0 unloads it at once); a model whose process dies mid-stream ends that stream, and its next request starts it
     again; --idle-unload: a model unloads once idle that long."""
-    url = short_lived.url
+    url = server.url
     client = ollama.Client(host=url)
-    assert client.generate(model="a", prompt="one", options={"num_predict": 3}, keep_alive=0).done
-    wait_until(lambda: model_health(url, "a")["state"] == "unloaded", 30, "the unload after keep_alive 0")
-    assert client.generate(model="b", prompt="").done_reason == "load"
-    assert model_health(url, "b")["state"] == "loaded"
-    assert client.generate(model="b", prompt="", keep_alive=0).done_reason == "unload"
-    assert model_health(url, "b")["state"] == "unloaded"
+    assert client.generate(model="alpha", prompt="one", options={"num_predict": 3}, keep_alive=0).done
+    wait_until(lambda: model_health(url, "alpha")["state"] == "unloaded", 30, "the unload after keep_alive 0")
+    assert client.generate(model="beta", prompt="").done_reason == "load"
+    assert model_health(url, "beta")["state"] == "loaded"
+    assert client.generate(model="beta", prompt="", keep_alive=0).done_reason == "unload"
+    assert model_health(url, "beta")["state"] == "unloaded"
 
-    body = {"model": "a", "prompt": "stream", "max_tokens": 900, "stream": True, "ignore_eos": True}
+    body = {"model": "alpha", "prompt": "stream", "max_tokens": 900, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
-        os.kill(model_health(url, "a")["pid"], signal.SIGKILL)
+        os.kill(model_health(url, "alpha")["pid"], signal.SIGKILL)
         rest = list(lines)
     assert "data: [DONE]" not in rest  # cut where the process died
-    wait_until(lambda: model_health(url, "a")["state"] == "failed", 30, "the death noticed")
-    assert "exited with status -9" in model_health(url, "a")["error"]
+    wait_until(lambda: model_health(url, "alpha")["state"] == "failed", 30, "the death noticed")
+    assert "exited with status -9" in model_health(url, "alpha")["error"]
     again = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-    assert again.completions.create(model="a", prompt="again", max_tokens=3).choices[0].text is not None
-    assert model_health(url, "a")["state"] == "loaded"
-    wait_until(lambda: model_health(url, "a")["state"] == "unloaded", 30, "the idle unload")
+    assert again.completions.create(model="alpha", prompt="again", max_tokens=3).choices[0].text is not None
+    assert model_health(url, "alpha")["state"] == "loaded"
+    wait_until(lambda: model_health(url, "alpha")["state"] == "unloaded", 30, "the idle unload (3 s)")
     text = httpx.get(url + "/metrics").text
-    assert labelled(text, "justapi_model_unloads_total", model="a", reason="keep_alive") == 1
-    assert labelled(text, "justapi_model_unloads_total", model="a", reason="died") == 1
-    assert labelled(text, "justapi_model_unloads_total", model="a", reason="idle") == 1
-    assert labelled(text, "justapi_model_unloads_total", model="b", reason="keep_alive") == 1
+    assert labelled(text, "justapi_model_unloads_total", model="alpha", reason="keep_alive") == 1
+    assert labelled(text, "justapi_model_unloads_total", model="alpha", reason="died") == 1
+    assert labelled(text, "justapi_model_unloads_total", model="alpha", reason="idle") == 1
+    assert labelled(text, "justapi_model_unloads_total", model="beta", reason="keep_alive") == 1

@@ -192,6 +192,10 @@ class ModelSet:
                 count_ok = cfg.max_loaded is None or len(others) < cfg.max_loaded
                 if left >= smallest and count_ok:
                     break
+                stopping = [s.stopping for s in others if s.stopping is not None]
+                if stopping:  # unloading already: its room comes back once its process has exited
+                    await asyncio.gather(*stopping, return_exceptions=True)
+                    continue
                 idle = [s for s in others if s.state == "loaded" and not s.busy]
                 if not idle:
                     held = ", ".join(repr(s.name) for s in others)

@@ -17,6 +17,7 @@ from ..engine.async_llm import AsyncLLM
 from ..engine.protocol import Engine
 from . import infill, native, scoring
 from .auth import ApiKeys
+from .chat_page import install as install_chat_page
 from .dashboard import install as install_dashboard
 from .errors import BodyLimit, InternalErrors, install_error_handlers
 from .front import Front
@@ -70,6 +71,7 @@ def build_app(config: ServerConfig, model_name: str, load_engine: Callable[[], E
     app.state.justapi = state
     install_middleware(app, config)
     app.include_router(native.router(state))
+    install_chat_page(app)
     if config.dashboard:
         install_dashboard(app, state.ready_llm, lambda: state.engine.tokenizer, state.dashboard,
                           config.dashboard_prompt_text)

@@ -11,6 +11,9 @@ from .errors import error_response
 # everything but /health needs a key when keys are configured: /metrics too, unless --open-metrics (its labels
 # carry users' names and its gauges the load)
 OPEN_PATHS = ("/health",)
+# the pages a browser opens (the dashboard, the chat page): they take the key as an HTTP Basic password, which the
+# browser asks for and resends with the page's own requests under these paths
+PAGE_PATHS = ("/dashboard", "/chat")
 
 
 class ApiKeys:
@@ -34,7 +37,7 @@ class ApiKeys:
         if user is None:
             # a browser asks for the key (as a password) where the page says Basic, and resends it with the
             # page's own requests: the dashboard works without a client of its own
-            www = {"WWW-Authenticate": 'Basic realm="justapi dashboard"'} if path.startswith("/dashboard") else None
+            www = {"WWW-Authenticate": 'Basic realm="justapi"'} if path.startswith(PAGE_PATHS) else None
             response = error_response(401, "invalid or missing API key", "authentication_error", headers=www,
                                       path=path)
             return await response(scope, receive, send)
@@ -43,12 +46,12 @@ class ApiKeys:
 
 
 def presented_key(authorization: str, path: str) -> str | None:
-    """The API key in an Authorization header: ``Bearer KEY``, or on the dashboard's paths HTTP Basic with the key as
-    the password (any user name)."""
+    """The API key in an Authorization header: ``Bearer KEY``, or on the pages' paths HTTP Basic with the key as the
+    password (any user name)."""
     scheme, _, value = authorization.partition(" ")
     if scheme == "Bearer":
         return value
-    if scheme == "Basic" and path.startswith("/dashboard"):
+    if scheme == "Basic" and path.startswith(PAGE_PATHS):
         try:
             return base64.b64decode(value, validate=True).decode().partition(":")[2]
         except (binascii.Error, UnicodeDecodeError):

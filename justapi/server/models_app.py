@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ..engine.models import ModelSet, ModelSlot, ModelUnavailable
 from ..server_config import ServerConfig
 from .api import install_middleware
+from .chat_page import install as install_chat_page
 from .errors import ApiError
 from .ollama.models import model_entry
 from .ollama.routes import OLLAMA_VERSION
@@ -70,6 +71,7 @@ def build_models_app(config: ServerConfig, models: ModelSet) -> FastAPI:
 
     app = FastAPI(title="JustAPI", lifespan=lifespan)
     install_middleware(app, config)
+    install_chat_page(app)
     _listing_routes(app, models)
 
     @app.get("/metrics")
