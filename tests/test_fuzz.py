@@ -20,7 +20,7 @@ refused; the hypothesis bodies mostly ask for a few tokens. A request unanswered
 failure, and once the server stops answering at all every later request fails at once, naming the one that hung
 it. Failures are told apart by the server's traceback: hypothesis shrinks and reports each distinct one, the sweep
 lists them all. The run is derandomized (fixed seeds), so CI sends the same requests every time;
-``JUSTAPI_FUZZ_EXAMPLES=500`` raises the generated requests per route (15) for a long local run.
+``JUSTAPI_FUZZ_EXAMPLES=500`` raises the generated requests per route (10) for a long local run.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ NAME = "tiny"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_MODEL_LEN = 1024  # the tiny model's context: room for the tools template's ~400 tokens of preamble
 SERVER_SETTINGS = dict(api_key=KEY, served_model_name=NAME, max_n=2)
-EXAMPLES = int(os.environ.get("JUSTAPI_FUZZ_EXAMPLES", "15"))  # generated requests per route and fuzzer
+EXAMPLES = int(os.environ.get("JUSTAPI_FUZZ_EXAMPLES", "10"))  # generated requests per route and fuzzer
 SEED = 53  # issue 53
 TOOLS_TEMPLATE = os.path.join(os.path.dirname(__file__), "..", "examples", "chat_templates", "chatml_tools.jinja")
 REQUEST_TIMEOUT_S = 30  # unanswered after this long is a failure (the tiny model needs < 1 s, a first grammar ~6)

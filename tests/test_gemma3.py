@@ -19,7 +19,7 @@ from paged_helpers import paged_prefill_logits
 from test_model import PROMPTS as SMOLLM2_PROMPTS
 
 PROMPTS = SMOLLM2_PROMPTS + ["Les fleurs du jardin sont", "日本の首都は"]  # 12: two more languages
-HF_PROMPTS = PROMPTS[:2] + PROMPTS[-2:]  # those transformers decodes too (its 262k-row head is slow)
+HF_PROMPTS = PROMPTS[:1] + PROMPTS[-2:]  # those transformers decodes too (its 262k-row head is slow)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def gemma3_reference(gemma3_path):
 
 def test_gemma3_tokenizer_and_greedy_text_match_transformers(gemma3_path, gemma3_exact, gemma3_reference):
     """The exact path (--dtype float32, every weight dequantized): the same token ids as transformers' tokenizer,
-    the same 8 greedy tokens for each of 4 prompts decoded as one batch, and the same logits over a 600-token
+    the same 8 greedy tokens for each of 3 prompts decoded as one batch, and the same logits over a 600-token
     prompt prefilled in chunks, past the 512-token window of the sliding layers. Logits: within 0.05 everywhere
     with the same argmax (measured: 1e-4 over the first 300 positions, 6e-4 up to 600 but 0.017 at one position
     after 530, logits of magnitude ~20; a window of 511 or 513 instead of 512 moves them by 0.55-0.8)."""
@@ -83,7 +83,8 @@ def test_gemma3_served_with_dtype_auto_stays_close_to_the_exact_path(gemma3_path
     - the served model against the exact path: per-position KL of a prompt's next-token distribution below 0.05
       nats with at least 90% argmax agreement, and greedy answers that mostly begin the same. Measured on an Intel
       Xeon (bf16 compute, Q4_K/Q5_0/Q8_0 kept packed): KL at most 0.0060 (mean 0.0006), argmax agreement 1.0, 11 of
-      12 answers with the same first 4 tokens (greedy text flips at near-ties);
+      12 answers with the same first 4 tokens (greedy text flips at near-ties); every other prompt is asked, 4 of
+      the 6 must agree;
     - and beside SmolLM2 behind one several-model server, the same text (``_behind_one_server``).
     """
     import httpx
@@ -119,7 +120,7 @@ def test_gemma3_served_with_dtype_auto_stays_close_to_the_exact_path(gemma3_path
         kl = (exact.exp() * (exact - fast)).sum(-1)
         agree = (exact.argmax(-1) == fast.argmax(-1)).float().mean().item()
         assert kl.max().item() < 0.05 and agree >= 0.9, (kl.max().item(), agree)
-        prompts = [gemma3_exact.tokenizer.encode(p) for p in PROMPTS]
+        prompts = [gemma3_exact.tokenizer.encode(p) for p in PROMPTS[::2]]
         greedy = {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
         exact_starts = [gemma3_exact.tokenizer.decode(r.token_ids[:4])
                         for r in gemma3_exact.generate(prompts, SamplingParams(**greedy))]
@@ -127,7 +128,7 @@ def test_gemma3_served_with_dtype_auto_stays_close_to_the_exact_path(gemma3_path
             served_texts = list(pool.map(lambda p: httpx.post(srv.url + "/v1/completions", timeout=120, json={
                 **greedy, "prompt": p}).json()["choices"][0]["text"], prompts))
         same_start = sum(text.startswith(start) for start, text in zip(exact_starts, served_texts))
-        assert same_start >= 7, list(zip(exact_starts, served_texts))
+        assert same_start >= 4, list(zip(exact_starts, served_texts))
     finally:
         assert srv.stop() == 0
     _behind_one_server(gemma3_path, text, real_model_path, real_llm, tmp_path)

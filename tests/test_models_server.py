@@ -25,7 +25,10 @@ def models_dir(tmp_path_factory):
     write_tiny_model(str(folder / "alpha.gguf"), "llama", context_length=1024, seed=1)
     write_tiny_model(str(folder / "beta.gguf"), "qwen3", context_length=1024, seed=2)
     (folder / "broken.gguf").write_bytes(b"GGUF, but nothing a reader can parse")
-    (folder / "models.toml").write_text('[aliases]\nchat = "alpha"\n\n[flags]\nbeta = ["--max-seqs", "4"]\n')
+    # beta drafts with a tiny llama of the same vocabulary: a draft model of its own
+    draft = write_tiny_model(str(tmp_path_factory.mktemp("draft") / "draft.gguf"), "llama", context_length=1024,
+                             num_layers=1, seed=3)
+    (folder / "models.toml").write_text(f'[aliases]\nchat = "alpha"\n\n[flags]\nbeta = ["--draft-model", "{draft}"]\n')
     return folder
 
 
@@ -48,7 +51,7 @@ def greedy(path: str) -> str:
 
 def test_each_model_loads_on_demand_and_answers_as_it_does_alone(server, models_dir):
     """Nothing loads until asked; a model answers (through its alias too) with the greedy text an engine of that
-    file alone gives; with --max-loaded-models 1 the next model's first request unloads the idle one; a file that
+    file alone gives, embeds, and drafts with the draft model its models.toml flags name; with --max-loaded-models 1 the next model's first request unloads the idle one; a file that
     fails to load answers its requests with the reason, naming the model, and the others go on serving; the
     listings (OpenAI's, Ollama's) name every model with its state."""
     url = server.url
@@ -63,6 +66,8 @@ def test_each_model_loads_on_demand_and_answers_as_it_does_alone(server, models_
     assert "the model 'broken' failed to load" in failed.value.message and "GGUF" in failed.value.message
     assert answer("chat") == want["alpha"]  # the others serve
     assert states(url)["alpha"] == "loaded"
+    vectors = client.embeddings.create(model="alpha", input=["one", "two"]).data  # a model's every route
+    assert len(vectors) == 2 and len(vectors[0].embedding) > 0
     assert answer("beta") == want["beta"]
     assert states(url) == {"alpha": "unloaded", "beta": "loaded", "broken": "failed"}
     with pytest.raises(openai.NotFoundError, match="'gamma' does not exist"):
@@ -76,6 +81,7 @@ def test_each_model_loads_on_demand_and_answers_as_it_does_alone(server, models_
     assert labelled(text, "justapi_model_load_failures_total", model="broken") == 1
     assert labelled(text, "justapi_model_state", model="beta", state="loaded") == 1
     assert labelled(text, "justapi_requests_by_api_total", model="beta", api="openai") == 1
+    assert labelled(text, "justapi_spec_draft_tokens_total", model="beta") > 0  # its draft at work, lossless
     assert not undocumented_metrics(text)
 
 
