@@ -51,9 +51,10 @@ def greedy(path: str) -> str:
 
 def test_each_model_loads_on_demand_and_answers_as_it_does_alone(server, models_dir):
     """Nothing loads until asked; a model answers (through its alias too) with the greedy text an engine of that
-    file alone gives, embeds, and drafts with the draft model its models.toml flags name; with --max-loaded-models 1 the next model's first request unloads the idle one; a file that
-    fails to load answers its requests with the reason, naming the model, and the others go on serving; the
-    listings (OpenAI's, Ollama's) name every model with its state."""
+    file alone gives, embeds, and drafts with the draft model its models.toml flags name; with --max-loaded-models 1
+    the next model's first request unloads the idle one; a file that fails to load answers its requests with the
+    reason, naming the model, and the others go on serving; the listings (OpenAI's, Ollama's) name every model with
+    its state."""
     url = server.url
     assert states(url) == {"alpha": "unloaded", "beta": "unloaded", "broken": "unloaded"}
     want = {name: greedy(str(models_dir / f"{name}.gguf")) for name in ("alpha", "beta")}
