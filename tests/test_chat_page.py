@@ -30,6 +30,8 @@ def page(browser, script: str, timeout_s: float = 60):
 
 def test_chat_in_chromium(server, browser, tmp_path):
     assert httpx.get(server.url + "/chat").status_code == 401  # the browser then asks for the key
+    for path in ("/healthz", "/chat/x", "/chatty", "/dashboardx"):  # open and page paths are whole segments
+        assert httpx.get(server.url + path).status_code == 401, path
     host = server.url.removeprefix("http://")
     browser.get(f"http://user:{KEY}@{host}/chat")
     page(browser, "return document.querySelectorAll('#model option').length > 0")

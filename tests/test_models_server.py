@@ -14,7 +14,7 @@ import pytest
 
 from justapi import LLM, SamplingParams
 from server_helpers import ServerProcess, labelled, undocumented_metrics, wait_until
-from tiny_gguf import write_tiny_model
+from tiny_gguf import write_tiny_encoder, write_tiny_model
 
 PROMPT = "the quick brown fox"
 
@@ -24,6 +24,7 @@ def models_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("models")
     write_tiny_model(str(folder / "alpha.gguf"), "llama", context_length=1024, seed=1)
     write_tiny_model(str(folder / "beta.gguf"), "qwen3", context_length=1024, seed=2)
+    write_tiny_encoder(str(folder / "embedder.gguf"))  # an embedding model beside the chat models
     (folder / "broken.gguf").write_bytes(b"GGUF, but nothing a reader can parse")
     # beta drafts with a tiny llama of the same vocabulary: a draft model of its own
     draft = write_tiny_model(str(tmp_path_factory.mktemp("draft") / "draft.gguf"), "llama", context_length=1024,
@@ -51,13 +52,17 @@ def greedy(path: str) -> str:
 
 def test_each_model_loads_on_demand_and_answers_as_it_does_alone(server, models_dir):
     """Nothing loads until asked; a model answers (through its alias too) with the greedy text an engine of that
-    file alone gives, embeds, and drafts with the draft model its models.toml flags name; with --max-loaded-models 1
-    the next model's first request unloads the idle one; a file that fails to load answers its requests with the
-    reason, naming the model, and the others go on serving; the listings (OpenAI's, Ollama's) name every model with
-    its state."""
+    file alone gives, drafts with the draft model its models.toml flags name, an embedding model embeds beside
+    them; with --max-loaded-models 1 the next model's first request unloads the idle one; a file that fails to load
+    answers its requests with the reason, naming the model, and the others go on serving; the listings (OpenAI's,
+    Ollama's) name every model with its state."""
     url = server.url
-    assert states(url) == {"alpha": "unloaded", "beta": "unloaded", "broken": "unloaded"}
+    assert states(url) == {"alpha": "unloaded", "beta": "unloaded", "broken": "unloaded", "embedder": "unloaded"}
     want = {name: greedy(str(models_dir / f"{name}.gguf")) for name in ("alpha", "beta")}
+    # what no model's process serves, or no JSON, is answered here, and loads nothing
+    assert httpx.post(url + "/healthz", json={"model": "alpha", "keep_alive": -1}).status_code == 404
+    assert httpx.post(url + "/v1/completions", content=b"model=alpha&prompt=hi").status_code == 400
+    assert set(states(url).values()) == {"unloaded"}
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=1)
     answer = lambda model: client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0,  # noqa: E731
                                                      extra_body={"ignore_eos": True}).choices[0].text
@@ -67,16 +72,17 @@ def test_each_model_loads_on_demand_and_answers_as_it_does_alone(server, models_
     assert "the model 'broken' failed to load" in failed.value.message and "GGUF" in failed.value.message
     assert answer("chat") == want["alpha"]  # the others serve
     assert states(url)["alpha"] == "loaded"
-    vectors = client.embeddings.create(model="alpha", input=["one", "two"]).data  # a model's every route
-    assert len(vectors) == 2 and len(vectors[0].embedding) > 0
+    vectors = [d.embedding for d in client.embeddings.create(model="embedder", input=["one", "two"]).data]
+    alone = LLM(str(models_dir / "embedder.gguf"), batch_invariant=True, show_progress=False).embed(["one", "two"])
+    assert max(abs(a - b) for v, w in zip(vectors, alone) for a, b in zip(v, w)) < 1e-5
     assert answer("beta") == want["beta"]
-    assert states(url) == {"alpha": "unloaded", "beta": "loaded", "broken": "failed"}
+    assert states(url) == {"alpha": "unloaded", "beta": "loaded", "broken": "failed", "embedder": "unloaded"}
     with pytest.raises(openai.NotFoundError, match="'gamma' does not exist"):
         answer("gamma")
     listed = {m["id"]: m for m in httpx.get(url + "/v1/models").json()["data"]}
     assert listed["alpha"]["aliases"] == ["chat"] and "failed to load" in listed["broken"]["error"]
     tags = ollama.Client(host=url).list()
-    assert sorted(m.model for m in tags.models) == ["alpha:latest", "beta:latest", "broken:latest"]
+    assert sorted(m.model for m in tags.models) == ["alpha:latest", "beta:latest", "broken:latest", "embedder:latest"]
     text = httpx.get(url + "/metrics").text
     assert labelled(text, "justapi_model_unloads_total", model="alpha", reason="evicted") == 1
     assert labelled(text, "justapi_model_load_failures_total", model="broken") == 1
@@ -108,8 +114,8 @@ def test_idle_models_unload_and_a_dead_process_restarts(server):
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
         os.kill(model_health(url, "alpha")["pid"], signal.SIGKILL)
-        rest = list(lines)
-    assert "data: [DONE]" not in rest  # cut where the process died
+        with pytest.raises(httpx.RemoteProtocolError):  # broken off where the process died: not a whole answer
+            list(lines)
     wait_until(lambda: model_health(url, "alpha")["state"] == "failed", 30, "the death noticed")
     assert "exited with status -9" in model_health(url, "alpha")["error"]
     again = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)

@@ -74,8 +74,10 @@ def _catalog(path: str, names: set[str]) -> tuple[dict[str, str], dict[str, list
     if unknown:
         raise ValueError(f"{path}: unknown table {sorted(unknown)[0]!r} (it has [aliases] and [flags])")
     aliases, flags = data.get("aliases", {}), data.get("flags", {})
+    if not isinstance(aliases, dict) or not isinstance(flags, dict):
+        raise ValueError(f"{path}: [aliases] and [flags] must be tables")
     for alias, target in aliases.items():
-        if target not in names:
+        if not isinstance(target, str) or target not in names:
             raise ValueError(f"{path}: alias {alias!r} names {target!r}, which is not a .gguf file in the folder")
     for name, given in flags.items():
         if name not in names:

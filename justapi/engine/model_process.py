@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
+import signal
 import socket
 import sys
 import time
@@ -50,15 +51,17 @@ class ModelProcess:
         """Start the child and wait until it serves; the seconds it took. LoadFailed where it exits first, answers
         that its model failed, or is not serving within ``timeout_s`` (it is stopped then)."""
         started = time.monotonic()
+        # a session of its own: stopping it stops whatever it started too (worker processes, ranks)
         self.proc = await asyncio.create_subprocess_exec(
             *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
         self._logs = asyncio.create_task(self._pass_logs())
         try:
             async with httpx.AsyncClient(timeout=5) as client:
                 while True:
                     problem = await self._health(client)
                     if problem is None:
+                        await self._check_identity(client)
                         return time.monotonic() - started
                     if problem != "loading":
                         raise LoadFailed(problem)
@@ -73,8 +76,7 @@ class ModelProcess:
         """None: serving; "loading"; or why it never will."""
         assert self.proc is not None
         if self.proc.returncode is not None:
-            if self._logs is not None:
-                await asyncio.gather(self._logs, return_exceptions=True)  # its last lines read
+            await self._logs_read()
             return f"its process exited with status {self.proc.returncode}{self._last_error()}"
         try:
             r = await client.get(f"{self.url}/health")
@@ -82,8 +84,20 @@ class ModelProcess:
             return "loading"  # not listening yet
         if r.status_code == 200:
             return None
-        message = r.json().get("error", {}).get("message", r.text)
+        try:
+            message = r.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = f"/health answered {r.status_code}"
         return "loading" if message == "the model is loading" else message
+
+    async def _check_identity(self, client: httpx.AsyncClient) -> None:
+        """The server on the port is this model's (another process may have taken the port meanwhile)."""
+        try:
+            names = [m["id"] for m in (await client.get(f"{self.url}/v1/models")).json()["data"]]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            names = []
+        if self.name not in names:
+            raise LoadFailed(f"another server answers on its port {self.port}")
 
     def _last_error(self) -> str:
         """The child's own one-line error (``justapi: error: ...``) or its last log line, for a failure message."""
@@ -93,11 +107,29 @@ class ModelProcess:
         return f": {self.tail[-1]}" if self.tail else ""
 
     async def _pass_logs(self) -> None:
+        """The child's stderr, line by line, read in blocks (a line of any length never stops the reading, which
+        would block the child once the pipe is full)."""
         assert self.proc is not None and self.proc.stderr is not None
-        async for raw in self.proc.stderr:
-            line = raw.decode(errors="replace").rstrip()
-            self.tail.append(line)
-            print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
+        pending = b""
+        while block := await self.proc.stderr.read(1 << 16):
+            *lines, pending = (pending + block).split(b"\n")
+            for raw in lines:
+                self._log_line(raw)
+            if len(pending) > 1 << 16:
+                self._log_line(pending)
+                pending = b""
+        if pending:
+            self._log_line(pending)
+
+    def _log_line(self, raw: bytes) -> None:
+        line = raw.decode(errors="replace").rstrip()
+        self.tail.append(line[:2000])
+        print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
+
+    async def _logs_read(self) -> None:
+        """Wait (a little) for the child's last log lines."""
+        if self._logs is not None:
+            await asyncio.wait([self._logs], timeout=5)
 
     @property
     def exited(self) -> int | None:
@@ -107,12 +139,19 @@ class ModelProcess:
     async def stop(self) -> None:
         """Stop the child (SIGTERM, then SIGKILL after STOP_GRACE_S) and wait for it."""
         if self.proc is None or self.proc.returncode is not None:
+            self._signal_group(signal.SIGKILL)  # what it started may outlive it
             return
-        self.proc.terminate()
+        self._signal_group(signal.SIGTERM)
         try:
             await asyncio.wait_for(self.proc.wait(), STOP_GRACE_S)
         except asyncio.TimeoutError:
-            self.proc.kill()
+            self._signal_group(signal.SIGKILL)
             await self.proc.wait()
-        if self._logs is not None:
-            await asyncio.gather(self._logs, return_exceptions=True)
+        await self._logs_read()
+
+    def _signal_group(self, sig: int) -> None:
+        assert self.proc is not None
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass  # gone already

@@ -140,8 +140,13 @@ class ModelSet:
         until evicted) once nothing else uses it."""
         slot.in_flight -= 1
         slot.last_used = time.monotonic()
+        self.keep(slot, keep_alive)
+
+    def keep(self, slot: ModelSlot, keep_alive: float | None) -> None:
+        """The model stays ``keep_alive`` seconds after its last request (None: idle_unload_s; negative: until
+        evicted); the reaper unloads it then, once nothing uses it."""
         keep = self.config.idle_unload_s if keep_alive is None else keep_alive
-        slot.expires = None if keep < 0 else slot.last_used + keep
+        slot.expires = None if keep < 0 else time.monotonic() + keep
         slot.expiry_reason = "idle" if keep_alive is None else "keep_alive"
 
     async def _load(self, slot: ModelSlot) -> None:
@@ -150,17 +155,19 @@ class ModelSet:
                 await slot.stopping
             kv_bytes = await self._make_room(slot)
             slot.state, slot.error = "loading", None
-            spec = slot.spec
-            process = ModelProcess(spec.name, ["--model", spec.path, "--served-model-name", spec.name,
-                                               "--kv-memory", str(kv_bytes), *self.config.child_flags, *spec.flags])
-            log.info("loading %s (%s) with a KV pool of %.2f GiB", spec.name, spec.path, kv_bytes / 2**30)
-            slot.load_seconds = await process.start(self.config.load_timeout_s)
+            log.info("loading %s (%s) with a KV pool of %.2f GiB", slot.name, slot.spec.path, kv_bytes / 2**30)
+            process = await self._started(slot.spec, kv_bytes)
             slot.process, slot.state, slot.loads, slot.failed = process, "loaded", slot.loads + 1, None
             slot.last_used = time.monotonic()
             slot.expires, slot.expiry_reason = slot.last_used + self.config.idle_unload_s, "idle"
-            log.info("loaded %s in %.1f s", spec.name, slot.load_seconds)
-        except LoadFailed as e:
-            slot.state, slot.error, slot.reserved = "failed", f"the model {slot.name!r} failed to load: {e}", 0
+            log.info("loaded %s in %.1f s", slot.name, slot.load_seconds)
+        except ModelUnavailable:  # no room (nothing of it started): the request says why, the model stays as it was
+            if slot.state == "loading":
+                slot.state, slot.reserved = "unloaded", 0
+            raise
+        except Exception as e:  # LoadFailed, or anything else on the way: remembered, answered with why
+            why = str(e) if isinstance(e, LoadFailed) else f"{type(e).__name__}: {e}"
+            slot.state, slot.error, slot.reserved = "failed", f"the model {slot.name!r} failed to load: {why}", 0
             slot.failed = (time.monotonic(), _file_stat(slot.spec.path))
             slot.load_failures += 1
             log.error(slot.error)
@@ -172,9 +179,25 @@ class ModelSet:
         finally:
             slot.loading = None
 
+    async def _started(self, spec: ModelSpec, kv_bytes: int) -> ModelProcess:
+        """The model's process, serving; started again on another port where its port was taken meanwhile."""
+        for attempt in range(3):
+            process = ModelProcess(spec.name, ["--model", spec.path, "--served-model-name", spec.name,
+                                               "--kv-memory", str(kv_bytes), *self.config.child_flags, *spec.flags])
+            try:
+                self.slots[spec.name].load_seconds = await process.start(self.config.load_timeout_s)
+                return process
+            except LoadFailed as e:
+                if attempt == 2 or not ("address already in use" in str(e) or "another server" in str(e)):
+                    raise
+        raise AssertionError("unreachable")
+
     def _needs(self, spec: ModelSpec) -> int:
         """Bytes a model takes besides its KV pool: its file (weights stay packed as stored) and its process."""
-        return os.path.getsize(spec.path) + PROCESS_BYTES
+        try:
+            return os.path.getsize(spec.path) + PROCESS_BYTES
+        except OSError as e:
+            raise LoadFailed(f"its file {spec.path} cannot be read ({e.strerror})") from None
 
     async def _make_room(self, slot: ModelSlot) -> int:
         """Reserve the model's share of the budget, unloading idle models (least recently used first) where there

@@ -27,7 +27,7 @@ class ApiKeys:
         self.open_paths = OPEN_PATHS + (("/metrics",) if open_metrics else ())
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not self.users or scope["path"].startswith(self.open_paths):
+        if scope["type"] != "http" or not self.users or under(scope["path"], self.open_paths):
             return await self.app(scope, receive, send)
         path = scope["path"]
         headers = dict(scope.get("headers") or [])
@@ -37,7 +37,7 @@ class ApiKeys:
         if user is None:
             # a browser asks for the key (as a password) where the page says Basic, and resends it with the
             # page's own requests: the dashboard works without a client of its own
-            www = {"WWW-Authenticate": 'Basic realm="justapi"'} if path.startswith(PAGE_PATHS) else None
+            www = {"WWW-Authenticate": 'Basic realm="justapi"'} if under(path, PAGE_PATHS) else None
             response = error_response(401, "invalid or missing API key", "authentication_error", headers=www,
                                       path=path)
             return await response(scope, receive, send)
@@ -51,9 +51,14 @@ def presented_key(authorization: str, path: str) -> str | None:
     scheme, _, value = authorization.partition(" ")
     if scheme == "Bearer":
         return value
-    if scheme == "Basic" and path.startswith(PAGE_PATHS):
+    if scheme == "Basic" and under(path, PAGE_PATHS):
         try:
             return base64.b64decode(value, validate=True).decode().partition(":")[2]
         except (binascii.Error, UnicodeDecodeError):
             return None
     return None
+
+
+def under(path: str, prefixes: tuple[str, ...]) -> bool:
+    """Whether ``path`` is one of ``prefixes`` or below one (``/health`` and ``/health/x``, not ``/healthz``)."""
+    return any(path == p or path.startswith(p + "/") for p in prefixes)

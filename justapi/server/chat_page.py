@@ -3,7 +3,6 @@ talks to the server's own ``/v1/models`` and ``/v1/chat/completions``: pick a mo
 stop it, see its speed, the reasoning of reasoning models folded away. Behind --api-key the browser asks for the key
 (HTTP Basic, as for the dashboard) and the page is served with it, so that its own API requests carry it."""
 
-from __future__ import annotations
 
 import html
 import importlib.resources

@@ -9,10 +9,11 @@ as ``5m``; 0 unloads after the answer, negative keeps the model) sets how long t
 /api/generate or /api/chat loads the model (or with ``keep_alive`` 0 unloads it), as Ollama's does.
 """
 
-from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import math
 import re
 import time
 from contextlib import asynccontextmanager
@@ -28,32 +29,45 @@ from prometheus_client.parser import text_string_to_metric_families
 from ..engine.models import ModelSet, ModelSlot, ModelUnavailable
 from ..server_config import ServerConfig
 from .api import install_middleware
+from .auth import under
 from .chat_page import install as install_chat_page
 from .errors import ApiError
 from .ollama.models import model_entry
 from .ollama.routes import OLLAMA_VERSION
 
+log = logging.getLogger("justapi.models")
 # not passed between the client and a model's process: they describe one connection, not the request
 HOP_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "date", "server"})
 _DURATION = re.compile(r"(-?\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
 _SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+MAX_KEEP_ALIVE_S = 365 * 86400.0  # longer is "until evicted"
+# what a model's process serves: only these are passed on (and load a model); anything else is a 404 here
+MODEL_PATHS = ("/v1", "/v2", "/api", "/tokenize", "/detokenize", "/engine", "/dashboard", "/infill", "/rerank",
+               "/score", "/completion", "/completions", "/chat/completions", "/embeddings")
 
 
 def keep_alive_seconds(value) -> float | None:
-    """Ollama's keep_alive as seconds: a number, or a Go duration (``5m``, ``1h30m``, ``-1``); None where absent.
-    ApiError(400) for anything else."""
+    """Ollama's keep_alive as seconds: a number, or a Go duration (``5m``, ``1h30m``, ``-1``); None where absent;
+    beyond a year, or negative, -1 (until evicted). ApiError(400) for anything else."""
+    seconds = None
+    try:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            seconds = float(value)
+        elif isinstance(value, str):
+            text = value.strip()
+            parts = _DURATION.findall(text)
+            if re.fullmatch(r"-?\d+(\.\d+)?", text):
+                seconds = float(text)
+            elif parts and "".join(n + u for n, u in parts) == text:
+                seconds = sum(float(n) * _SECONDS[u] for n, u in parts)
+    except OverflowError:
+        seconds = float("inf")
     if value is None:
         return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, str):
-        text = value.strip()
-        if re.fullmatch(r"-?\d+(\.\d+)?", text):
-            return float(text)
-        parts = _DURATION.findall(text)
-        if parts and "".join(n + u for n, u in parts) == text:
-            return sum(float(n) * _SECONDS[u] for n, u in parts)
-    raise ApiError(400, f"keep_alive must be seconds or a duration such as '5m', not {value!r}", param="keep_alive")
+    if seconds is None or math.isnan(seconds):
+        raise ApiError(400, f"keep_alive must be seconds or a duration such as '5m', not {value!r}",
+                       param="keep_alive")
+    return -1.0 if seconds < 0 or seconds > MAX_KEEP_ALIVE_S else seconds
 
 
 def build_models_app(config: ServerConfig, models: ModelSet) -> FastAPI:
@@ -80,19 +94,27 @@ def build_models_app(config: ServerConfig, models: ModelSet) -> FastAPI:
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def forward(request: Request, path: str):
+        if not under(request.url.path, MODEL_PATHS):
+            raise ApiError(404, f"no route {request.url.path}", "not_found_error")
         body = await request.body()
         payload = _json_object(body)
+        if body and payload is None:  # what a model's process refuses anyway, refused before anything loads for it
+            raise ApiError(400, "the request body must be a JSON object (Content-Type: application/json)")
         name = payload.get("model") if payload is not None else request.query_params.get("model")
         slot = _resolve(models, name if isinstance(name, str) or name is None else str(name))
         keep_alive = keep_alive_seconds(payload.get("keep_alive")) if payload is not None else None
-        if payload is not None and payload.get("model") not in (None, slot.name) and _is_alias(models, name):
+        if payload is not None and payload.get("model") not in (None, slot.name):
             body = json.dumps({**payload, "model": slot.name}).encode()  # the model's process knows one name
         if request.url.path in ("/api/generate", "/api/chat") and payload is not None and _loads_only(payload):
             return await _load_or_unload(models, slot, keep_alive, request.url.path)
         started = time.monotonic()
         slot = await _acquire(models, slot.name)
         metrics.waited(slot, time.monotonic() - started)
-        return await _relay(client, models, slot, request, body, keep_alive)
+        try:
+            return await _relay(client, models, slot, request, body, keep_alive)
+        except BaseException:  # whatever stopped it before its answer streams: the model is not held for ever
+            models.release(slot, keep_alive)
+            raise
 
     return app
 
@@ -176,10 +198,6 @@ def _resolve(models: ModelSet, name: str | None) -> ModelSlot:
         raise ApiError(e.status, str(e), "not_found_error", "model") from None
 
 
-def _is_alias(models: ModelSet, name) -> bool:
-    return isinstance(name, str) and name.removesuffix(":latest") not in models.slots
-
-
 async def _acquire(models: ModelSet, name: str) -> ModelSlot:
     try:
         return await models.acquire(name)
@@ -197,6 +215,8 @@ async def _load_or_unload(models: ModelSet, slot: ModelSlot, keep_alive: float |
     if keep_alive == 0:
         if slot.state == "loaded" and not slot.busy:
             await models.unload(slot, "keep_alive")
+        else:  # in use: it goes once its requests are done
+            models.keep(slot, 0)
         reason = "unload"
     else:
         models.release(await _acquire(models, slot.name), keep_alive)
@@ -209,15 +229,25 @@ async def _load_or_unload(models: ModelSet, slot: ModelSlot, keep_alive: float |
 async def _relay(client: httpx.AsyncClient, models: ModelSet, slot: ModelSlot, request: Request, body: bytes,
                  keep_alive: float | None) -> Response:
     """The request passed to the model's process and its answer streamed back; the model released once the answer
-    ends (a client that leaves closes the upstream request, which aborts it there)."""
+    ends (a client that leaves closes the upstream request, which aborts it there; one that leaves before the
+    answer's head, as a whole answer's comes at its end, cancels it). The caller releases the model where this
+    raises."""
     assert slot.process is not None
     headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_HEADERS]
-    url = slot.process.url + request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    raw_path = request.scope.get("raw_path") or request.url.path.encode()  # as sent: no decoding twice
+    url = httpx.URL(slot.process.url).copy_with(raw_path=raw_path + (b"?" + request.scope["query_string"]
+                                                                      if request.scope.get("query_string") else b""))
+    sending = asyncio.ensure_future(client.send(client.build_request(request.method, url, headers=headers,
+                                                                     content=body), stream=True))
+    watching = asyncio.ensure_future(_disconnected(request))
+    await asyncio.wait([sending, watching], return_when=asyncio.FIRST_COMPLETED)
+    watching.cancel()
+    if not sending.done():
+        sending.cancel()
+        raise ApiError(499, "client disconnected")
     try:
-        upstream = await client.send(client.build_request(request.method, url, headers=headers, content=body),
-                                     stream=True)
+        upstream = sending.result()
     except httpx.TransportError:
-        models.release(slot, keep_alive)
         why = models.died(slot) or f"the model {slot.name!r} did not answer"
         raise ApiError(503, why, "service_unavailable", "model") from None
 
@@ -226,13 +256,22 @@ async def _relay(client: httpx.AsyncClient, models: ModelSet, slot: ModelSlot, r
             async for chunk in upstream.aiter_raw():
                 yield chunk
         except httpx.TransportError:
-            pass  # the model's process went away mid-answer: the answer ends here (its status is already sent)
+            # the model's process went away mid-answer: its status is sent already, so the connection is broken
+            # off (an incomplete answer, not one that looks whole)
+            log.warning("the model %r stopped mid-answer: %s", slot.name, models.died(slot) or "its connection broke")
+            raise
         finally:
             await upstream.aclose()
             models.release(slot, keep_alive)
 
     kept = [(k, v) for k, v in upstream.headers.multi_items() if k.lower() not in HOP_HEADERS]
     return StreamingResponse(chunks(), status_code=upstream.status_code, headers=dict(kept))
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone away."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.25)
 
 
 class RegistryMetrics:

@@ -143,6 +143,7 @@ async function send(prompt) {
       view.meta(`stopped after ${tokens} tokens`);
       status("stopped");
     } else {
+      state.messages.pop();  // the question went unanswered: the next one follows the last answer
       state.errors += 1;
       turn.classList.add("error");
       view.meta(String(e.message || e));
