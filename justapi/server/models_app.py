@@ -21,7 +21,7 @@ from datetime import datetime, timezone
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, CounterMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -33,7 +33,7 @@ from .auth import under
 from .chat_page import install as install_chat_page
 from .errors import ApiError
 from .ollama.models import model_entry
-from .ollama.routes import OLLAMA_VERSION
+from .ollama.routes import identity_routes
 
 log = logging.getLogger("justapi.models")
 # not passed between the client and a model's process: they describe one connection, not the request
@@ -134,14 +134,7 @@ def _listing_routes(app: FastAPI, models: ModelSet) -> None:
         slot = _resolve(models, name)
         return next(_openai_entry(m) for m in models.listing() if m["name"] == slot.name)
 
-    @app.get("/")
-    @app.head("/")
-    async def root():
-        return PlainTextResponse("Ollama is running")
-
-    @app.get("/api/version")
-    async def version():
-        return {"version": OLLAMA_VERSION}
+    identity_routes(app)
 
     @app.get("/api/tags")
     async def tags():

@@ -33,8 +33,8 @@ def router(front: Front) -> APIRouter:
     return api
 
 
-def _listing_routes(api: APIRouter, front: Front) -> None:
-    """/, /api/version, /api/tags, /api/ps, /api/show: what Ollama's clients ask before they generate."""
+def identity_routes(api) -> None:
+    """/ and /api/version: how Ollama's clients tell a server is there (the several-model server's too)."""
 
     @api.get("/")
     @api.head("/")
@@ -44,6 +44,12 @@ def _listing_routes(api: APIRouter, front: Front) -> None:
     @api.get("/api/version")
     async def version():
         return {"version": OLLAMA_VERSION}
+
+
+def _listing_routes(api: APIRouter, front: Front) -> None:
+    """/, /api/version, /api/tags, /api/ps, /api/show: what Ollama's clients ask before they generate."""
+
+    identity_routes(api)
 
     @api.get("/api/tags")
     async def tags():
