@@ -353,6 +353,10 @@ def _dequantized(raw, tensor_type, shape: tuple[int, ...], where: str) -> torch.
             arr = np.asarray(raw, dtype=np.float32)
         elif tensor_type == gguf.GGMLQuantizationType.F16:
             arr = np.asarray(raw).astype(np.float32)
+        elif tensor_type == gguf.GGMLQuantizationType.Q8_0:
+            # the same exact products in torch: Gemma 3's 262k-row embedding in ~0.3 s instead of gguf's 4 s
+            cols = shape[-1]
+            return unpack_q8_0(raw, (int(np.prod(shape)) // cols, cols)).dequantize().reshape(shape)
         else:
             arr = gguf.quants.dequantize(raw, tensor_type)
     except Exception as e:
