@@ -89,6 +89,9 @@ def test_each_model_loads_on_demand_and_answers_as_it_does_alone(server, models_
     assert labelled(text, "justapi_model_state", model="beta", state="loaded") == 1
     assert labelled(text, "justapi_requests_by_api_total", model="beta", api="openai") == 1
     assert labelled(text, "justapi_spec_draft_tokens_total", model="beta") > 0  # its draft at work, lossless
+    assert "text/html" in httpx.get(url + "/dashboard?model=beta").headers["content-type"]  # a model's dashboard
+    with httpx.stream("GET", url + "/dashboard/events?model=beta", timeout=30) as events:
+        assert events.status_code == 200 and next(events.iter_lines()) == "retry: 2000"
     assert not undocumented_metrics(text)
 
 

@@ -369,7 +369,8 @@ $("timeline").addEventListener("mouseleave", () => { $("tip").hidden = true; });
 
 // --- the stream ------------------------------------------------------------------------------------------------------
 function connect() {
-  const source = new EventSource("/dashboard/events");
+  // the page's own query (a several-model server's ?model=NAME) goes with it: the events are that model's
+  const source = new EventSource("/dashboard/events" + location.search);
   source.onopen = () => { $("status").textContent = "live"; $("status").className = "status on"; };
   source.onerror = () => {
     $("status").textContent = "reconnecting";
