@@ -9,13 +9,12 @@ import base64
 import concurrent.futures
 import json
 import os
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from server_helpers import InProcessServer, dashboard_events
+from server_helpers import InProcessServer, dashboard_events, wait_until
 
 ARTIFACTS = Path(os.environ.get("JUSTAPI_TEST_ARTIFACTS", Path(__file__).resolve().parent.parent / "test-artifacts"))
 
@@ -108,13 +107,7 @@ def test_dashboard_sits_behind_the_api_key_and_is_off_with_a_flag(tiny_model, tm
 
 
 def _wait_for(driver, script: str, timeout_s: float = 60):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = driver.execute_script(script)
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"the page never satisfied: {script}")
+    return wait_until(lambda: driver.execute_script(script), timeout_s, f"the page's {script}")
 
 
 def test_the_page_draws_the_schedule_live_in_chromium(server, browser):

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from server_helpers import InProcessServer, metric, slow_steps
+from server_helpers import InProcessServer, metric, slow_steps, wait_until
 
 NAME = "tiny"
 FAIL_TEMPERATURE = 0.777  # a request sampled at this temperature fails inside the engine (the server below)
@@ -73,13 +73,11 @@ def assert_serving(server) -> None:
 
 def wait_idle(server, timeout_s: float = 30) -> str:
     """/metrics once nothing runs or waits (polled)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    def idle() -> str | None:
         m = httpx.get(server.url + "/metrics", timeout=10).text
-        if metric(m, "justapi_requests_running") == 0 and metric(m, "justapi_requests_waiting") == 0:
-            return m
-        assert time.monotonic() < deadline, "the server never went idle"
-        time.sleep(0.05)
+        return m if metric(m, "justapi_requests_running") == metric(m, "justapi_requests_waiting") == 0 else None
+
+    return wait_until(idle, timeout_s, "the server idle")
 
 
 def test_a_tiny_temperature_is_greedy_and_non_finite_values_are_refused(server):

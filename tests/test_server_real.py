@@ -4,13 +4,12 @@ the same app in process (server_helpers.InProcessServer)."""
 
 from __future__ import annotations
 
-import time
 
 import httpx
 import openai
 import pytest
 
-from server_helpers import ServerProcess, metric
+from server_helpers import ServerProcess, metric, wait_until
 
 pytestmark = pytest.mark.real_model
 NAME = "smollm2-135m"
@@ -50,13 +49,11 @@ def test_client_disconnect_mid_stream_frees_blocks(server):
             seen += next(lines).startswith("data: ")
         m = httpx.get(server.url + "/metrics").text
         assert metric(m, "justapi_kv_blocks_used_by_requests") > 0 and metric(m, "justapi_requests_running") == 1
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+    def freed() -> str | None:
         m = httpx.get(server.url + "/metrics").text
-        if metric(m, "justapi_kv_blocks_used_by_requests") == 0 and metric(m, "justapi_requests_running") == 0:
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail("KV blocks still held after the client went away")
+        idle = metric(m, "justapi_kv_blocks_used_by_requests") == 0 and metric(m, "justapi_requests_running") == 0
+        return m if idle else None
+
+    m = wait_until(freed, 30, "the KV blocks freed after the client went away")
     assert metric(m, "justapi_kv_blocks_used") == metric(m, "prefix_cache_blocks")
     assert metric(m, "justapi_generation_tokens_total") < 1000  # it was stopped, not run to the end
