@@ -373,3 +373,39 @@ def test_metadata_arrays_read_in_one_pass_equal_ggufs_own_reading(tiny_model, tm
             assert [(p.dtype, p.shape, p.tobytes()) for p in g.parts] == [(p.dtype, p.shape, p.tobytes())
                                                                            for p in f.parts], name
             assert g.contents() == f.contents(), name
+
+
+def test_several_model_mistakes_fail_at_start_up_in_one_line(tiny_model, tmp_path):
+    """--model repeated and --models-dir (engine.model_catalog), --models-memory, keep_alive and hub references:
+    each mistake one line naming it, before anything loads."""
+    from justapi.hub import HubError, choose_file, parse_ref
+    from justapi.server.errors import ApiError
+    from justapi.server.models_app import keep_alive_seconds
+
+    serve = lambda *flags: cli_in_process("serve", *flags)  # noqa: E731
+    assert_clean_error(serve("--model", f"a={tiny_model}", "--model", f"a={tiny_model}"), "two models are named 'a'")
+    assert_clean_error(serve("--model", tiny_model, "--model", str(tmp_path / "nope.gguf")), "nope.gguf: no such file")
+    assert_clean_error(serve("--models-dir", str(tmp_path / "none")), "--models-dir", "no such folder")
+    assert_clean_error(serve("--models-dir", str(tmp_path)), "no .gguf file in it")
+    (tmp_path / "m.gguf").write_bytes(open(tiny_model, "rb").read())
+    for toml, needle in (('aliases = "x"', "must be tables"), ('[aliases]\nc = "gone"', "alias 'c' names 'gone'"),
+                         ('[flags]\nm = ["--port", "1"]', "--port is set by the server"),
+                         ('[models]\n', "unknown table 'models'"), ("[aliases", "models.toml")):
+        (tmp_path / "models.toml").write_text(toml)
+        assert_clean_error(serve("--models-dir", str(tmp_path)), needle)
+    (tmp_path / "models.toml").unlink()
+    assert_clean_error(serve("--models-dir", str(tmp_path), "--models-memory", "lots"), "--models-memory must be")
+    assert_clean_error(cli_in_process("generate", "--model", tiny_model, "--model", tiny_model, "--prompt", "x"),
+                       "one --model at a time here")
+    assert [keep_alive_seconds(v) for v in (None, 0, "5m", "1h30m", "-1", -5, "90", 10**400, "9999999h")] == [
+        None, 0.0, 300.0, 5400.0, -1.0, -1.0, 90.0, -1.0, -1.0]
+    for bad in ("soon", "5 m", True, [1]):
+        with pytest.raises(ApiError, match="keep_alive must be"):
+            keep_alive_seconds(bad)
+    assert parse_ref("hf:org/repo:Q8_0") == ("org/repo", "Q8_0") and parse_ref("org/repo") == ("org/repo", None)
+    with pytest.raises(HubError, match="not ORG/REPO"):
+        parse_ref("repo-only")
+    files = ["a-Q4_K_M.gguf", "a-Q8_0.gguf", "mmproj-a-f16.gguf", "README.md"]
+    assert choose_file("o/a", files, None) == "a-Q4_K_M.gguf" and choose_file("o/a", files, "q8_0") == "a-Q8_0.gguf"
+    with pytest.raises(HubError, match="one part of a split GGUF"):
+        choose_file("o/b", ["b-Q4_K_M-00001-of-00002.gguf", "b-Q4_K_M-00002-of-00002.gguf"], None)

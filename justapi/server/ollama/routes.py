@@ -3,7 +3,8 @@
 request onto the engine through server.front, as OpenAI's are; tool calls and thinking in Ollama's shapes.
 
 The served model answers to its name and to ``NAME:latest``; ``keep_alive``, ``num_ctx`` and other load-time
-options are accepted and ignored (one model, loaded with the server's settings)."""
+options are accepted and ignored here (one model, loaded with the server's settings): a several-model server
+(server.models_app) acts on ``keep_alive`` before the request reaches this."""
 
 import asyncio
 import json
