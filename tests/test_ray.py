@@ -14,6 +14,7 @@ import pytest
 from justapi import LLM, SamplingParams
 from justapi.config import EngineConfig
 
+from server_helpers import wait_until
 from test_pd import mixed_requests, run_all
 
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'justapi[ray]' to run the Ray tests")
@@ -137,10 +138,7 @@ def serve_app(tiny_model, *flags):
     url = f"http://127.0.0.1:{port}"
     try:
         serve.run(build_application(parsed), name="justapi", route_prefix="/")
-        deadline = time.monotonic() + 120
-        while httpx.get(url + "/health").status_code != 200:
-            assert time.monotonic() < deadline, "the Serve app did not become ready"
-            time.sleep(0.5)
+        wait_until(lambda: httpx.get(url + "/health").status_code == 200, 120, "the Serve app ready")
         yield url
     finally:
         serve.shutdown()
@@ -176,10 +174,9 @@ def test_serve_replicas_behind_the_prefix_router(cluster, tiny_model):
         shared = list(range(3, 67))  # 4 blocks, one request after another: one replica, whose cache then hits
         for i in range(3):
             assert complete(shared + [100 + i], 2)[0] == 200
-        deadline = time.monotonic() + 30  # the replicas' load reports ride on their streams: wait for them
-        while metric(httpx.get(url + "/metrics").text, "prefix_cache_hits") < 8:
-            assert time.monotonic() < deadline, "the shared prefix never hit one replica's cache"
-            time.sleep(0.05)
+        # the replicas' load reports ride on their streams: wait for them
+        wait_until(lambda: metric(httpx.get(url + "/metrics").text, "prefix_cache_hits") >= 8, 30,
+                   "the shared prefix hitting one replica's cache")
         # kill the replica serving a long request mid-stream
         body = {"prompt": [9, 9, 9], "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
         with httpx.Client(timeout=120) as client, client.stream("POST", url + "/v1/completions", json=body) as r:
