@@ -184,11 +184,14 @@ class EngineConfig:
                                         "<think> tags", choices=(*REASONING_PARSERS, "none"))
     show_progress: bool = True  # a progress bar while loading (not a flag: the CLI always shows it)
 
+    def kv_memory_bytes(self) -> int | None:
+        """--kv-memory in bytes (None: --kv-memory-fraction of available memory); ValueError where it does not parse."""
+        return None if self.kv_memory is None else parse_size(self.kv_memory, "--kv-memory")
+
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("no model given: pass --model PATH.gguf")
-        if self.kv_memory is not None:
-            parse_size(self.kv_memory, "--kv-memory")
+        self.kv_memory_bytes()  # raises on a size that does not parse
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ValueError(f"--chat-template {self.chat_template}: no such file")
         if self.reasoning_parser not in (None, *REASONING_PARSERS, "none"):
@@ -211,16 +214,12 @@ class EngineConfig:
             # different tokens; only the fp32 path is tested bit-identical across batchings
             raise ValueError("--batch-invariant runs the float32 path; it cannot be combined with "
                              f"--dtype {self.dtype}")
-        for name in ("block_size", "max_seqs", "max_prefill", "max_decode", "chunk_size"):
+        for name in ("block_size", "max_seqs", "max_prefill", "max_decode", "chunk_size", "tp", "pool_blocks",
+                     "max_model_len"):  # the last two may be None (sized from the memory, the model's length)
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not (value is None and name in ("pool_blocks", "max_model_len")) and (not isinstance(value, int)
+                                                                                      or value < 1):
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, not {value!r}")
-        if self.pool_blocks is not None and self.pool_blocks < 1:
-            raise ValueError(f"--pool-blocks must be a positive integer, not {self.pool_blocks!r}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"--max-model-len must be a positive integer, not {self.max_model_len!r}")
-        if not isinstance(self.tp, int) or self.tp < 1:
-            raise ValueError(f"--tp must be a positive integer, not {self.tp!r}")
         self._check_scheduling()
         self._check_speculation()
         self._check_disaggregation()

@@ -16,6 +16,7 @@ DEFAULT_MAX_PROMPTS = 2048  # prompts in one completions request, inputs in one 
 DEFAULT_MAX_CHOICES = 2048  # sequences one request may start (prompts x n): each is a request to the scheduler
 DEFAULT_SERVED_MODEL_NAME = None  # None: the model file's stem
 DEFAULT_IDLE_UNLOAD_S = 300.0  # Ollama's default keep_alive
+DEFAULT_MODELS_MEMORY_FRACTION = 0.8  # of the memory available at start, the several models' default budget
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,10 @@ class ServerConfig:
     def origins(self) -> tuple[str, ...]:
         return tuple(o.strip() for o in self.allowed_origins.split(",")) if self.allowed_origins else ()
 
+    def models_memory_bytes(self) -> int | None:
+        """--models-memory in bytes (None: the default budget); ValueError where it does not parse."""
+        return None if self.models_memory is None else parse_size(self.models_memory, "--models-memory")
+
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, not {self.port}")
@@ -89,8 +94,7 @@ class ServerConfig:
             raise ValueError(f"--idle-unload must be a number of seconds >= 0, not {self.idle_unload!r}")
         if self.max_loaded_models is not None and self.max_loaded_models < 1:
             raise ValueError(f"--max-loaded-models must be a positive integer, not {self.max_loaded_models}")
-        if self.models_memory is not None:
-            parse_size(self.models_memory, "--models-memory")
+        self.models_memory_bytes()  # raises on a size that does not parse
         if self.log_level.lower() not in ("critical", "error", "warning", "info", "debug"):
             raise ValueError("--log-level must be one of critical, error, warning, info, debug, "
                              f"not {self.log_level!r}")

@@ -9,9 +9,8 @@ import logging
 import os
 
 from . import config as C
-from .server_config import ServerConfig
+from .server_config import DEFAULT_MODELS_MEMORY_FRACTION, ServerConfig
 from .flags import add_engine_flags, add_flags, config_from_args
-from .sizes import parse_size
 
 
 class CliError(Exception):
@@ -170,17 +169,15 @@ def models_app(args):
     try:
         server_cfg = config_from_args(ServerConfig, args)
         specs = model_specs(args.model or [], server_cfg.models_dir)
-        config_from_args(C.EngineConfig, args, model=specs[0].path)  # the shared engine flags checked once, here
-        budget = (parse_size(server_cfg.models_memory, "--models-memory") if server_cfg.models_memory is not None
-                  else int(available_memory_bytes() * 0.8))
-        kv = parse_size(args.kv_memory, "--kv-memory") if args.kv_memory is not None else None
+        engine_cfg = config_from_args(C.EngineConfig, args, model=specs[0].path)  # the shared flags checked once
     except ValueError as e:
         raise CliError(str(e)) from None
+    budget = server_cfg.models_memory_bytes() or int(available_memory_bytes() * DEFAULT_MODELS_MEMORY_FRACTION)
     logging.basicConfig(level=server_cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     own = {"model", "host", "port", "served_model_name", "models_dir", "idle_unload", "max_loaded_models",
            "models_memory", "kv_memory"}
-    config = ModelsConfig(budget, server_cfg.idle_unload, server_cfg.max_loaded_models, args.kv_memory_fraction, kv,
-                          child_flags=tuple(flags_argv(args, own)))
+    config = ModelsConfig(budget, server_cfg.idle_unload, server_cfg.max_loaded_models, engine_cfg.kv_memory_fraction,
+                          engine_cfg.kv_memory_bytes(), child_flags=tuple(flags_argv(args, own)))
     logging.getLogger("justapi").info("serving %d models (%s) within %.2f GiB, each loaded on its first request",
                                       len(specs), ", ".join(s.name for s in specs), budget / 2**30)
     return build_models_app(server_cfg, ModelSet(specs, config)), server_cfg

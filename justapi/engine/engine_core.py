@@ -9,7 +9,6 @@ import time
 import torch
 
 from ..config import DEFAULT_BRANCH, DEFAULT_GAMMA, DEFAULT_MAX_POOL_TOKENS, EngineConfig, SchedulerConfig
-from ..sizes import parse_size
 from ..core.limits import RequestLimits
 from ..core.outputs import EngineCoreOutput
 from ..core.scheduler import Scheduler
@@ -121,8 +120,7 @@ class EngineCore(ModelFront):
             budget = int(free * 0.8)
         else:
             # tensor-parallel ranks on one host share its memory: each takes its part
-            whole = (parse_size(self.config.kv_memory, "--kv-memory") if self.config.kv_memory is not None
-                     else available_memory_bytes() * self.config.kv_memory_fraction)
+            whole = self.config.kv_memory_bytes() or available_memory_bytes() * self.config.kv_memory_fraction
             budget = int(whole / self.config.tp)
         states = self.executor.rank.state_bytes()  # a hybrid's state cache comes out of the same budget
         if states and states >= budget:

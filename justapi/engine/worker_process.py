@@ -16,7 +16,6 @@ import traceback
 from dataclasses import dataclass
 
 from ..config import EngineConfig
-from ..sizes import parse_size
 from ..distributed.channel import WorkerLink, connect
 from .worker_messages import Failed, Ready
 from .worker_loop import WorkerLoop
@@ -117,7 +116,7 @@ def launch_workers(launcher, cfg: EngineConfig, roles: list[str], sizes: list[in
             cfg, disaggregate=False, prefill_workers=None, decode_workers=None, prefill_tp=None, decode_tp=None,
             data_parallel=None, distributed_executor="mp", tp=n, num_threads=threads, show_progress=False,
             kv_memory_fraction=cfg.kv_memory_fraction / workers,
-            kv_memory=None if cfg.kv_memory is None else str(parse_size(cfg.kv_memory, "--kv-memory") // workers),
+            kv_memory=None if (kv := cfg.kv_memory_bytes()) is None else str(kv // workers),
         )
         spec = WorkerSpec(rank, world, role, worker_config, init_method, threads, tuple(layout))
         procs.append(launcher.start(worker_main, (spec, launcher.link(rank)), f"justapi-{role}-{rank}",

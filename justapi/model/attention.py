@@ -50,6 +50,11 @@ class SeqSpan:
     # state), so that a hybrid's recurrent layers step each node from its parent's state (model.recurrent)
     parents: list[int] | None = None
 
+    @property
+    def starts_sequence(self) -> bool:
+        """Its rows are its sequence's first (a hybrid's recurrent layers start them from zeros)."""
+        return self.context_len == self.num_query_tokens
+
 
 @dataclass
 class AttentionMetadata:

@@ -60,7 +60,7 @@ class FlatBatch:
                   and s.parents is None]
         if decode:
             _add_decode_batch(meta, [self.spans[i] for i in decode], [self.tables[i] for i in decode], dev)
-        runs = [(s.query_start, s.num_query_tokens, s.state_slot, int(s.context_len == s.num_query_tokens))
+        runs = [(s.query_start, s.num_query_tokens, s.state_slot, int(s.starts_sequence))
                 for s in self.spans if s.state_slot >= 0 and s.parents is None]
         if runs:
             meta.state_runs = torch.tensor(runs, dtype=torch.long, device=dev)

@@ -2,11 +2,12 @@
 convolution and Qwen3.5's Gated DeltaNet. Each keeps a fixed-size state per sequence (model.state_cache holds it in
 slots) instead of a growing KV cache.
 
-A flat batch mixes sequences: decode rows (one new token each) are stepped together, gathering their slots' states
-and scattering the new ones back; a prompt chunk runs its own scan from its slot's state, or from zeros where the
-span starts its sequence; a draft verification (a chain or a tree) steps each row from its parent row's state and
-keeps every row's (model.state_cache: the runner keeps the last accepted one). A layer's states are a LayerStates,
-tensors [slots, ...].
+A flat batch mixes sequences. Gated DeltaNet's C++ kernel takes every decode row and prompt chunk in one call (the
+batch's state runs), in place on their slots. Otherwise decode rows (one new token each) are stepped together,
+gathering their slots' states and scattering the new ones back, and a prompt chunk runs its own scan from its slot's
+state, or from zeros where the span starts its sequence. A draft verification (a chain or a tree) steps each row
+from its parent row's state and keeps every row's (model.state_cache: the runner keeps the last accepted one). A
+layer's states are a LayerStates, tensors [slots, ...].
 """
 
 from __future__ import annotations
@@ -47,8 +48,7 @@ def _over_sequences(fp, inputs: tuple, layer, seq: Scan, step: Scan, width: int,
         if runs is not None or (span.num_query_tokens == 1 and meta.decode_rows is not None):
             continue  # in the kernel's runs, or stepped with the decode rows
         rows = slice(span.query_start, span.query_start + span.num_query_tokens)
-        fresh = span.context_len == span.num_query_tokens  # the span starts its sequence
-        start = [torch.zeros_like(s[span.state_slot]) if fresh else s[span.state_slot] for s in states]
+        start = [torch.zeros_like(s[span.state_slot]) if span.starts_sequence else s[span.state_slot] for s in states]
         o, new = seq(tuple(t[rows] for t in inputs), start)
         out[rows] = o.to(out.dtype)
         for s, n in zip(states, new):

@@ -171,6 +171,12 @@ class Front:
         return await asyncio.to_thread(answer.whole, choices[0])
 
 
+async def until_disconnected(raw: Request) -> None:
+    """Returns once the client has gone away (polled: Starlette tells it only to a receive)."""
+    while not await raw.is_disconnected():
+        await asyncio.sleep(0.25)
+
+
 async def collect(raw: Request, llm: AsyncLLM, rid: str, choices: list[Choice], on_output=None) -> None:
     """Run the choices to the end; a client that goes away aborts them. ``on_output(choice, output)`` sees each
     output as it comes (a family's timings)."""
@@ -182,11 +188,7 @@ async def collect(raw: Request, llm: AsyncLLM, rid: str, choices: list[Choice], 
 
     work = asyncio.create_task(consume())
 
-    async def watch():
-        while not await raw.is_disconnected():
-            await asyncio.sleep(0.25)
-
-    watcher = asyncio.create_task(watch())
+    watcher = asyncio.create_task(until_disconnected(raw))
     try:
         await asyncio.wait([work, watcher], return_when=asyncio.FIRST_COMPLETED)
     finally:

@@ -32,6 +32,7 @@ from .api import install_middleware
 from .auth import under
 from .chat_page import install as install_chat_page
 from .errors import ApiError
+from .front import until_disconnected
 from .ollama.models import model_entry
 from .ollama.routes import identity_routes
 
@@ -232,7 +233,7 @@ async def _relay(client: httpx.AsyncClient, models: ModelSet, slot: ModelSlot, r
                                                                       if request.scope.get("query_string") else b""))
     sending = asyncio.ensure_future(client.send(client.build_request(request.method, url, headers=headers,
                                                                      content=body), stream=True))
-    watching = asyncio.ensure_future(_disconnected(request))
+    watching = asyncio.ensure_future(until_disconnected(request))
     await asyncio.wait([sending, watching], return_when=asyncio.FIRST_COMPLETED)
     watching.cancel()
     if not sending.done():
@@ -259,12 +260,6 @@ async def _relay(client: httpx.AsyncClient, models: ModelSet, slot: ModelSlot, r
 
     kept = [(k, v) for k, v in upstream.headers.multi_items() if k.lower() not in HOP_HEADERS]
     return StreamingResponse(chunks(), status_code=upstream.status_code, headers=dict(kept))
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns once the client has gone away."""
-    while not await request.is_disconnected():
-        await asyncio.sleep(0.25)
 
 
 class RegistryMetrics:
