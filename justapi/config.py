@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from .config_workers import DISTRIBUTED_EXECUTORS, PLACEMENT_STRATEGIES, ROUTER_POLICIES, WorkerChecks
 from .sizes import parse_size
 
 DEFAULT_BLOCK_SIZE = 16
@@ -17,9 +18,6 @@ DEFAULT_MAX_PREFILL = 4
 DEFAULT_MAX_DECODE = 32
 DEFAULT_CHUNK_SIZE = 512
 SCHEDULING_POLICIES = ("fcfs", "priority", "fair", "shortest")
-ROUTER_POLICIES = ("prefix", "round-robin")  # core.router.PrefixRouter
-DISTRIBUTED_EXECUTORS = ("mp", "ray")  # distributed.launch
-PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's placement-group strategies
 # a prefix hit may go to a replica with this many more requests in flight than the least loaded
 DEFAULT_PREFIX_SLACK = 2
 DEFAULT_PRIORITY_AGING_S = 30.0
@@ -94,7 +92,7 @@ def usable_cores() -> int:
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class EngineConfig(WorkerChecks):
     """How the engine runs a model: device, KV pool, scheduler limits. Each field made with ``flag`` is a flag of
     ``justapi serve``, ``generate`` and ``bench``."""
 
@@ -115,6 +113,11 @@ class EngineConfig:
     static_batching: bool = flag(False, "the static-batching baseline (a batch runs to its end before the next is "
                                  "admitted) instead of continuous batching with chunked prefill")
     prefix_cache: bool = flag(True, "the radix prefix cache")
+    prefix_cache_dir: str | None = flag(None, "a directory the prefix cache writes its KV blocks to and reads them "
+                                        "back from after eviction or a restart (replicas on a host may share it)",
+                                        metavar="DIR")
+    prefix_cache_dir_size: str = flag("8G", "bytes --prefix-cache-dir may hold; the least recently used blocks are "
+                                      "removed first", metavar="SIZE")
     scheduling_policy: str = flag("fcfs", "who is admitted first and preempted last: fcfs (arrival order), priority "
                                   "(the request's priority field, lower first), fair (equal token shares per user, "
                                   "virtual token counters), shortest (fewest prompt tokens left first)",
@@ -192,6 +195,9 @@ class EngineConfig:
         if not self.model:
             raise ValueError("no model given: pass --model PATH.gguf")
         self.kv_memory_bytes()  # raises on a size that does not parse
+        parse_size(self.prefix_cache_dir_size, "--prefix-cache-dir-size")
+        if self.prefix_cache_dir is not None and not self.prefix_cache:
+            raise ValueError("--prefix-cache-dir is the prefix cache's disk tier: drop --no-prefix-cache")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ValueError(f"--chat-template {self.chat_template}: no such file")
         if self.reasoning_parser not in (None, *REASONING_PARSERS, "none"):
@@ -284,75 +290,6 @@ class EngineConfig:
         if nodes > self.spec_tree_nodes:
             raise ValueError(f"--branch {self.branch} with --gamma {gamma} makes a draft tree of {nodes} nodes, "
                              f"more than the node budget --spec-tree-nodes {self.spec_tree_nodes}")
-
-    def _check_executor(self) -> None:
-        if self.distributed_executor not in DISTRIBUTED_EXECUTORS:
-            raise ValueError(f"--distributed-executor must be one of {', '.join(DISTRIBUTED_EXECUTORS)}, not "
-                             f"{self.distributed_executor!r}")
-        if self.placement_strategy not in PLACEMENT_STRATEGIES:
-            raise ValueError(f"--placement-strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}, not "
-                             f"{self.placement_strategy!r}")
-        if self.max_replicas is not None and (self.distributed_executor != "ray" or self.data_parallel is None
-                                              or self.max_replicas < self.data_parallel):
-            raise ValueError("--max-replicas autoscales Ray Serve replicas: it needs --data-parallel N (at most "
-                             "--max-replicas) and --distributed-executor ray")
-        if not self.target_ongoing_requests > 0:
-            raise ValueError(f"--target-ongoing-requests must be positive, not {self.target_ongoing_requests!r}")
-        if not self.upscale_delay >= 0:
-            raise ValueError(f"--upscale-delay must be 0 or more seconds, not {self.upscale_delay!r}")
-        if self.distributed_executor != "ray":
-            return
-        if not (self.worker_processes or self.tp > 1):
-            raise ValueError("--distributed-executor ray places worker processes or tensor-parallel ranks: use it "
-                             "with --data-parallel, --disaggregate or --tp above 1")
-        if self.gpu:
-            raise ValueError("--distributed-executor ray reserves CPUs only in this version: drop --gpu")
-        try:
-            import ray  # noqa: F401
-        except ImportError:
-            raise ValueError("--distributed-executor ray needs Ray: pip install 'justapi[ray]'") from None
-
-    def _check_data_parallel(self) -> None:
-        if self.router not in ROUTER_POLICIES:
-            raise ValueError(f"--router must be one of {', '.join(ROUTER_POLICIES)}, not {self.router!r}")
-        if not isinstance(self.router_prefix_slack, int) or self.router_prefix_slack < 0:
-            raise ValueError(f"--router-prefix-slack must be a non-negative integer, not {self.router_prefix_slack!r}")
-        if self.data_parallel is None:
-            return
-        if not isinstance(self.data_parallel, int) or self.data_parallel < 1:
-            raise ValueError(f"--data-parallel must be a positive integer, not {self.data_parallel!r}")
-        if self.disaggregate:
-            raise ValueError("--data-parallel and --disaggregate cannot be combined in this version: use "
-                             "--prefill-workers / --decode-workers for several workers of each pool")
-        if self.static_batching:
-            raise ValueError("--data-parallel runs continuous batching on every replica: drop --static-batching")
-
-    @property
-    def worker_processes(self) -> bool:
-        """Whether the server's engine is worker processes (WorkerPoolEngine): disaggregated pools or replicas."""
-        return self.disaggregate or self.data_parallel is not None
-
-    def _check_disaggregation(self) -> None:
-        for name in ("prefill_workers", "decode_workers", "prefill_tp", "decode_tp"):
-            value = getattr(self, name)
-            flag = "--" + name.replace("_", "-")
-            if value is None:
-                continue
-            if not self.disaggregate:
-                raise ValueError(f"{flag} needs --disaggregate")
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{flag} must be a positive integer, not {value!r}")
-        if not self.disaggregate:
-            return
-        if self.static_batching:
-            raise ValueError("--disaggregate runs continuous batching on every worker: drop --static-batching")
-        if self.speculation is not None:
-            raise ValueError("--disaggregate cannot be combined with speculative decoding (--draft-model, "
-                             "--spec-method) in this version")
-        object.__setattr__(self, "prefill_workers", self.prefill_workers or 1)
-        object.__setattr__(self, "decode_workers", self.decode_workers or 1)
-        object.__setattr__(self, "prefill_tp", self.prefill_tp or self.tp)
-        object.__setattr__(self, "decode_tp", self.decode_tp or self.tp)
 
     @property
     def speculation(self) -> str | None:

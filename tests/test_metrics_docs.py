@@ -15,8 +15,8 @@ ROOT = pathlib.Path(__file__).parent.parent
 
 
 def test_every_exported_metric_is_documented(tiny_model, tmp_path):
-    srv = InProcessServer(["--model", tiny_model, "--pool-blocks", "100", "--spec-method", "ngram"],
-                          str(tmp_path / "metrics.log"))
+    srv = InProcessServer(["--model", tiny_model, "--pool-blocks", "100", "--spec-method", "ngram",
+                           "--prefix-cache-dir", str(tmp_path / "kv")], str(tmp_path / "metrics.log"))
     try:
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "a b a b a b", "max_tokens": 8}, timeout=60)
         assert r.status_code == 200
@@ -25,6 +25,7 @@ def test_every_exported_metric_is_documented(tiny_model, tmp_path):
         assert srv.stop() == 0
     assert undocumented_metrics(text) == set()
     assert "justapi_time_to_first_token_seconds_bucket" in text  # (the check above saw real samples)
+    assert "justapi_prefix_cache_disk_rejected_total" in text  # the disk tier's too
 
 
 def test_the_grafana_dashboard_queries_documented_metrics_only():

@@ -12,19 +12,28 @@ from collections.abc import Iterable
 
 from ..request import Request
 from .block_pool import BlockPool
+from .kv_store import KvStore, chain_keys
+from .outputs import SchedulerOutput
 from .radix_cache import RadixPrefixCache, _Node
 from .state_snapshots import StateSnapshots
 
 
 class KvBlocks:
-    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool, state_snapshots: int = 0) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool, state_snapshots: int = 0,
+                 store: KvStore | None = None) -> None:
         """``state_snapshots``: a hybrid model's snapshot slots (core.state_snapshots); its prefix cache then starts
-        requests only where a snapshot is."""
+        requests only where a snapshot is. ``store``: the prefix cache's disk tier (core.kv_store), attention KV
+        only (never with snapshots)."""
+        assert store is None or (prefix_cache and not state_snapshots)
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.snapshots = StateSnapshots(state_snapshots) if prefix_cache and state_snapshots else None
         on_evict = self.snapshots.drop if self.snapshots is not None else None
         self.cache = RadixPrefixCache(self.pool, block_size, on_evict) if prefix_cache else None
+        self.store = store
+        self.disk_hits = 0  # of the cache's hits, blocks a first lookup found on disk (the rest: in memory)
+        self._loads: dict[str, dict[int, bytearray]] = {}  # a matched request's blocks to fill from disk, by id
+        self._spills: list[tuple[int, str, list[int]]] = []  # cached blocks to write to disk: (block, key, tokens)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -68,6 +77,43 @@ class KvBlocks:
         self.pool.incref(block_ids)
         req.block_ids = list(block_ids)
         req.num_computed_tokens = len(block_ids) * self.block_size
+        if self.store is not None:
+            self._match_disk(req, tokens)
+
+    # --- the disk tier (core.kv_store) ------------------------------------------------------------------------
+    def _match_disk(self, req: Request, tokens: list[int]) -> None:
+        """Continue ``req``'s match with the blocks the disk holds after the memory's, where reading beats
+        computing them and the pool has room: their payloads go to the runner with the request's first step."""
+        assert self.store is not None and self.cache is not None
+        bs, first = self.block_size, len(req.block_ids)
+        last = min(len(tokens) // bs, first + self.pool.num_free + self.cache.num_blocks - self.cache.num_locked_blocks)
+        if last <= first or not self.store.worth_reading(bs):
+            return
+        keys = chain_keys(self.store.fingerprint, tokens, bs, last)
+        loads = []
+        for i in range(first, last):
+            payload = self.store.read(keys[i], tokens[i * bs : (i + 1) * bs]) if self.store.has(keys[i]) else None
+            if payload is None:
+                break
+            loads.append(payload)
+        if loads and self.grow(req, (first + len(loads)) * bs) is not None:
+            self._loads[req.request_id] = dict(zip(req.block_ids[first:], loads))
+            req.num_computed_tokens = len(req.block_ids) * bs
+
+    def _record_spills(self, req: Request) -> None:
+        """The blocks of ``req`` just inserted in the cache that the disk does not hold yet."""
+        if self.store is None:
+            return
+        bs, n = self.block_size, len(req.block_ids[: req.num_computed_tokens // self.block_size])
+        keys = chain_keys(self.store.fingerprint, req.all_token_ids, bs, n)
+        for i, key in enumerate(keys):
+            if not self.store.has(key):
+                self._spills.append((req.block_ids[i], key, req.all_token_ids[i * bs : (i + 1) * bs]))
+
+    def take_spills(self) -> list[tuple[int, str, list[int]]]:
+        """The blocks to write to disk since the last call, which hold their KV until the next step executes."""
+        spills, self._spills = self._spills, []
+        return spills
 
     # --- a hybrid's snapshots (core.state_snapshots) ----------------------------------------------------------
     def _snapshot_points(self, req: Request) -> tuple[int, ...]:
@@ -81,18 +127,20 @@ class KvBlocks:
         start = req.num_computed_tokens
         return min([n] + [p - start for p in self._snapshot_points(req) if start < p < start + n])
 
-    def state_copies(self, req: Request, n: int, loads: dict[str, int], saves: dict[str, int]) -> None:
-        """The snapshot slots a step of ``n`` tokens of ``req`` reads before it and writes after it."""
+    def step_copies(self, req: Request, n: int, out: SchedulerOutput) -> None:
+        """What a step of ``n`` tokens of ``req`` copies besides computing: the blocks read from disk for it and the
+        snapshot slots it reads before the step and writes after it."""
+        out.kv_loads.update(self._loads.pop(req.request_id, {}))
         if self.snapshots is None:
             return
         if req.state_load is not None:
-            loads[req.request_id] = req.state_load
+            out.state_loads[req.request_id] = req.state_load
             req.state_load = None
         end = req.num_computed_tokens + n
         if end > 0 and end in self._snapshot_points(req):
             slot = self.snapshots.save(req.request_id)
             if slot is not None:
-                saves[req.request_id] = slot
+                out.state_saves[req.request_id] = slot
 
     def state_saved(self, req: Request) -> None:
         """After the step: ``req``'s blocks up to its snapshot go to the cache, the snapshot keyed by the last."""
@@ -106,6 +154,7 @@ class KvBlocks:
         if self.cache is not None:
             lookup_blocks = (req.num_tokens - 1) // self.block_size
             self.cache.record_lookup(lookup_blocks, req.num_computed_tokens // self.block_size)
+            self.disk_hits += len(self._loads.get(req.request_id, ()))
             if req.cache_node is not None:
                 self.cache.count_hit(req.cache_node)
 
@@ -120,12 +169,14 @@ class KvBlocks:
         req.block_ids = []
         req.num_computed_tokens = 0
         req.state_load, req.snapshot_at = None, 0
+        self._loads.pop(req.request_id, None)
 
     def cache_computed(self, req: Request) -> None:
         """Insert the request's computed whole blocks into the prefix cache and hold the new path locked."""
         if self.cache is None:
             return
         node = self.cache.insert(req.all_token_ids[: req.num_computed_tokens], req.block_ids)
+        self._record_spills(req)
         self.cache.lock(node)
         if req.cache_node is not None:
             self.cache.unlock(req.cache_node)

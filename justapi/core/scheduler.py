@@ -24,6 +24,7 @@ from .drafts import add_draft_slots, draft_slots, propose_drafts
 from .batching import Batching
 from .handoff import HandOffs
 from .kv_blocks import KvBlocks
+from .kv_store import KvStore
 from .limits import RequestLimits
 from .outputs import CachedRequestData, EngineCoreOutput, NewRequestData, RunnerOutput, SchedulerOutput
 from .policy import make_policy
@@ -35,12 +36,13 @@ from .step_record import StepRecord
 class Scheduler(HandOffs):
     """Continuous batching with chunked prefill, a paged KV pool, preemption by recompute and a prefix cache."""
 
-    def __init__(self, config: SchedulerConfig, batching: Batching | None = None) -> None:
-        """``batching``: when waiting requests join (core.batching: at any step, or in whole batches)."""
+    def __init__(self, config: SchedulerConfig, batching: Batching | None = None, store: KvStore | None = None) -> None:
+        """``batching``: when waiting requests join (core.batching: at any step, or in whole batches); ``store``: the
+        prefix cache's disk tier (core.kv_store)."""
         self.config = config
         self.batching = batching or Batching()
         self.block_size = config.block_size
-        self.kv = KvBlocks(config.num_blocks, config.block_size, config.prefix_cache, config.state_snapshots)
+        self.kv = KvBlocks(config.num_blocks, config.block_size, config.prefix_cache, config.state_snapshots, store)
         self.pool = self.kv.pool  # read by the engine, stats and tests
         self.cache = self.kv.cache
         self.limits = RequestLimits(config.max_model_len, config.num_blocks, config.block_size)
@@ -291,7 +293,7 @@ class Scheduler(HandOffs):
             out.cached_requests.append(data)
         self._out_data[rid] = data
         out.num_scheduled_tokens[rid] = num_tokens
-        self.kv.state_copies(req, num_tokens, out.state_loads, out.state_saves)
+        self.kv.step_copies(req, num_tokens, out)
 
     # --- after the runner ---------------------------------------------------------------------------------
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:

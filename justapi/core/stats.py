@@ -11,6 +11,8 @@ from typing import Protocol
 from ..request import Request
 from .admission import StepCosts
 from .block_pool import BlockPool
+from .kv_blocks import KvBlocks
+from .kv_store import KvStoreStats
 from .pd_scheduler import PdScheduler, PdStats
 from .radix_cache import RadixPrefixCache
 
@@ -35,6 +37,9 @@ class Snapshotted(Protocol):
 
     @property
     def num_cached_blocks(self) -> int: ...
+
+    @property
+    def kv(self) -> KvBlocks: ...
 
 
 @dataclass
@@ -103,6 +108,9 @@ class SchedulerSnapshot:
     state_slots_total: int = 0
     state_slots_used: int = 0
     state_cache_bytes: int = 0
+    # the prefix cache's disk tier (core.kv_store): of prefix_cache_hits, blocks found on disk; what it did
+    prefix_cache_disk_hits: int = 0
+    disk_tier: KvStoreStats | None = None
 
     def tokens_ahead(self, priority: int | None) -> int:
         """Prompt tokens to compute before a new request's (of ``priority``; None: all queued count)."""
@@ -147,6 +155,8 @@ class SchedulerSnapshot:
             waiting_by_user=tuple(by_user.items()),
             prefill_backlog=tuple(sorted(backlog.items())),
             num_decoding=num_decoding,
+            prefix_cache_disk_hits=sched.kv.disk_hits,
+            disk_tier=sched.kv.store.snapshot() if sched.kv.store is not None else None,
         )
 
 

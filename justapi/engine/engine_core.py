@@ -18,6 +18,7 @@ from ..model.gguf_loader import ModelLoadError
 from ..model.state_cache import state_bytes_per_seq
 from ..request import RequestStatus
 from ..sampling_params import SamplingParams
+from .disk_tier import open_disk_tier, spill
 from .executor import make_executor, set_threads
 from .model_front import ModelFront
 from .output_processor import OutputProcessor, RequestOutput
@@ -26,6 +27,7 @@ from .step_log import StepWork
 log = logging.getLogger("justapi.engine")
 
 ROLES = ("replica", "prefill", "decode")  # which steps an engine takes (EngineCore's role)
+PREFILL_SAMPLE_TOKENS = 64  # a step with this many prompt tokens measures a prompt token's cost (the disk tier's)
 
 
 def available_memory_bytes() -> int:
@@ -57,8 +59,9 @@ class EngineCore(ModelFront):
         self.executor = make_executor(config, self.model_config, tp_group)
         num_blocks = self.executor.size_pool(self._num_blocks(), config.branch or DEFAULT_BRANCH)
         self.role = role
+        self.store = open_disk_tier(config, self.model_config, self.model, self.runner.block_shape())
         self.scheduler = Scheduler(self._scheduler_config(num_blocks),
-                                   StaticBatching() if config.static_batching else None)
+                                   StaticBatching() if config.static_batching else None, self.store)
         self.outputs = OutputProcessor(self.tokenizer)
         self.last_step: StepWork | None = None  # what the latest step() computed and where its time went
         self._core_times = (0.0, 0.0, 0.0)  # step_core's schedule, execute, update seconds
@@ -217,6 +220,7 @@ class EngineCore(ModelFront):
         t0 = time.perf_counter()
         expired = self.scheduler.expire()
         sched = self.scheduler.schedule()
+        self._spill()  # blocks a preemption cached, before this step may reuse them
         t1 = time.perf_counter()
         if sched.empty:
             if sched.finished_request_ids:
@@ -226,8 +230,20 @@ class EngineCore(ModelFront):
         result = self._execute(sched)
         t2 = time.perf_counter()
         outs = self.scheduler.update(sched, result)
+        self._spill()  # blocks computed prompts and finished requests cached
         self._core_times = (t1 - t0, t2 - t1, time.perf_counter() - t2)
+        stats = self.scheduler.stats
+        if self.store is not None and stats.last_step_prefill_tokens >= PREFILL_SAMPLE_TOKENS:
+            self.store.note_prefill(t2 - t1, stats.last_step_tokens)  # what a token costs, mostly prompt tokens
         return expired + outs
+
+    def _spill(self) -> None:
+        """Queue for the disk tier the blocks the prefix cache gained that it does not hold: their K/V copied now,
+        while no step has written over them, and written by its own thread."""
+        spills = self.scheduler.kv.take_spills()
+        if spills:
+            assert self.store is not None  # only a disk tier's KvBlocks records spills
+            spill(self.store, self.export_kv([block for block, _, _ in spills]), spills)
 
     def _execute(self, sched):
         """Run the step on every rank (the executor sends other ranks the same small SchedulerOutput)."""
@@ -315,5 +331,7 @@ class EngineCore(ModelFront):
             num_blocks=sched.pool.num_blocks)
 
     def close(self) -> None:
-        """Stop the executor's other ranks, if any."""
+        """Write what the disk tier has queued; stop the executor's other ranks, if any."""
+        if self.store is not None:
+            self.store.close()
         self.executor.close()

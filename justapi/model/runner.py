@@ -129,6 +129,8 @@ class ModelRunner:
         for cached in sched.cached_requests:
             self.states[cached.request_id].block_ids.extend(cached.new_block_ids)
             starts[cached.request_id] = cached.num_computed_tokens
+        if sched.kv_loads:
+            self.load_blocks(sched.kv_loads)
         return starts
 
     def export_kv(self, block_ids: list[int]) -> torch.Tensor:
@@ -149,6 +151,17 @@ class ModelRunner:
         for layer, (k, v) in enumerate(self.kv_caches):
             k.index_copy_(1, idx, kv[layer, 0])
             v.index_copy_(1, idx, kv[layer, 1])
+
+    def block_shape(self) -> tuple[int, ...]:
+        """One block's K/V of every layer and every KV head of the model, as the disk tier keeps it."""
+        cfg = self.model.config
+        return (self.model.kv_layers, 2, cfg.num_kv_heads, self.block_size, cfg.head_dim)
+
+    def load_blocks(self, loads: dict[int, bytearray]) -> None:
+        """Fill blocks from the disk tier's payloads (block id -> ``block_shape()`` in the KV dtype)."""
+        shape = self.block_shape()
+        blocks = [torch.frombuffer(data, dtype=self.model.kv_dtype).view(shape) for data in loads.values()]
+        self.import_kv(list(loads), torch.stack(blocks, dim=3))
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Compute the scheduled tokens of every request and sample where a request caught up. A request whose own

@@ -123,7 +123,10 @@ class Watch:
             msg["num_running"] = snap.num_running
             msg["kv_blocks_total"] = snap.kv_blocks_total
             msg["cache"] = {"blocks": snap.prefix_cache_blocks, "hits": snap.prefix_cache_hits,
-                            "misses": snap.prefix_cache_misses, "shared": self._shared()}
+                            "misses": snap.prefix_cache_misses, "disk_hits": snap.prefix_cache_disk_hits,
+                            "shared": self._shared()}
+            if snap.disk_tier is not None:
+                msg["cache"]["disk"] = dataclasses.asdict(snap.disk_tier)
             msg["spec"] = {"proposed_at": c.spec_proposed_at, "accepted_at": c.spec_accepted_at}
             if snap.state_slots_total:  # a hybrid model's state cache
                 msg["states"] = {"slots": snap.state_slots_total, "used": snap.state_slots_used,

@@ -75,16 +75,51 @@ class _SnapshotCollector:
 
 def _prefix_cache_metrics(hits: int, misses: int, blocks: int, where: str):
     # plain gauges so the exposed names are exactly these (a Prometheus counter would gain "_total")
-    yield GaugeMetricFamily("prefix_cache_hits", f"Prompt KV blocks found in {where}", value=hits)
+    yield GaugeMetricFamily("prefix_cache_hits", f"Prompt KV blocks found in {where} (memory or disk)", value=hits)
     yield GaugeMetricFamily("prefix_cache_misses", "Prompt KV blocks looked up and not found", value=misses)
     yield GaugeMetricFamily("prefix_cache_hit_ratio", "hits / (hits + misses)",
                             value=hits / (hits + misses) if hits + misses else 0.0)
     yield GaugeMetricFamily("prefix_cache_blocks", f"KV blocks currently held by {where}", value=blocks)
 
 
+def _disk_tier_metrics(snap: SchedulerSnapshot):
+    """The prefix cache's hits by tier and, with --prefix-cache-dir, what its disk tier read, wrote and refused."""
+    tiers = GaugeMetricFamily("justapi_prefix_cache_hits_by_tier", "Prompt KV blocks a first lookup found, by where "
+                              "(memory: the radix tree; disk: --prefix-cache-dir)", labels=["tier"])
+    tiers.add_metric(["memory"], snap.prefix_cache_hits - snap.prefix_cache_disk_hits)
+    tiers.add_metric(["disk"], snap.prefix_cache_disk_hits)
+    yield tiers
+    disk = snap.disk_tier
+    if disk is None:
+        return
+    for name, help, value in (
+        ("loaded_blocks", "KV blocks read from disk into sequences", disk.loaded_blocks),
+        ("read_bytes", "Bytes of KV blocks read from disk", disk.read_bytes),
+        ("read_seconds", "Seconds spent reading KV blocks from disk", disk.read_seconds),
+        ("written_blocks", "KV blocks written to disk", disk.written_blocks),
+        ("written_bytes", "Bytes written to disk, headers included", disk.written_bytes),
+        ("saved_seconds", "Prefill seconds the loaded blocks saved (measured cost per prompt token, less the reads)",
+         disk.saved_seconds),
+        ("write_errors", "Blocks whose write failed (a full disk, ...); they stay in memory only", disk.write_errors),
+        ("dropped_blocks", "Blocks not written because the writer was too far behind", disk.dropped),
+        ("evicted_files", "Files removed to keep the directory under --prefix-cache-dir-size", disk.evicted_files),
+    ):
+        yield CounterMetricFamily(f"justapi_prefix_cache_disk_{name}", help, value=value)
+    rejected = CounterMetricFamily("justapi_prefix_cache_disk_rejected", "Files refused on read and removed, by why "
+                                   "(corrupt, truncated, foreign: another model or layout, unreadable)",
+                                   labels=["reason"])
+    for reason in ("corrupt", "truncated", "foreign", "unreadable"):
+        rejected.add_metric([reason], disk.rejected.get(reason, 0))
+    yield rejected
+    yield GaugeMetricFamily("justapi_prefix_cache_disk_bytes", "Bytes in --prefix-cache-dir (every model's files)",
+                            value=disk.disk_bytes)
+    yield GaugeMetricFamily("justapi_prefix_cache_disk_max_bytes", "--prefix-cache-dir-size", value=disk.max_bytes)
+
+
 def _scheduler_metrics(snap: SchedulerSnapshot):
     yield from _prefix_cache_metrics(snap.prefix_cache_hits, snap.prefix_cache_misses, snap.prefix_cache_blocks,
                                      "the prefix cache")
+    yield from _disk_tier_metrics(snap)
     yield GaugeMetricFamily("justapi_requests_running", "Requests being computed", value=snap.num_running)
     yield GaugeMetricFamily("justapi_requests_waiting", "Requests queued or preempted", value=snap.num_waiting)
     yield GaugeMetricFamily("justapi_kv_blocks_used", "KV blocks in use (requests and cache)",

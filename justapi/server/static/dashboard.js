@@ -144,10 +144,26 @@ function showStates(states) {
     `${(states.bytes / 2 ** 20).toFixed(1)} MiB`;
 }
 
+function mib(bytes) { return `${(bytes / 2 ** 20).toFixed(1)} MiB`; }
+
+// --prefix-cache-dir: hits by tier, what the disk tier moved and refused, the time it saved
+function showDiskTier(cache) {
+  const d = cache.disk;
+  $("disk-tier").hidden = !d;
+  if (!d) return;
+  const rejected = Object.entries(d.rejected).map(([why, n]) => `${n} ${why}`).join(", ") || "none";
+  $("disk-figures").textContent =
+    `hits: ${cache.hits - cache.disk_hits} in memory, ${cache.disk_hits} on disk; ` +
+    `read ${mib(d.read_bytes)} (${d.loaded_blocks} blocks, ${d.read_seconds.toFixed(2)} s), ` +
+    `written ${mib(d.written_bytes)} (${d.written_blocks} blocks); prefill saved ${d.saved_seconds.toFixed(1)} s; ` +
+    `${mib(d.disk_bytes)} of ${mib(d.max_bytes)} on disk; refused: ${rejected}; write errors ${d.write_errors}`;
+}
+
 function showCache(cache, total) {
   const lookups = cache.hits + cache.misses;
   $("cache-figures").textContent = `${cache.blocks} of ${total} blocks held; ` +
     `hit ratio since start ${lookups ? (cache.hits / lookups).toFixed(3) : "–"}`;
+  showDiskTier(cache);
   const body = $("shared").tBodies[0];
   body.replaceChildren(...cache.shared.map(s => {
     const tr = document.createElement("tr");
