@@ -63,6 +63,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # exact --dtype float32 path). Decode attention computes in fp32; a bf16 cache halves the bytes each decode step
 # reads and doubles the tokens a pool of the same memory holds.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+DISK_READ_POLICIES = ("auto", "always")  # --prefix-cache-dir-reads (core.kv_store.KvStore.worth_reading)
 
 # Kernels the engine may use where the CPU runs them, each of which --disable-kernels can turn off (to compare, or to
 # work around a fault): q_matmul (AVX2 integer matmul of fp32 rows), amx (4- and 8-bit weights on AMX tiles),
@@ -118,6 +119,9 @@ class EngineConfig(WorkerChecks):
                                         metavar="DIR")
     prefix_cache_dir_size: str = flag("8G", "bytes --prefix-cache-dir may hold; the least recently used blocks are "
                                       "removed first", metavar="SIZE")
+    prefix_cache_dir_reads: str = flag("auto", "when blocks found in --prefix-cache-dir are read instead of computed: "
+                                       "auto, where reads measure faster than the prefill they save; always",
+                                       choices=DISK_READ_POLICIES)
     scheduling_policy: str = flag("fcfs", "who is admitted first and preempted last: fcfs (arrival order), priority "
                                   "(the request's priority field, lower first), fair (equal token shares per user, "
                                   "virtual token counters), shortest (fewest prompt tokens left first)",
@@ -196,6 +200,9 @@ class EngineConfig(WorkerChecks):
             raise ValueError("no model given: pass --model PATH.gguf")
         self.kv_memory_bytes()  # raises on a size that does not parse
         parse_size(self.prefix_cache_dir_size, "--prefix-cache-dir-size")
+        if self.prefix_cache_dir_reads not in DISK_READ_POLICIES:
+            raise ValueError(f"--prefix-cache-dir-reads must be one of {', '.join(DISK_READ_POLICIES)}, not "
+                             f"{self.prefix_cache_dir_reads!r}")
         if self.prefix_cache_dir is not None and not self.prefix_cache:
             raise ValueError("--prefix-cache-dir is the prefix cache's disk tier: drop --no-prefix-cache")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):

@@ -13,10 +13,11 @@ import httpx
 import pytest
 
 from justapi import LLM, SamplingParams
-from justapi.core.kv_store import KvStore, chain_keys
+from justapi.core.kv_store import PROBE_EVERY, KvStore, chain_keys
 from server_helpers import ServerProcess, labelled, metric, wait_until
 
 OPTS = dict(pool_blocks=40, block_size=4, show_progress=False, batch_invariant=True)
+DISK = dict(prefix_cache_dir_reads="always")  # the tiny model computes a block about as fast as it reads one
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 FP_A, FP_B = "a" * 32, "b" * 32
 
@@ -28,6 +29,12 @@ def tree_prompts(vocab: int, n: int, seed: int = 5) -> list[list[int]]:
     for _ in range(60):
         nodes.append(rng.choice(nodes) + [rng.randrange(3, vocab) for _ in range(rng.randint(2, 12))])
     return [rng.choice(nodes[1:]) + [rng.randrange(3, vocab) for _ in range(rng.randint(1, 5))] for _ in range(n)]
+
+
+def read(store: KvStore, key: str, toks: list[int]) -> bytes | None:
+    """The payload ``store`` reads for ``key``, or None where it refuses."""
+    buf = bytearray(store.block_bytes)
+    return bytes(buf) if store.read(key, toks, memoryview(buf)) else None
 
 
 def tokens(results) -> list[list[int]]:
@@ -46,13 +53,13 @@ def test_greedy_output_identical_with_the_disk_tier_under_eviction_and_after_a_r
                                                                                        tmp_path):
     prompts, want = reference
     disk = str(tmp_path / "kv")
-    first = LLM(tiny_model, prefix_cache_dir=disk, **OPTS)  # a pool of 40 blocks: the tree's prefixes are evicted
+    first = LLM(tiny_model, prefix_cache_dir=disk, **DISK, **OPTS)  # 40 blocks: the tree's prefixes are evicted
     assert tokens(first.generate(prompts, GREEDY)) == want
     kv = first.engine.scheduler.kv
     assert kv.disk_hits > 0 and first.engine.store.snapshot().written_blocks > 0
     kv.check_integrity(first.engine.scheduler.running, first.engine.scheduler.waiting)
     first.engine.close()  # writes what is queued
-    restarted = LLM(tiny_model, prefix_cache_dir=disk, **OPTS)
+    restarted = LLM(tiny_model, prefix_cache_dir=disk, **DISK, **OPTS)
     assert tokens(restarted.generate(prompts, GREEDY)) == want
     stats = restarted.engine.store.snapshot()
     assert stats.loaded_blocks > 0 and stats.rejected == {} and stats.write_errors == 0
@@ -67,7 +74,7 @@ def test_greedy_output_identical_with_the_disk_tier_under_eviction_and_after_a_r
 def test_files_that_fail_their_checks_are_skipped_counted_and_removed(tiny_model, reference, tmp_path):
     prompts, want = reference
     disk = str(tmp_path / "kv")
-    writer = LLM(tiny_model, prefix_cache_dir=disk, **OPTS)
+    writer = LLM(tiny_model, prefix_cache_dir=disk, **DISK, **OPTS)
     writer.generate(prompts[:40], GREEDY)
     writer.engine.close()
     files = sorted(os.path.join(d, f) for d, _, names in os.walk(disk) for f in names if f.endswith(".kv"))
@@ -83,7 +90,7 @@ def test_files_that_fail_their_checks_are_skipped_counted_and_removed(tiny_model
             data[:4] = b"JUNK"
         damaged[path] = bytes(data)
         open(path, "wb").write(damaged[path])
-    reader = LLM(tiny_model, prefix_cache_dir=disk, **OPTS)
+    reader = LLM(tiny_model, prefix_cache_dir=disk, **DISK, **OPTS)
     assert tokens(reader.generate(prompts[:40], GREEDY)) == want[:40]  # never loaded into a sequence
     rejected = reader.engine.store.snapshot().rejected
     assert rejected.get("corrupt", 0) > 0 and rejected.get("truncated", 0) > 0
@@ -101,18 +108,34 @@ def test_another_models_file_at_this_models_key_is_refused(tmp_path):
     assert key_a != key_b  # the same tokens under another model are another key
     b.write(key_b, toks, bytes(range(64)))
     assert b.flush(10)
-    assert b.read(key_b, toks) == bytearray(range(64))
+    assert read(b, key_b, toks) == bytes(range(64))
     os.makedirs(os.path.dirname(a.path(key_a)), exist_ok=True)
     os.link(b.path(key_b), a.path(key_a))  # B's block where A looks
-    assert a.read(key_a, toks) is None
+    assert read(a, key_a, toks) is None
     assert a.snapshot().rejected == {"foreign": 1} and not os.path.exists(a.path(key_a))
     a.write(key_a, toks, bytes(64))  # another layout's block size: refused too
     assert a.flush(10)
     wrong_size = KvStore(str(tmp_path), 1 << 30, FP_A, 128)
-    assert wrong_size.read(key_a, toks) is None and wrong_size.snapshot().rejected == {"foreign": 1}
-    assert a.read(key_a, [5, 6, 7, 9]) is None  # a key whose tokens differ (a collision): refused
+    assert read(wrong_size, key_a, toks) is None and wrong_size.snapshot().rejected == {"foreign": 1}
+    assert read(a, key_a, [5, 6, 7, 9]) is None  # a key whose tokens differ (a collision): refused
     for store in (a, b, wrong_size):
         store.close()
+
+
+def test_reads_are_made_where_they_measure_faster_than_the_prefill_they_save(tmp_path):
+    store = KvStore(str(tmp_path), 1 << 30, FP_A, 1 << 16)
+    key, toks = chain_keys(FP_A, [1, 2, 3, 4], 4, 1)[0], [1, 2, 3, 4]
+    store.write(key, toks, bytes(1 << 16))
+    assert store.flush(10)
+    assert store.worth_reading(4)  # nothing measured yet
+    assert read(store, key, toks) is not None  # a read measured: tens of microseconds
+    store.note_prefill(1e-9, 1000)  # a model that computes a token in a picosecond
+    decisions = [store.worth_reading(4) for _ in range(2 * PROBE_EVERY)]
+    assert decisions.count(True) == 2  # only the probes that measure reads again
+    for _ in range(40):
+        store.note_prefill(10.0, 1000)  # now 10 ms a token
+    assert all(store.worth_reading(4) for _ in range(10))
+    store.close()
 
 
 def test_the_size_bound_removes_the_least_recently_used_files(tmp_path):
@@ -123,7 +146,7 @@ def test_the_size_bound_removes_the_least_recently_used_files(tmp_path):
         store.write(key, [i] * 4, bytes(block))
     assert store.flush(10)
     os.utime(store.path(keys[0]), (1, 1))  # the oldest, then read: the most recent
-    assert store.read(keys[0], [0] * 4) is not None
+    assert read(store, keys[0], [0] * 4) is not None
     for i, key in enumerate(keys[10:], 10):
         store.write(key, [i] * 4, bytes(block))
     assert store.flush(10)
@@ -172,7 +195,7 @@ def _answer(url: str, prompt: list[int]) -> list[int]:
 def test_a_server_killed_while_writing_restarts_from_its_directory(tiny_model, tmp_path):
     disk = str(tmp_path / "kv")
     args = ["--model", tiny_model, "--pool-blocks", "64", "--block-size", "4", "--batch-invariant",
-            "--prefix-cache-dir", disk]
+            "--prefix-cache-dir", disk, "--prefix-cache-dir-reads", "always"]
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 250) for _ in range(120)] for _ in range(6)]
     srv = ServerProcess(args, str(tmp_path / "first.log"))

@@ -7,6 +7,7 @@ the prefix cache so that a preempted or later request finds them again. Pure Pyt
 
 from __future__ import annotations
 
+import mmap
 from collections import Counter
 from collections.abc import Iterable
 
@@ -32,7 +33,7 @@ class KvBlocks:
         self.cache = RadixPrefixCache(self.pool, block_size, on_evict) if prefix_cache else None
         self.store = store
         self.disk_hits = 0  # of the cache's hits, blocks a first lookup found on disk (the rest: in memory)
-        self._loads: dict[str, dict[int, bytearray]] = {}  # a matched request's blocks to fill from disk, by id
+        self._loads: dict[str, tuple[list[int], memoryview]] = {}  # a matched request's blocks to fill from disk
         self._spills: list[tuple[int, str, list[int]]] = []  # cached blocks to write to disk: (block, key, tokens)
 
     @property
@@ -90,14 +91,18 @@ class KvBlocks:
         if last <= first or not self.store.worth_reading(bs):
             return
         keys = chain_keys(self.store.fingerprint, tokens, bs, last)
-        loads = []
-        for i in range(first, last):
-            payload = self.store.read(keys[i], tokens[i * bs : (i + 1) * bs]) if self.store.has(keys[i]) else None
-            if payload is None:
-                break
-            loads.append(payload)
-        if loads and self.grow(req, (first + len(loads)) * bs) is not None:
-            self._loads[req.request_id] = dict(zip(req.block_ids[first:], loads))
+        found = next((i for i in range(first, last) if not self.store.has(keys[i])), last) - first
+        if not found:
+            return
+        size = self.store.block_bytes
+        # one buffer for the run, its pages touched only by the reads (a bytearray would zero it first)
+        run = memoryview(mmap.mmap(-1, found * size))
+        loads = 0
+        while loads < found and self.store.read(keys[first + loads], tokens[(first + loads) * bs :][:bs],
+                                                run[loads * size : (loads + 1) * size]):
+            loads += 1
+        if loads and self.grow(req, (first + loads) * bs) is not None:
+            self._loads[req.request_id] = (req.block_ids[first:], run[: loads * size])
             req.num_computed_tokens = len(req.block_ids) * bs
 
     def _record_spills(self, req: Request) -> None:
@@ -130,7 +135,8 @@ class KvBlocks:
     def step_copies(self, req: Request, n: int, out: SchedulerOutput) -> None:
         """What a step of ``n`` tokens of ``req`` copies besides computing: the blocks read from disk for it and the
         snapshot slots it reads before the step and writes after it."""
-        out.kv_loads.update(self._loads.pop(req.request_id, {}))
+        if req.request_id in self._loads:
+            out.kv_loads.append(self._loads.pop(req.request_id))
         if self.snapshots is None:
             return
         if req.state_load is not None:
@@ -154,7 +160,8 @@ class KvBlocks:
         if self.cache is not None:
             lookup_blocks = (req.num_tokens - 1) // self.block_size
             self.cache.record_lookup(lookup_blocks, req.num_computed_tokens // self.block_size)
-            self.disk_hits += len(self._loads.get(req.request_id, ()))
+            if req.request_id in self._loads:
+                self.disk_hits += len(self._loads[req.request_id][0])
             if req.cache_node is not None:
                 self.cache.count_hit(req.cache_node)
 

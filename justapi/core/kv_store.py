@@ -4,7 +4,8 @@ A block is named by its place in a token chain: its key hashes the key of the bl
 ids, the first block's "before" being the fingerprint of the model and KV layout (``fingerprint``), so the same
 prompt prefix under the same model finds the same files in any process on the host (replicas share a directory) and
 a file never answers for another model. One file a block: a magic line, a JSON header (fingerprint, key, token ids,
-payload length, CRC-32 of the payload) and the payload, the block's K and V of every layer as the runner stores them.
+payload length, the payload's XXH3-64: a block's read is mostly its check, and XXH3 runs ~4x zlib's CRC-32 here) and
+the payload, the block's K and V of every layer as the runner stores them.
 
 Files are written whole under a temporary name and renamed, by a writer thread off the engine's: a process killed
 mid-write leaves a temporary file (removed at the next start once its writer is gone), never a half block. A read
@@ -27,12 +28,13 @@ import queue
 import struct
 import threading
 import time
-import zlib
+
+import xxhash
 
 log = logging.getLogger("justapi.kv_store")
 
 MAGIC = b"JUSTAPI-KV 1\n"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # in the fingerprint: files of another format are another model's
 SUFFIX = ".kv"
 MAX_PENDING_BYTES = 256 << 20  # payloads queued for the writer at most; past it a block is not written (counted)
 PROBE_EVERY = 64  # lookups between reads made anyway while reads measure slower than prefill (to re-measure)
@@ -90,9 +92,11 @@ class KvStore:
     """One process's view of a disk-tier directory for one model: ``has``/``read`` on the engine thread, ``write``
     queued to the writer thread."""
 
-    def __init__(self, root: str, max_bytes: int, fingerprint: str, block_bytes: int) -> None:
-        """``block_bytes``: one block's payload (every file of this model and layout holds exactly that many)."""
+    def __init__(self, root: str, max_bytes: int, fingerprint: str, block_bytes: int, reads: str = "auto") -> None:
+        """``block_bytes``: one block's payload (every file of this model and layout holds exactly that many);
+        ``reads``: "auto", read where it measures faster than prefill, or "always" (config.DISK_READ_POLICIES)."""
         self.root = root
+        self.reads = reads
         self.fingerprint = fingerprint
         self.block_bytes = block_bytes
         self.dir = os.path.join(root, fingerprint)
@@ -118,9 +122,11 @@ class KvStore:
 
     def worth_reading(self, block_size: int) -> bool:
         """Whether reading a block beats computing its ``block_size`` tokens, as measured on this machine: yes until
-        both are measured, and once in PROBE_EVERY lookups where reads lost (to measure them again)."""
+        both are measured, and once in PROBE_EVERY lookups where reads lost (to measure them again); always yes
+        under ``reads="always"``. (On the CPUs measured a block reads in ~0.2 ms, its 16 tokens prefill in ~10 ms;
+        a tiny model's can compute faster than it reads.)"""
         self._lookups += 1
-        if not (self._read_s_per_block and self._prefill_s_per_token):
+        if self.reads == "always" or not (self._read_s_per_block and self._prefill_s_per_token):
             return True
         return (self._read_s_per_block < self._prefill_s_per_token * block_size
                 or self._lookups % PROBE_EVERY == 0)
@@ -130,26 +136,28 @@ class KvStore:
         if tokens > 0:
             self._prefill_s_per_token = _ewma(self._prefill_s_per_token, seconds / tokens)
 
-    def read(self, key: str, token_ids: list[int]) -> bytearray | None:
-        """The payload of ``key``'s file if it holds exactly this block of ``token_ids`` for this model and layout;
-        None where there is no such file, or it fails a check (then it is removed and counted by why)."""
+    def read(self, key: str, token_ids: list[int], into: memoryview) -> bool:
+        """Whether ``key``'s file holds exactly this block of ``token_ids`` for this model and layout, its payload
+        then read ``into`` (``block_bytes`` long: a slice of one buffer for a whole run of blocks, since allocating
+        each block's alone costs a map and unmap a block); False where there is no such file or it fails a check
+        (then it is removed and counted by why)."""
         path = self.path(key)
         t0 = time.perf_counter()
         try:
             with open(path, "rb") as f:
-                payload, why = self._parse(f, key, token_ids)
+                why = self._parse(f, key, token_ids, into)
         except FileNotFoundError:
             self._known.discard(key)
-            return None
+            return False
         except OSError as e:
-            payload, why = None, f"unreadable ({e.strerror})"
-        if payload is None:
+            why = f"unreadable ({e.strerror})"
+        if why:
             self._reject(path, key, why)
-            return None
+            return False
         seconds = time.perf_counter() - t0
         with self._lock:
             self.stats.loaded_blocks += 1
-            self.stats.read_bytes += len(payload)
+            self.stats.read_bytes += self.block_bytes
             self.stats.read_seconds += seconds
             if self._prefill_s_per_token:
                 self.stats.saved_seconds += self._prefill_s_per_token * len(token_ids) - seconds
@@ -159,28 +167,28 @@ class KvStore:
             os.utime(path)  # least recently used goes first
         except OSError:
             pass
-        return payload
+        return True
 
-    def _parse(self, f, key: str, token_ids: list[int]) -> tuple[bytearray | None, str]:
+    def _parse(self, f, key: str, token_ids: list[int], into: memoryview) -> str:
+        """Why the open file fails its checks ("" where it passes, its payload then in ``into``)."""
         if f.read(len(MAGIC)) != MAGIC:
-            return None, "corrupt"
+            return "corrupt"
         try:
             (length,) = struct.unpack("<I", f.read(4))
             header = json.loads(f.read(min(length, 1 << 20)))
         except (struct.error, ValueError, UnicodeDecodeError):
-            return None, "corrupt"
+            return "corrupt"
         if not isinstance(header, dict) or header.get("fingerprint") != self.fingerprint:
-            return None, "foreign"
+            return "foreign"
         if header.get("key") != key or header.get("tokens") != list(token_ids):
-            return None, "foreign"
+            return "foreign"
         if header.get("nbytes") != self.block_bytes:
-            return None, "foreign"
-        payload = bytearray(self.block_bytes)
-        if f.readinto(payload) != self.block_bytes or f.read(1):
-            return None, "truncated"
-        if zlib.crc32(payload) != header.get("crc32"):
-            return None, "corrupt"
-        return payload, ""
+            return "foreign"
+        if f.readinto(into) != self.block_bytes or f.read(1):
+            return "truncated"
+        if xxhash.xxh3_64_intdigest(into) != header.get("xxh3_64"):
+            return "corrupt"
+        return ""
 
     def _reject(self, path: str, key: str, why: str) -> None:
         log.warning("prefix cache disk tier: %s is %s; skipped and removed", path, why)
@@ -191,9 +199,10 @@ class KvStore:
         _remove(path)
 
     def write(self, key: str, token_ids: list[int], payload) -> None:
-        """Queue a block for the writer (``payload``: bytes-like, kept unchanged until written); dropped and counted
-        where the writer is too far behind."""
-        size = memoryview(payload).nbytes
+        """Queue a block for the writer: ``payload`` is bytes-like (kept unchanged until written) or a function the
+        writer calls for it (a copy made off the engine thread); dropped and counted where the writer is too far
+        behind."""
+        size = self.block_bytes
         with self._lock:
             if self._pending + size > MAX_PENDING_BYTES:
                 self.stats.dropped += 1
@@ -228,7 +237,7 @@ class KvStore:
                 continue
             key, token_ids, payload, size = item
             try:
-                self._write_file(key, token_ids, payload)
+                self._write_file(key, token_ids, payload() if callable(payload) else payload)
             except Exception:  # the writer never dies: a block not written is only a later miss
                 log.exception("prefix cache disk tier: writing %s failed", key)
             finally:
@@ -239,8 +248,10 @@ class KvStore:
         path = self.path(key)
         if os.path.exists(path):
             return
+        if memoryview(payload).nbytes != self.block_bytes:
+            raise ValueError(f"a block of {memoryview(payload).nbytes} bytes, not {self.block_bytes}")
         header = json.dumps({"fingerprint": self.fingerprint, "key": key, "tokens": token_ids,
-                             "nbytes": self.block_bytes, "crc32": zlib.crc32(payload)}).encode()
+                             "nbytes": self.block_bytes, "xxh3_64": xxhash.xxh3_64_intdigest(payload)}).encode()
         data = MAGIC + struct.pack("<I", len(header)) + header
         tmp = f"{path}.{os.getpid()}.tmp"
         try:
@@ -263,8 +274,8 @@ class KvStore:
             return
         with self._lock:
             self.stats.written_blocks += 1
-            self.stats.written_bytes += len(data) + size_of(payload)
-            self.stats.disk_bytes += len(data) + size_of(payload)
+            self.stats.written_bytes += len(data) + self.block_bytes
+            self.stats.disk_bytes += len(data) + self.block_bytes
             over = self.stats.disk_bytes > self.stats.max_bytes
         if over:
             self._scan(target=self.stats.max_bytes * 9 // 10)
@@ -305,10 +316,6 @@ class KvStore:
             self.stats.evicted_files += evicted
         if remove_stale and total > self.stats.max_bytes:
             self._scan(target=self.stats.max_bytes * 9 // 10)
-
-
-def size_of(payload) -> int:
-    return memoryview(payload).nbytes
 
 
 def _ewma(old: float, new: float) -> float:

@@ -62,9 +62,9 @@ class SchedulerOutput:
     # and from it after
     state_loads: dict[str, int] = field(default_factory=dict)
     state_saves: dict[str, int] = field(default_factory=dict)
-    # the prefix cache's disk tier (core.kv_store): blocks to fill before the step, block id -> its K/V of every
-    # layer as read from disk ([layers, 2, kv_heads, block_size, head_dim], every head, in the KV dtype)
-    kv_loads: dict[int, bytearray] = field(default_factory=dict)
+    # the prefix cache's disk tier (core.kv_store): runs of blocks to fill before the step, (block ids, their K/V
+    # as read from disk: per block [layers, 2, kv_heads, block_size, head_dim], every head, in the KV dtype)
+    kv_loads: list[tuple[list[int], memoryview | bytearray]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

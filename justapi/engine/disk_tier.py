@@ -37,7 +37,7 @@ def open_disk_tier(config: EngineConfig, model_config: ModelConfig, model, block
         key = fingerprint(model_config.path, layout)
         block_bytes = int(torch.Size(block_shape).numel()) * model.kv_dtype.itemsize
         store = KvStore(config.prefix_cache_dir, parse_size(config.prefix_cache_dir_size, "--prefix-cache-dir-size"),
-                        key, block_bytes)
+                        key, block_bytes, config.prefix_cache_dir_reads)
     except OSError as e:
         raise ModelLoadError(f"--prefix-cache-dir {config.prefix_cache_dir}: {e.strerror or e}") from None
     stats = store.snapshot()
@@ -48,7 +48,6 @@ def open_disk_tier(config: EngineConfig, model_config: ModelConfig, model, block
 
 def spill(store: KvStore, kv: torch.Tensor, spills: list[tuple[int, str, list[int]]]) -> None:
     """Queue the blocks ``spills`` names for writing: ``kv`` is their K/V as ``EngineCore.export_kv`` gives it
-    ([layers, 2, kv_heads, blocks, block_size, dim]), copied here block by block into buffers the writer owns."""
-    per_block = kv.permute(3, 0, 1, 2, 4, 5).contiguous()
-    for (_, key, tokens), block in zip(spills, per_block):
-        store.write(key, tokens, block.view(torch.uint8).numpy())
+    ([layers, 2, kv_heads, blocks, block_size, dim], a copy), each block made contiguous by the writer's thread."""
+    for i, (_, key, tokens) in enumerate(spills):
+        store.write(key, tokens, lambda block=kv[:, :, :, i]: block.contiguous().view(torch.uint8).numpy())

@@ -12,6 +12,8 @@ the next collective on rank 0 with an error (gloo closes the pair), which fails 
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from dataclasses import dataclass
 
@@ -120,7 +122,9 @@ class TpExecutor(Executor):
         return super().size_pool(num_blocks, branch)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        self._send(ExecuteStep(sched))
+        # the disk tier's buffers are views of a mapping here: the other ranks get copies
+        loads: list[tuple[list[int], memoryview | bytearray]] = [(ids, bytearray(d)) for ids, d in sched.kv_loads]
+        self._send(ExecuteStep(dataclasses.replace(sched, kv_loads=loads) if loads else sched))
         return self.rank.execute(sched)
 
     def export_kv(self, block_ids: list[int]) -> torch.Tensor:

@@ -157,11 +157,11 @@ class ModelRunner:
         cfg = self.model.config
         return (self.model.kv_layers, 2, cfg.num_kv_heads, self.block_size, cfg.head_dim)
 
-    def load_blocks(self, loads: dict[int, bytearray]) -> None:
-        """Fill blocks from the disk tier's payloads (block id -> ``block_shape()`` in the KV dtype)."""
-        shape = self.block_shape()
-        blocks = [torch.frombuffer(data, dtype=self.model.kv_dtype).view(shape) for data in loads.values()]
-        self.import_kv(list(loads), torch.stack(blocks, dim=3))
+    def load_blocks(self, runs: list[tuple[list[int], memoryview | bytearray]]) -> None:
+        """Fill blocks from the disk tier's runs (block ids, their ``block_shape()`` payloads one after another)."""
+        for block_ids, data in runs:
+            kv = torch.frombuffer(data, dtype=self.model.kv_dtype).view(len(block_ids), *self.block_shape())
+            self.import_kv(block_ids, kv.permute(1, 2, 3, 0, 4, 5))  # as export_kv gives it: no copy
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Compute the scheduled tokens of every request and sample where a request caught up. A request whose own
