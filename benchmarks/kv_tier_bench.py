@@ -53,6 +53,20 @@ class Server:
             time.sleep(0.2)
         raise SystemExit(f"server not ready; see {log_path}")
 
+    def settle(self) -> Server:
+        """Wait until the process's memory stops growing (the KV pool's prefault, model.hugepages, takes a core
+        for a few seconds after a start: what a request meets then says more about the start than about the tier);
+        a first request pays the first-call costs."""
+        last, still = -1, 0
+        while still < 4:
+            with open(f"/proc/{self.proc.pid}/status") as f:
+                rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+            still = still + 1 if abs(rss - last) < 1024 else 0
+            last = rss
+            time.sleep(0.25)
+        ttft(self.url, [7] * 64)
+        return self
+
     def metrics(self) -> str:
         return httpx.get(self.url + "/metrics", timeout=30).text
 
@@ -74,28 +88,25 @@ def ttft(url: str, prompt: list[int]) -> float:
 
 
 def run_ttft(args, flags: list[str], work: str) -> dict:
+    """Each figure from a server started for it and settled: cold without and with the disk tier, warm, and the
+    first request of a restarted server whose prefix is only on disk."""
     rng = random.Random(0)
     rows: dict[str, list[float]] = {"cold, no disk tier": [], "cold, disk tier on": [], "warm (memory)": [],
                                     "after a restart (disk)": []}
     disk_hits, read_s = [], []
     log = os.path.join(work, "ttft.log")
-    plain = Server(flags, log)
-    ttft(plain.url, [rng.randrange(100, 40000) for _ in range(64)])  # first-call costs out of the way
-    for r in range(args.rounds):
-        prompt = [rng.randrange(100, 40000) for _ in range(args.prompt_tokens)]
-        rows["cold, no disk tier"].append(ttft(plain.url, prompt))
-    plain.stop()
     for r in range(args.rounds):
         disk = os.path.join(work, f"kv{r}")
         prefix = [rng.randrange(100, 40000) for _ in range(args.prompt_tokens - 16)]
-        tails = [[rng.randrange(100, 40000) for _ in range(16)] for _ in range(3)]
-        srv = Server([*flags, "--prefix-cache-dir", disk], log)
-        ttft(srv.url, [rng.randrange(100, 40000) for _ in range(64)])
+        tails = [[rng.randrange(100, 40000) for _ in range(16)] for _ in range(4)]
+        srv = Server(flags, log).settle()
+        rows["cold, no disk tier"].append(ttft(srv.url, prefix + tails[3]))
+        srv.stop()
+        srv = Server([*flags, "--prefix-cache-dir", disk], log).settle()
         rows["cold, disk tier on"].append(ttft(srv.url, prefix + tails[0]))
         rows["warm (memory)"].append(ttft(srv.url, prefix + tails[1]))
         srv.stop()
-        srv = Server([*flags, "--prefix-cache-dir", disk], log)
-        ttft(srv.url, [rng.randrange(100, 40000) for _ in range(64)])
+        srv = Server([*flags, "--prefix-cache-dir", disk], log).settle()
         rows["after a restart (disk)"].append(ttft(srv.url, prefix + tails[2]))
         text = srv.metrics()
         disk_hits.append(labelled(text, "justapi_prefix_cache_hits_by_tier", tier="disk"))
@@ -105,6 +116,7 @@ def run_ttft(args, flags: list[str], work: str) -> dict:
     out = {name: statistics.median(v) for name, v in rows.items()}
     out["disk blocks loaded after the restart"] = statistics.median(disk_hits)
     out["seconds reading them"] = statistics.median(read_s)
+    out["rounds"] = rows
     return out
 
 
@@ -112,7 +124,7 @@ def run_w2(args, flags: list[str], work: str) -> dict:
     results = {}
     disk = ["--prefix-cache-dir", os.path.join(work, "w2")]
     for name, extra in (("without disk tier", []), ("with disk tier", disk)):
-        srv = Server([*flags, "--pool-blocks", str(args.w2_pool_blocks), *extra], os.path.join(work, "w2.log"))
+        srv = Server([*flags, "--pool-blocks", str(args.w2_pool_blocks), *extra], os.path.join(work, "w2.log")).settle()
         out = os.path.join(work, f"w2-{len(extra)}.json")
         subprocess.run([sys.executable, "-m", "justapi.cli", "bench", "serve", "--base-url", srv.url,
                         "--workload", "shared-prefix", "--num-prefixes", str(args.w2_prefixes), "--prefix-len",
@@ -131,7 +143,7 @@ def run_w2(args, flags: list[str], work: str) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 usage="%(prog)s [ttft] [w2] [options] [-- SERVE FLAGS]")
-    p.add_argument("parts", nargs="*", default=["ttft", "w2"], choices=["ttft", "w2"])
+    p.add_argument("parts", nargs="*", help="ttft, w2 (default: both)")
     p.add_argument("--prompt-tokens", type=int, default=4000)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--w2-prefixes", type=int, default=8)
@@ -145,6 +157,9 @@ def main() -> None:
     # a 1 GiB pool: prefaulted while the model loads (a quarter of memory takes ~10 s more here, every request
     # right after a start slower meanwhile, which would tell more about the start than about the tier)
     flags = flags or ["--kv-memory", "1G"]
+    args.parts = args.parts or ["ttft", "w2"]
+    if set(args.parts) - {"ttft", "w2"}:
+        p.error(f"parts are ttft and w2, not {' '.join(args.parts)}")
     work = tempfile.mkdtemp(prefix="kv-tier-")
     figures = {}
     if "ttft" in args.parts:

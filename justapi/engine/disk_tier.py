@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import numpy
 import torch
 
 from ..config import EngineConfig
@@ -48,6 +49,9 @@ def open_disk_tier(config: EngineConfig, model_config: ModelConfig, model, block
 
 def spill(store: KvStore, kv: torch.Tensor, spills: list[tuple[int, str, list[int]]]) -> None:
     """Queue the blocks ``spills`` names for writing: ``kv`` is their K/V as ``EngineCore.export_kv`` gives it
-    ([layers, 2, kv_heads, blocks, block_size, dim], a copy), each block made contiguous by the writer's thread."""
+    ([layers, 2, kv_heads, blocks, block_size, dim], a copy). Each block is made contiguous on the writer's thread
+    by numpy: a torch op there would start an OpenMP team of that thread's own, whose spinning threads took the
+    engine's cores (a shared-prefix run lost its disk hits' gain)."""
+    raw = kv.contiguous().view(torch.uint8).numpy()  # bytes as the last dimension: any KV dtype
     for i, (_, key, tokens) in enumerate(spills):
-        store.write(key, tokens, lambda block=kv[:, :, :, i]: block.contiguous().view(torch.uint8).numpy())
+        store.write(key, tokens, lambda i=i: numpy.ascontiguousarray(raw[:, :, :, i]))
