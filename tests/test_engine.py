@@ -124,7 +124,7 @@ def test_kv_cache_dtype_follows_the_compute_dtype_and_a_bf16_pool_holds_twice_th
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     assert all(len(r.token_ids) == 12 for r in LLM(path, show_progress=False).generate([[5, 6, 7], [8] * 40], params))
     with pytest.raises(ValueError, match="--kv-cache-dtype must be one of"):
-        EngineConfig(model=path, kv_cache_dtype="int8")
+        EngineConfig(model=path, kv_cache_dtype="fp4")
 
 
 def test_cpp_decode_kernel_keeps_greedy_output(engines):

@@ -490,7 +490,7 @@ def test_prefill_attention_is_as_close_to_exact_as_torchs_flash_kernel(cpp_kerne
         v_cache[:, table[-1]] = v_cache[:, table[-1]].nan_to_num(0.0)
     with pytest.raises(RuntimeError, match="block id out of range"):
         cpp_kernels.prefill_attention(q, k_cache, v_cache, table + blocks, ctx, scale, 0)
-    with pytest.raises(RuntimeError, match="bf16 K and V caches"):
+    with pytest.raises(RuntimeError, match="bf16 or int8 K and V caches"):
         cpp_kernels.prefill_attention(q, k_cache.float(), v_cache.float(), table, ctx, scale, 0)
 
 

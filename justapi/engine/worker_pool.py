@@ -32,6 +32,7 @@ from ..core.stats import PdSnapshot
 from ..distributed.group import describe
 from ..distributed.launch import make_launcher
 from ..model.gguf_loader import ModelLoadError
+from ..model.kernel_policy import kv_row_width
 from ..sampling_params import SamplingParams
 from .model_front import ModelFront
 from .output_processor import OutputProcessor, RequestOutput
@@ -100,7 +101,8 @@ class WorkerPoolEngine(ModelFront):
         self._limits = RequestLimits(self.max_model_len, smallest, cfg.block_size)
         c = self.model_config
         kv_layers = c.num_layers - sum(c.recurrent_layers)  # a hybrid's recurrent layers keep states, not KV
-        self._kv_shape = (kv_layers, 2, c.num_kv_heads, None, cfg.block_size, c.head_dim)
+        row = kv_row_width(c.head_dim, cfg.kv_cache_dtype == "int8")
+        self._kv_shape = (kv_layers, 2, c.num_kv_heads, None, cfg.block_size, row)
 
     def _await_ready(self, roles: list[str], mode: str) -> dict[int, tuple[int, int]]:
         """Each worker's (KV blocks, block size) once it has loaded the model; ModelLoadError (every worker stopped)

@@ -20,6 +20,8 @@
 #include <cmath>
 #include <limits>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 #include <tuple>
 #include <type_traits>
 
@@ -90,26 +92,52 @@ inline void rotate_head(const T* x, const float* c, const float* s, O* y, int64_
   }
 }
 
-// cos/sin: [rows, dim/2] fp32
+// An int8 cache row (model/attention.py's quantize_rows, bit for bit): the values divided by their scale,
+// max |x| / 127, and rounded half to even, then the scale's 4 bytes
+inline void quantize_row(const float* x, int64_t dim, int8_t* out) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(x[d]));
+  const float scale = amax / 127.f;
+  for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<int8_t>(scale > 0.f ? std::nearbyint(x[d] / scale) : 0.f);
+  std::memcpy(out + dim, &scale, sizeof(float));
+}
+
+// cos/sin: [rows, dim/2] fp32; an int8 cache's rows are dim + 4 wide, each K and V row rotated or widened to fp32
+// first and then quantized
 template <bool Neox, typename T, typename C>
 void rope_write_rows(const T* qkv, int64_t row_stride, const float* cos, const float* sin, int64_t rows,
                      int64_t num_heads, int64_t num_kv_heads, int64_t dim, C* k_cache, C* v_cache,
                      int64_t cache_head_stride, const int64_t* slots, float* q_out) {
   const int64_t half = dim / 2;
+  constexpr bool int8 = std::is_same_v<C, int8_t>;
+  const int64_t width = int8 ? dim + 4 : dim;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row_f32(int8 ? dim : 0);
     for (int64_t r = begin; r < end; ++r) {
       const T* row = qkv + r * row_stride;
       const float* c = cos + r * half;
       const float* s = sin + r * half;
       for (int64_t h = 0; h < num_heads; ++h)
         rotate_head<Neox>(row + h * dim, c, s, q_out + (r * num_heads + h) * dim, half);
-      for (int64_t h = 0; h < num_kv_heads; ++h)
-        rotate_head<Neox>(row + (num_heads + h) * dim, c, s, k_cache + h * cache_head_stride + slots[r] * dim, half);
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        C* ko = k_cache + h * cache_head_stride + slots[r] * width;
+        if constexpr (int8) {
+          rotate_head<Neox>(row + (num_heads + h) * dim, c, s, row_f32.data(), half);
+          quantize_row(row_f32.data(), dim, ko);
+        } else {
+          rotate_head<Neox>(row + (num_heads + h) * dim, c, s, ko, half);
+        }
+      }
       const T* v = row + (num_heads + num_kv_heads) * dim;
       for (int64_t h = 0; h < num_kv_heads; ++h) {
-        C* vo = v_cache + h * cache_head_stride + slots[r] * dim;
+        C* vo = v_cache + h * cache_head_stride + slots[r] * width;
+        if constexpr (int8) {
+          for (int64_t d = 0; d < dim; ++d) row_f32[d] = widen(v[h * dim + d]);
+          quantize_row(row_f32.data(), dim, vo);
+        } else {
 #pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) vo[d] = narrow<C>(widen(v[h * dim + d]));
+          for (int64_t d = 0; d < dim; ++d) vo[d] = narrow<C>(widen(v[h * dim + d]));
+        }
       }
     }
   });
@@ -119,7 +147,7 @@ template <typename T, typename C>
 void rope_write_dispatch_style(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, bool neox,
                                int64_t num_heads, int64_t num_kv_heads, int64_t dim, torch::Tensor& k_cache,
                                torch::Tensor& v_cache, const torch::Tensor& slots, torch::Tensor& q) {
-  const int64_t head_stride = k_cache.size(1) * k_cache.size(2) * dim;  // one KV head's blocks
+  const int64_t head_stride = k_cache.size(1) * k_cache.size(2) * k_cache.size(3);  // one KV head's blocks
   auto run = [&](auto neox_style) {
     rope_write_rows<decltype(neox_style)::value>(qkv.data_ptr<T>(), qkv.stride(0), cos.data_ptr<float>(),
                                                  sin.data_ptr<float>(), qkv.size(0), num_heads, num_kv_heads, dim,
@@ -136,6 +164,9 @@ void rope_write_dispatch_cache(const torch::Tensor& qkv, const torch::Tensor& co
                                torch::Tensor& v_cache, const torch::Tensor& slots, torch::Tensor& q) {
   if (k_cache.scalar_type() == torch::kFloat32)
     rope_write_dispatch_style<T, float>(qkv, cos, sin, neox, num_heads, num_kv_heads, dim, k_cache, v_cache, slots, q);
+  else if (k_cache.scalar_type() == torch::kChar)
+    rope_write_dispatch_style<T, int8_t>(qkv, cos, sin, neox, num_heads, num_kv_heads, dim, k_cache, v_cache, slots,
+                                         q);
   else
     rope_write_dispatch_style<T, c10::BFloat16>(qkv, cos, sin, neox, num_heads, num_kv_heads, dim, k_cache, v_cache,
                                                 slots, q);
@@ -342,7 +373,8 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, c10::opti
 }
 
 // qkv [rows, (num_heads + 2 * num_kv_heads) * dim] (rows may be strided), cos/sin [rows, dim/2] fp32, caches
-// [num_kv_heads, num_blocks, block_size, dim] fp32 or bf16, slots [rows] int64; returns rotated Q [rows, heads, dim]
+// [num_kv_heads, num_blocks, block_size, dim] fp32 or bf16 (int8: dim + 4), slots [rows] int64; returns rotated Q
+// [rows, heads, dim]
 torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, bool neox, int64_t num_heads,
                             int64_t num_kv_heads, int64_t dim, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor slots) {
@@ -355,10 +387,12 @@ torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
   TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32, "rope_write_kv: fp32 tables");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
                   k_cache.scalar_type() == v_cache.scalar_type() && k_cache.size(0) == num_kv_heads &&
-                  k_cache.size(3) == dim,
-              "rope_write_kv: contiguous K/V caches [kv_heads, blocks, block_size, dim] of one dtype expected");
-  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 || k_cache.scalar_type() == torch::kBFloat16,
-              "rope_write_kv: fp32 or bf16 cache");
+                  k_cache.size(3) == (k_cache.scalar_type() == torch::kChar ? dim + 4 : dim),
+              "rope_write_kv: contiguous K/V caches [kv_heads, blocks, block_size, dim (+ 4 for int8)] of one dtype "
+              "expected");
+  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 || k_cache.scalar_type() == torch::kBFloat16 ||
+                  k_cache.scalar_type() == torch::kChar,
+              "rope_write_kv: fp32, bf16 or int8 cache");
   slots = slots.contiguous();
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.numel() == qkv.size(0), "rope_write_kv: int64 slot per row");
   const int64_t num_slots = k_cache.size(1) * k_cache.size(2);

@@ -2,7 +2,9 @@
 // through the block table, so no [sequences, context, head_dim] copy of the cache is ever made.
 //
 // Cache layout (see justapi/model/attention.py): [num_kv_heads, num_blocks, block_size, head_dim], fp32 or bf16
-// (a bf16 value is the top half of an fp32: widened as it is read; all arithmetic is fp32).
+// (a bf16 value is the top half of an fp32: widened as it is read; all arithmetic is fp32), or int8 rows of
+// head_dim + 4 bytes: the row's values rounded to multiples of its scale, then the scale (fp32). An int8 key's
+// products are summed as integers times fp32 queries and the sum scaled once; a value's scale goes into its weight.
 // Work item = (sequence, kv head): its `group` query heads share every key/value row it reads.
 //   pass 1: s[h][t] = scale * q[h] . k[t]        for t < context_len
 //   pass 2: p = softmax(s[h])                     (max-subtracted, fp32)
@@ -46,15 +48,31 @@ inline void hide_before_window(float* scores, int64_t group, int64_t ctx, int64_
     std::fill(scores + g * ctx, scores + g * ctx + skip, -std::numeric_limits<float>::infinity());
 }
 
+// an int8 cache row: head_dim values, then their scale's 4 bytes (model/attention.py's quantize_rows)
+template <typename T>
+constexpr bool kInt8 = std::is_same_v<T, int8_t>;
+template <typename T>
+constexpr int64_t row_width(int64_t head_dim) { return kInt8<T> ? head_dim + 4 : head_dim; }
+inline float row_scale(const int8_t* row, int64_t head_dim) {
+  float s;
+  std::memcpy(&s, row + head_dim, sizeof(float));
+  return s;
+}
+
 // --- portable ----------------------------------------------------------------------------------------------------
 
-// a cache row as fp32: fp32 rows are used in place, bf16 rows widened into `buf`
+// a cache row as fp32: fp32 rows are used in place, bf16 rows widened and int8 rows scaled into `buf`
 inline const float* row_f32(const float* src, float*, int64_t) { return src; }
 inline const float* row_f32(const uint16_t* src, float* buf, int64_t n) {
   for (int64_t d = 0; d < n; ++d) {
     const uint32_t bits = static_cast<uint32_t>(src[d]) << 16;
     std::memcpy(buf + d, &bits, sizeof(float));
   }
+  return buf;
+}
+inline const float* row_f32(const int8_t* src, float* buf, int64_t n) {
+  const float scale = row_scale(src, n);
+  for (int64_t d = 0; d < n; ++d) buf[d] = static_cast<float>(src[d]) * scale;
   return buf;
 }
 
@@ -66,11 +84,12 @@ void attend(const float* qh, const T* kp, const T* vp, const int64_t* table, int
   float* row = scores.data() + group * ctx;
   float* acc = row + head_dim;
   const int64_t nblk = (ctx + block_size - 1) / block_size;
+  const int64_t width = row_width<T>(head_dim);
   for (int64_t ib = 0; ib < nblk; ++ib) {
-    const T* kb = kp + (kvh * num_blocks + table[ib]) * block_size * head_dim;
+    const T* kb = kp + (kvh * num_blocks + table[ib]) * block_size * width;
     const int64_t n = std::min(block_size, ctx - ib * block_size);
     for (int64_t j = 0; j < n; ++j) {
-      const float* kr = row_f32(kb + j * head_dim, row, head_dim);
+      const float* kr = row_f32(kb + j * width, row, head_dim);
       for (int64_t g = 0; g < group; ++g) {
         const float* qg = qh + g * head_dim;
         float s = 0.f;
@@ -94,10 +113,10 @@ void attend(const float* qh, const T* kp, const T* vp, const int64_t* table, int
   }
   std::fill(acc, acc + group * head_dim, 0.f);
   for (int64_t ib = 0; ib < nblk; ++ib) {
-    const T* vb = vp + (kvh * num_blocks + table[ib]) * block_size * head_dim;
+    const T* vb = vp + (kvh * num_blocks + table[ib]) * block_size * width;
     const int64_t n = std::min(block_size, ctx - ib * block_size);
     for (int64_t j = 0; j < n; ++j) {
-      const float* vr = row_f32(vb + j * head_dim, row, head_dim);
+      const float* vr = row_f32(vb + j * width, row, head_dim);
       for (int64_t g = 0; g < group; ++g) {
         const float p = scores[g * ctx + ib * block_size + j];
         float* ag = acc + g * head_dim;
@@ -136,6 +155,12 @@ inline void load32(const uint16_t* p, __m512& a, __m512& b) {
   const __m512i x = _mm512_loadu_si512(p);
   a = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
   b = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+// int8: in order, sign-extended to 32 bits and converted (the row's scale applied by the caller)
+inline void load32(const int8_t* p, __m512& a, __m512& b) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(x)));
+  b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(x, 1)));
 }
 // (a, b) <- the lanes `first` and `second` pick out of the 32 lanes of a (0-15) and b (16-31)
 inline void permute_pair(__m512& a, __m512& b, __m512i first, __m512i second) {
@@ -203,16 +228,18 @@ inline __m512 hsum16(const __m512* v) {
 // accumulator sums its rows in order, so a head's result does not depend on how many share the pass.
 template <typename T, int V, int H>
 inline void weigh_values(const T* vb, int64_t n, const float* p, int64_t p_stride, float* acc_rows) {
-  constexpr int64_t D = 16 * V;
+  constexpr int64_t D = 16 * V, W = row_width<T>(D);
   __m512 acc[H][V];
   for (int h = 0; h < H; ++h)
     for (int i = 0; i < V; ++i) acc[h][i] = _mm512_loadu_ps(acc_rows + h * D + 16 * i);
   for (int64_t j = 0; j < n; ++j) {
+    float row_weight = 1.f;  // an int8 row's scale, taken into its weights
+    if constexpr (kInt8<T>) row_weight = row_scale(vb + j * W, D);
     __m512 w[H];
-    for (int h = 0; h < H; ++h) w[h] = _mm512_set1_ps(p[h * p_stride + j]);
+    for (int h = 0; h < H; ++h) w[h] = _mm512_set1_ps(p[h * p_stride + j] * row_weight);
     for (int i = 0; i < V; i += 2) {
       __m512 va, vb2;
-      load32(vb + j * D + 16 * i, va, vb2);
+      load32(vb + j * W + 16 * i, va, vb2);
       for (int h = 0; h < H; ++h) {
         acc[h][i] = _mm512_fmadd_ps(w[h], va, acc[h][i]);
         acc[h][i + 1] = _mm512_fmadd_ps(w[h], vb2, acc[h][i + 1]);
@@ -241,7 +268,8 @@ void attend_avx512(const float* qh, const T* kp, const T* vp, const int64_t* tab
     _mm512_storeu_ps(qs + i + 16, b);
   }
   const int64_t nblk = (ctx + block_size - 1) / block_size;
-  const int64_t block_elems = block_size * D, block_bytes = block_elems * sizeof(T);
+  constexpr int64_t W = row_width<T>(D);
+  const int64_t block_elems = block_size * W, block_bytes = block_elems * sizeof(T);
   auto kblock = [&](int64_t ib) { return kp + (kvh * num_blocks + table[ib]) * block_elems; };
   auto vblock = [&](int64_t ib) { return vp + (kvh * num_blocks + table[ib]) * block_elems; };
   for (int64_t ib = 0; ib < std::min(kAhead, nblk); ++ib) prefetch_block(kblock(ib), block_bytes);
@@ -257,9 +285,11 @@ void attend_avx512(const float* qh, const T* kp, const T* vp, const int64_t* tab
       for (int64_t j0 = 0; j0 < n; j0 += 16) {  // 16 rows' dot products, reduced together
         const int64_t m = std::min<int64_t>(16, n - j0);
         __m512 s[16];
+        alignas(64) float key_scales[16] = {};
         for (int64_t j = 0; j < 16; ++j) {
           if (j < m) {
-            const T* kr = kb + (j0 + j) * D;
+            const T* kr = kb + (j0 + j) * W;
+            if constexpr (kInt8<T>) key_scales[j] = row_scale(kr, D);
             __m512 ka, kb2;
             load32(kr, ka, kb2);
             s[j] = _mm512_fmadd_ps(q[1], kb2, _mm512_mul_ps(q[0], ka));
@@ -272,7 +302,9 @@ void attend_avx512(const float* qh, const T* kp, const T* vp, const int64_t* tab
             s[j] = _mm512_setzero_ps();
           }
         }
-        _mm512_mask_storeu_ps(sg + j0, static_cast<__mmask16>((1u << m) - 1), hsum16(s));
+        __m512 dots = hsum16(s);
+        if constexpr (kInt8<T>) dots = _mm512_mul_ps(dots, _mm512_load_ps(key_scales));
+        _mm512_mask_storeu_ps(sg + j0, static_cast<__mmask16>((1u << m) - 1), dots);
       }
     }
   }
@@ -333,6 +365,12 @@ inline void load16(const uint16_t* p, __m256& a, __m256& b) {
   const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   a = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), x));
   b = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), x));
+}
+// int8: in order, sign-extended and converted (the row's scale applied by the caller)
+inline void load16(const int8_t* p, __m256& a, __m256& b) {
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x));
+  b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(x, 8)));
 }
 // 16 lanes in order <-> load16's order of a bf16 cache (the same exchange of 128-bit halves both ways)
 template <typename T>
@@ -399,7 +437,8 @@ void attend_avx2(const float* qh, const T* kp, const T* vp, const int64_t* table
     _mm256_storeu_ps(qs + i + 8, b);
   }
   const int64_t nblk = (ctx + block_size - 1) / block_size;
-  const int64_t block_elems = block_size * D, block_bytes = block_elems * sizeof(T);
+  constexpr int64_t W = row_width<T>(D);
+  const int64_t block_elems = block_size * W, block_bytes = block_elems * sizeof(T);
   auto kblock = [&](int64_t ib) { return kp + (kvh * num_blocks + table[ib]) * block_elems; };
   auto vblock = [&](int64_t ib) { return vp + (kvh * num_blocks + table[ib]) * block_elems; };
   for (int64_t ib = 0; ib < std::min(kAhead, nblk); ++ib) prefetch_block(kblock(ib), block_bytes);
@@ -414,7 +453,7 @@ void attend_avx2(const float* qh, const T* kp, const T* vp, const int64_t* table
       for (int64_t j0 = 0; j0 < n; j0 += 8) {  // 8 rows' dot products, reduced together
         const int64_t m = std::min<int64_t>(8, n - j0);
         const T* kr[8];  // rows past the block's end repeat its last row; their sums are not stored
-        for (int64_t j = 0; j < 8; ++j) kr[j] = kb + (j0 + std::min(j, m - 1)) * D;
+        for (int64_t j = 0; j < 8; ++j) kr[j] = kb + (j0 + std::min(j, m - 1)) * W;
         __m256 s[8];
         for (int64_t i = 0; i < V; i += 2) {
           const __m256 qa = _mm256_loadu_ps(qg + 8 * i), qb = _mm256_loadu_ps(qg + 8 * i + 8);
@@ -425,7 +464,12 @@ void attend_avx2(const float* qh, const T* kp, const T* vp, const int64_t* table
             s[j] = _mm256_fmadd_ps(qb, k_hi, s[j]);
           }
         }
-        const __m256 r = hsum8(s);
+        __m256 r = hsum8(s);
+        if constexpr (kInt8<T>) {
+          alignas(32) float key_scales[8];
+          for (int j = 0; j < 8; ++j) key_scales[j] = row_scale(kr[j], D);
+          r = _mm256_mul_ps(r, _mm256_load_ps(key_scales));
+        }
         if (m == 8) _mm256_storeu_ps(sg + j0, r);
         else _mm256_maskstore_ps(sg + j0, first_lanes(m), r);
       }
@@ -446,10 +490,12 @@ void attend_avx2(const float* qh, const T* kp, const T* vp, const int64_t* table
         __m256 acc[8];
         for (int i = 0; i < 8; ++i) acc[i] = _mm256_loadu_ps(ag + 8 * i);
         for (int64_t j = 0; j < n; ++j) {
-          const __m256 p = _mm256_set1_ps(sg[j]);
+          float weight = sg[j];
+          if constexpr (kInt8<T>) weight *= row_scale(vb + j * W, D);
+          const __m256 p = _mm256_set1_ps(weight);
           for (int i = 0; i < 8; i += 2) {
             __m256 v_lo, v_hi;
-            load16(vb + j * D + c + 8 * i, v_lo, v_hi);
+            load16(vb + j * W + c + 8 * i, v_lo, v_hi);
             acc[i] = _mm256_fmadd_ps(p, v_lo, acc[i]);
             acc[i + 1] = _mm256_fmadd_ps(p, v_hi, acc[i + 1]);
           }
@@ -554,8 +600,9 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
                                torch::Tensor block_tables, torch::Tensor context_lens, double scale, int64_t window) {
   const auto cache_dtype = k_cache.scalar_type();
   TORCH_CHECK(q.dtype() == torch::kFloat32, "decode_attention: fp32 query expected");
-  TORCH_CHECK((cache_dtype == torch::kFloat32 || cache_dtype == torch::kBFloat16) && v_cache.scalar_type() == cache_dtype,
-              "decode_attention: fp32 or bf16 K and V caches of one dtype expected");
+  TORCH_CHECK((cache_dtype == torch::kFloat32 || cache_dtype == torch::kBFloat16 || cache_dtype == torch::kChar) &&
+                  v_cache.scalar_type() == cache_dtype,
+              "decode_attention: fp32, bf16 or int8 K and V caches of one dtype expected");
   TORCH_CHECK(block_tables.dtype() == torch::kInt64 && context_lens.dtype() == torch::kInt64,
               "decode_attention: int64 block tables and context lengths expected");
   q = q.contiguous();
@@ -565,7 +612,8 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   context_lens = context_lens.contiguous();
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0 && v_cache.sizes() == k_cache.sizes(),
+  const int64_t width = cache_dtype == torch::kChar ? row_width<int8_t>(head_dim) : head_dim;
+  TORCH_CHECK(k_cache.size(3) == width && num_heads % num_kv_heads == 0 && v_cache.sizes() == k_cache.sizes(),
               "decode_attention: shape mismatch");
   TORCH_CHECK(num_heads / num_kv_heads <= kMaxGroup, "decode_attention: more than 16 query heads per KV head");
   TORCH_CHECK(block_tables.size(0) == num_seqs && context_lens.size(0) == num_seqs, "decode_attention: batch mismatch");
@@ -585,6 +633,10 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
     run<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tables, lens,
                out.data_ptr<float>(), num_seqs, num_heads, num_kv_heads, num_blocks, block_size, head_dim, max_blocks,
                fscale, window);
+  else if (cache_dtype == torch::kChar)
+    run<int8_t>(q.data_ptr<float>(), k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), tables, lens,
+                out.data_ptr<float>(), num_seqs, num_heads, num_kv_heads, num_blocks, block_size, head_dim, max_blocks,
+                fscale, window);
   else
     run<uint16_t>(q.data_ptr<float>(), reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
                   reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), tables, lens,

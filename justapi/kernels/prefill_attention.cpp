@@ -1,6 +1,7 @@
 // Prefill attention on AVX-512 BF16 (AMD Zen 4, Intel Cooper Lake and later; an AVX2 build in fp32 below, for Zen
-// 2/3): one sequence's new tokens (a prompt chunk) over its bf16 cache, read through the block table, causal, with
-// an optional sliding window. torch's CPU flash kernel, which served these chunks, ran at 16-90 GFLOP/s on a Zen 4
+// 2/3): one sequence's new tokens (a prompt chunk) over its bf16 or int8 cache (each int8 row's values times its
+// scale as a tile is packed: no widened copy of the cache), read through the block table, causal, with an optional
+// sliding window. torch's CPU flash kernel, which served these chunks, ran at 16-90 GFLOP/s on a Zen 4
 // counted over the keys each query sees (`benchmarks/kernels_bench.py prefill`; the packed products reach ~310),
 // computed every key tile of the padded
 // context for every query (an additive mask hides the causal half, it does not skip it; `is_causal` took the same
@@ -46,6 +47,13 @@
 namespace {
 
 #ifdef JUSTAPI_PREFILL_ATTENTION
+// an int8 cache row's scale: the 4 bytes after its `dim` values (model/attention.py's quantize_rows)
+inline float int8_scale(const int8_t* row, int64_t dim) {
+  float s;
+  std::memcpy(&s, row + dim, sizeof(float));
+  return s;
+}
+
 struct Shape {
   int64_t num_new, ctx, num_heads, group, window;
   float scale;
@@ -90,6 +98,25 @@ void pack_tiles(const uint16_t* k_head, const uint16_t* v_head, const int64_t* t
     const uint16_t* v = v_head + offset;
     uint16_t* vpair = reinterpret_cast<uint16_t*>(vp + (j / 2) * dim);
     for (int64_t d = 0; d < dim; ++d) vpair[2 * d + (j & 1)] = v[d];
+  }
+}
+
+// An int8 cache's tiles: each row's values times its scale, rounded to bf16 as packed (rows dim + 4 wide)
+void pack_tiles(const int8_t* k_head, const int8_t* v_head, const int64_t* table, int64_t block_stride,
+                int64_t block_size, int64_t ctx, int64_t dim, int64_t tile, uint32_t* kp, uint32_t* vp) {
+  std::memset(kp, 0, (dim / 2) * kKeys * sizeof(uint32_t));
+  std::memset(vp, 0, (kKeys / 2) * dim * sizeof(uint32_t));
+  uint16_t* kpair = reinterpret_cast<uint16_t*>(kp);
+  for (int64_t j = 0; j < kKeys; ++j) {
+    const int64_t key = tile * kKeys + j;
+    if (key >= ctx) break;
+    const int64_t offset = table[key / block_size] * block_stride + (key % block_size) * (dim + 4);
+    const float ks = int8_scale(k_head + offset, dim), vs = int8_scale(v_head + offset, dim);
+    uint16_t* vpair = reinterpret_cast<uint16_t*>(vp + (j / 2) * dim);
+    for (int64_t d = 0; d < dim; ++d) {
+      kpair[((d / 2) * kKeys + j) * 2 + (d & 1)] = c10::BFloat16(k_head[offset + d] * ks).x;
+      vpair[2 * d + (j & 1)] = c10::BFloat16(v_head[offset + d] * vs).x;
+    }
   }
 }
 
@@ -293,6 +320,23 @@ void pack_tiles(const uint16_t* k_head, const uint16_t* v_head, const int64_t* t
   }
 }
 
+// An int8 cache's tiles: each row's values times its scale (rows dim + 4 wide)
+void pack_tiles(const int8_t* k_head, const int8_t* v_head, const int64_t* table, int64_t block_stride,
+                int64_t block_size, int64_t ctx, int64_t dim, int64_t tile, float* kp, float* vp) {
+  std::memset(kp, 0, dim * kKeys * sizeof(float));
+  std::memset(vp, 0, kKeys * dim * sizeof(float));
+  for (int64_t j = 0; j < kKeys; ++j) {
+    const int64_t key = tile * kKeys + j;
+    if (key >= ctx) break;
+    const int64_t offset = table[key / block_size] * block_stride + (key % block_size) * (dim + 4);
+    const float ks = int8_scale(k_head + offset, dim), vs = int8_scale(v_head + offset, dim);
+    for (int64_t d = 0; d < dim; ++d) {
+      kp[d * kKeys + j] = k_head[offset + d] * ks;
+      vp[j * dim + d] = v_head[offset + d] * vs;
+    }
+  }
+}
+
 // scores[r][t * 8 ..] = q[r] . k for kRowBlock rows and Tiles (1 or 2) packed tiles
 template <int64_t Dim, int64_t Tiles>
 inline void tile_scores(const float* q, const float* kp, float* scores, int64_t row_stride) {
@@ -444,8 +488,8 @@ void attend_item(const float* q, const float* kp_head, const float* vp_head, con
 
 #ifdef JUSTAPI_PREFILL_ATTENTION
 // Both builds: pack each KV head's tiles once, then attend, items dealt to the threads
-template <int64_t Dim>
-void run(const float* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table, int64_t head_stride,
+template <int64_t Dim, typename C>
+void run(const float* q, const C* k_cache, const C* v_cache, const int64_t* table, int64_t head_stride,
          int64_t block_stride, int64_t block_size, int64_t num_kv_heads, const Shape& s, float* out) {
   const int64_t tiles = (s.ctx + kKeys - 1) / kKeys;
   const int64_t tile_words = Dim * kKeys / kValuesPerWord;  // K and V tiles are the same size
@@ -494,8 +538,9 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::T
                                 torch::Tensor block_table, int64_t context_len, double scale, int64_t window) {
 #ifdef JUSTAPI_PREFILL_ATTENTION
   TORCH_CHECK(q.dtype() == torch::kFloat32 && q.dim() == 3, "prefill_attention: fp32 [tokens, heads, dim] query expected");
-  TORCH_CHECK(k_cache.scalar_type() == torch::kBFloat16 && v_cache.scalar_type() == torch::kBFloat16,
-              "prefill_attention: bf16 K and V caches expected");
+  const bool int8 = k_cache.scalar_type() == torch::kChar;
+  TORCH_CHECK((int8 || k_cache.scalar_type() == torch::kBFloat16) && v_cache.scalar_type() == k_cache.scalar_type(),
+              "prefill_attention: bf16 or int8 K and V caches expected");
   TORCH_CHECK(block_table.dtype() == torch::kInt64, "prefill_attention: int64 block table expected");
   q = q.contiguous();
   k_cache = k_cache.contiguous();
@@ -503,7 +548,8 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::T
   block_table = block_table.contiguous();
   const int64_t num_new = q.size(0), num_heads = q.size(1), dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == dim && v_cache.sizes() == k_cache.sizes() && num_heads % num_kv_heads == 0,
+  const int64_t width = int8 ? dim + 4 : dim;  // an int8 row: its values, then its scale
+  TORCH_CHECK(k_cache.size(3) == width && v_cache.sizes() == k_cache.sizes() && num_heads % num_kv_heads == 0,
               "prefill_attention: shape mismatch");
   TORCH_CHECK(dim == 64 || dim == 128 || dim == 256, "prefill_attention: head size 64, 128 or 256 expected");
   TORCH_CHECK(num_new >= 1 && context_len >= num_new && context_len <= block_table.size(0) * block_size,
@@ -513,15 +559,23 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::T
     TORCH_CHECK(table[i] >= 0 && table[i] < num_blocks, "prefill_attention: block id out of range");
   auto out = torch::empty_like(q);
   const Shape s{num_new, context_len, num_heads, num_heads / num_kv_heads, window, static_cast<float>(scale)};
-  const auto* k = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
-  const auto* v = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
-  const int64_t head_stride = num_blocks * block_size * dim, block_stride = block_size * dim;
-  if (dim == 64)
-    run<64>(q.data_ptr<float>(), k, v, table, head_stride, block_stride, block_size, num_kv_heads, s, out.data_ptr<float>());
-  else if (dim == 128)
-    run<128>(q.data_ptr<float>(), k, v, table, head_stride, block_stride, block_size, num_kv_heads, s, out.data_ptr<float>());
+  const int64_t head_stride = num_blocks * block_size * width, block_stride = block_size * width;
+  auto dispatch = [&](const auto* k, const auto* v) {
+    if (dim == 64)
+      run<64>(q.data_ptr<float>(), k, v, table, head_stride, block_stride, block_size, num_kv_heads, s,
+              out.data_ptr<float>());
+    else if (dim == 128)
+      run<128>(q.data_ptr<float>(), k, v, table, head_stride, block_stride, block_size, num_kv_heads, s,
+               out.data_ptr<float>());
+    else
+      run<256>(q.data_ptr<float>(), k, v, table, head_stride, block_stride, block_size, num_kv_heads, s,
+               out.data_ptr<float>());
+  };
+  if (int8)
+    dispatch(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
   else
-    run<256>(q.data_ptr<float>(), k, v, table, head_stride, block_stride, block_size, num_kv_heads, s, out.data_ptr<float>());
+    dispatch(reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+             reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()));
   return out;
 #else
   TORCH_CHECK(false, "prefill_attention: this build has neither AVX-512 BF16 nor AVX2");

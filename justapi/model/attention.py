@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .kernel_policy import INT8_SCALE_BYTES
+
 
 @dataclass
 class SeqSpan:
@@ -73,12 +75,31 @@ class AttentionMetadata:
     state_runs: torch.Tensor | None = None
 
 
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """[..., d] → an int8 cache's rows [..., d + 4]: each row's values divided by its scale, max |x| / 127, rounded
+    half to even, then the scale's bytes (kernels/layer_ops.cpp's quantize_row, bit for bit)."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True) / 127
+    q = torch.where(scale > 0, xf / scale.clamp_min(torch.finfo(torch.float32).tiny), 0.0).round().to(torch.int8)
+    return torch.cat([q, scale.contiguous().view(torch.int8)], dim=-1)
+
+
+def widen(cache_rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows read from a cache as ``dtype``: an int8 cache's values times their row's scale."""
+    if cache_rows.dtype != torch.int8:
+        return cache_rows.to(dtype)
+    values, scale = cache_rows[..., :-INT8_SCALE_BYTES], cache_rows[..., -INT8_SCALE_BYTES:]
+    return (values.float() * scale.contiguous().view(torch.float32)).to(dtype)
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slots: torch.Tensor) -> None:
-    """Store new keys/values [num_tokens, num_kv_heads, head_dim] at their slots, in the cache's dtype."""
-    heads, _, _, dim = k_cache.shape
-    k_cache.view(heads, -1, dim).index_copy_(1, slots, k.transpose(0, 1).to(k_cache.dtype))
-    v_cache.view(heads, -1, dim).index_copy_(1, slots, v.transpose(0, 1).to(v_cache.dtype))
+    """Store new keys/values [num_tokens, num_kv_heads, head_dim] at their slots, in the cache's dtype (int8:
+    quantized, ``quantize_rows``)."""
+    heads, _, _, width = k_cache.shape
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        rows = quantize_rows(x) if cache.dtype == torch.int8 else x.to(cache.dtype)
+        cache.view(heads, -1, width).index_copy_(1, slots, rows.transpose(0, 1))
 
 
 def paged_attention(
@@ -110,7 +131,7 @@ def paged_attention(
     (kernels/prefill_attention.cpp; the policy's ``prefill_attention`` route, a bf16 model on AVX-512 BF16).
     """
     use_kernel = (kernels is not None and q.device.type == "cpu" and q.dtype == torch.float32
-                  and k_cache.dtype in (torch.float32, torch.bfloat16) and softcap is None)
+                  and k_cache.dtype in (torch.float32, torch.bfloat16, torch.int8) and softcap is None)
     if use_kernel and meta.decode_rows is not None and meta.decode_rows.numel() == q.shape[0]:
         # decode rows only (they are then rows 0..n-1 in order): no gather of the queries, no scatter of the result
         return kernels.decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
@@ -129,7 +150,7 @@ def paged_attention(
             continue  # done in the decode batch
         rows = slice(span.query_start, span.query_start + span.num_query_tokens)
         if (use_kernel and prefill_kernel and not batch_invariant and span.mask is None
-                and k_cache.dtype == torch.bfloat16 and q.shape[2] in PREFILL_KERNEL_HEAD_SIZES):
+                and k_cache.dtype in (torch.bfloat16, torch.int8) and q.shape[2] in PREFILL_KERNEL_HEAD_SIZES):
             out[rows] = kernels.prefill_attention(q[rows], k_cache, v_cache, span.block_table, span.context_len, scale,
                                                   window or 0)
         elif batch_invariant or softcap is not None:
@@ -170,8 +191,8 @@ def _sequence_attention(q, k_cache, v_cache, span: SeqSpan, scale: float, window
     num_kv_heads = k_cache.shape[0]
     group = num_heads // num_kv_heads
     ctx = span.context_len
-    k = _gather(k_cache, span.block_table, ctx).to(q.dtype).transpose(1, 2)  # [kvh, d, ctx]
-    v = _gather(v_cache, span.block_table, ctx).to(q.dtype)  # [kvh, ctx, d]
+    k = widen(_gather(k_cache, span.block_table, ctx), q.dtype).transpose(1, 2)  # [kvh, d, ctx]
+    v = widen(_gather(v_cache, span.block_table, ctx), q.dtype)  # [kvh, ctx, d]
     qh = q.view(num_q, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * num_q, head_dim)
     scores = _capped(torch.bmm(qh, k).view(num_kv_heads, group, num_q, ctx) * scale, softcap)
     visible = _visibility(span, q.device, window)  # [num_q, ctx]
@@ -203,7 +224,9 @@ def _sequence_attention_fused(q, k_cache, v_cache, span: SeqSpan, scale: float,
         keys:  k0 .. k344 | 0 .. 0        (KEY_PAD: 352 keys; the zeros' scores get -inf, their weights 0)
     """
     ctx, dt = span.context_len, k_cache.dtype
-    if compute_dtype is not None and compute_dtype != dt:
+    if dt == torch.int8:  # its K/V widened to the model's dtype (the copy the prefill kernel does not make)
+        dt = compute_dtype or q.dtype
+    elif compute_dtype is not None and compute_dtype != dt:
         dt = q.dtype
     padded = -(-ctx // KEY_PAD) * KEY_PAD
     window = window if window is not None and ctx > window else None  # a window wider than the context hides nothing
@@ -213,8 +236,8 @@ def _sequence_attention_fused(q, k_cache, v_cache, span: SeqSpan, scale: float,
         bias[:, :ctx].masked_fill_(_visibility(span, q.device, window), 0.0)
         span.biases[window, dt] = bias
     pad = (0, 0, 0, padded - ctx)  # zeros rather than the cache's slots past the context
-    k = F.pad(_gather(k_cache, span.block_table, ctx).to(dt), pad).unsqueeze(0)  # [1, kvh, padded, d]
-    v = F.pad(_gather(v_cache, span.block_table, ctx).to(dt), pad).unsqueeze(0)
+    k = F.pad(widen(_gather(k_cache, span.block_table, ctx), dt), pad).unsqueeze(0)  # [1, kvh, padded, d]
+    v = F.pad(widen(_gather(v_cache, span.block_table, ctx), dt), pad).unsqueeze(0)
     o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0).to(dt), k, v, attn_mask=bias,
                                        scale=scale, enable_gqa=True)  # [1, heads, num_q, d]
     return o[0].transpose(0, 1).to(q.dtype)
@@ -257,8 +280,9 @@ def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float
     group = num_heads // num_kv_heads
     length = meta.decode_max_context
     tables = meta.decode_block_tables
-    k = _gather_blocks(k_cache, tables.flatten()).view(num_kv_heads, num_seqs, -1, head_dim)[:, :, :length].to(q.dtype)
-    v = _gather_blocks(v_cache, tables.flatten()).view(num_kv_heads, num_seqs, -1, head_dim)[:, :, :length].to(q.dtype)
+    width = k_cache.shape[-1]  # head_dim, or an int8 cache's rows with their scales
+    k = widen(_gather_blocks(k_cache, tables.flatten()).view(num_kv_heads, num_seqs, -1, width)[:, :, :length], q.dtype)
+    v = widen(_gather_blocks(v_cache, tables.flatten()).view(num_kv_heads, num_seqs, -1, width)[:, :, :length], q.dtype)
     qh = q.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1)  # [kvh, B, group, d]
     scores = _capped(torch.matmul(qh, k.transpose(2, 3)) * scale, softcap)  # [kvh, B, group, L]
     slots = torch.arange(length, device=q.device).unsqueeze(0)

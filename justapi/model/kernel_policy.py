@@ -135,7 +135,16 @@ def kv_cache_dtype(kv_flag: str, dtype: torch.dtype, keep_packed: bool) -> torch
     """The KV cache's dtype for ``--kv-cache-dtype`` (see config.KV_CACHE_DTYPES)."""
     if kv_flag == "auto":
         return torch.bfloat16 if dtype == torch.bfloat16 or keep_packed else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[kv_flag]
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}[kv_flag]
+
+
+INT8_SCALE_BYTES = 4  # an int8 cache row: head_dim values, then their fp32 scale's bytes
+
+
+def kv_row_width(head_dim: int, int8: bool) -> int:
+    """Elements of one token's row of one head in the KV cache: an int8 row carries its scale
+    (model.attention.quantize_rows)."""
+    return head_dim + INT8_SCALE_BYTES if int8 else head_dim
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from ..sampling_params import SamplingParams
 from . import hugepages
 from .batch import FlatBatch
 from .encoder import EncoderModel
+from .kernel_policy import kv_row_width
 from .llama import LlamaModel
 from .sampler import SampleRow, sample
 from .state_cache import StateCache, layer_caches
@@ -40,8 +41,12 @@ class _RequestState:
 def kv_bytes_per_block(model: LlamaModel | EncoderModel, block_size: int) -> int:
     """Bytes of K and V that one block takes across all layers (in the model's KV dtype); 0 for an encoder,
     which keeps none (its blocks only count tokens)."""
-    cfg = model.config
-    return 2 * model.kv_layers * block_size * cfg.num_kv_heads * cfg.head_dim * model.kv_dtype.itemsize
+    return 2 * model.kv_layers * block_size * model.config.num_kv_heads * kv_row(model) * model.kv_dtype.itemsize
+
+
+def kv_row(model: LlamaModel | EncoderModel) -> int:
+    """Elements of one token's K (or V) row of one head in this model's cache (an int8 row: with its scale)."""
+    return kv_row_width(model.config.head_dim, model.kv_dtype == torch.int8)
 
 
 def new_kv_caches(model: LlamaModel | EncoderModel, num_blocks: int, block_size: int, device: str):
@@ -50,7 +55,7 @@ def new_kv_caches(model: LlamaModel | EncoderModel, num_blocks: int, block_size:
     cfg = model.config
     if not model.kv_layers:
         return []
-    shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
+    shape = (cfg.num_kv_heads, num_blocks, block_size, kv_row(model))
     # zero-filled: padded decode rows read unused slots, and 0 * garbage could be NaN
     if device == "cpu":  # untouched anonymous memory: zero without writing it (hugepages.untouched_zeros)
         flat = hugepages.zeros([shape] * (2 * model.kv_layers), model.kv_dtype, huge=model.huge_pages)
@@ -154,8 +159,7 @@ class ModelRunner:
 
     def block_shape(self) -> tuple[int, ...]:
         """One block's K/V of every layer and every KV head of the model, as the disk tier keeps it."""
-        cfg = self.model.config
-        return (self.model.kv_layers, 2, cfg.num_kv_heads, self.block_size, cfg.head_dim)
+        return (self.model.kv_layers, 2, self.model.config.num_kv_heads, self.block_size, kv_row(self.model))
 
     def load_blocks(self, runs: list[tuple[list[int], memoryview | bytearray]]) -> None:
         """Fill blocks from the disk tier's runs (block ids, their ``block_shape()`` payloads one after another)."""
