@@ -14,7 +14,7 @@ from ..model_config import ModelConfig
 from ..core.outputs import RunnerOutput, SchedulerOutput
 from ..kernels import decode_kernels
 from ..model.gguf_loader import ModelLoadError, load_tensors, open_gguf, read_model_config
-from ..model.kernel_policy import KernelPolicy, kv_cache_dtype, resolve_dtype
+from ..model.kernel_policy import INT8_GROUP, KernelPolicy, kv_cache_dtype, resolve_dtype
 from ..model.encoder import EncoderModel
 from ..model.llama import LlamaModel, shard_selection
 from ..model.runner import ModelRunner, kv_bytes_per_block
@@ -55,6 +55,9 @@ class Rank:
             for line in policy.describe():
                 log.info(line)
         tensors = load_tensors(reader, path, dtype, config.show_progress and self.lead, keep_packed, select)
+        if config.kv_cache_dtype == "int8" and model_config.head_dim % INT8_GROUP:
+            raise ModelLoadError(f"--kv-cache-dtype int8 keeps a scale per {INT8_GROUP} values of a head: this "
+                                 f"model's head size is {model_config.head_dim}; use bfloat16")
         model_class = EncoderModel if model_config.is_encoder else LlamaModel
         return model_class(model_config, tensors, config.device, config.batch_invariant, plan, comm,
                           kv_dtype=kv_cache_dtype(config.kv_cache_dtype, dtype, keep_packed), policy=policy,

@@ -92,25 +92,30 @@ inline void rotate_head(const T* x, const float* c, const float* s, O* y, int64_
   }
 }
 
-// An int8 cache row (model/attention.py's quantize_rows, bit for bit): the values divided by their scale,
-// max |x| / 127, and rounded half to even, then the scale's 4 bytes
+// An int8 cache row (model/attention.py's quantize_rows, bit for bit): each group of 32 values divided by its
+// scale, max |x| / 127 over the group, and rounded half to even; then the groups' scales (fp32)
+constexpr int64_t kInt8Group = 32;
 inline void quantize_row(const float* x, int64_t dim, int8_t* out) {
-  float amax = 0.f;
-  for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(x[d]));
-  const float scale = amax / 127.f;
-  for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<int8_t>(scale > 0.f ? std::nearbyint(x[d] / scale) : 0.f);
-  std::memcpy(out + dim, &scale, sizeof(float));
+  for (int64_t g = 0; g < dim / kInt8Group; ++g) {
+    const float* xg = x + g * kInt8Group;
+    float amax = 0.f;
+    for (int64_t d = 0; d < kInt8Group; ++d) amax = std::max(amax, std::fabs(xg[d]));
+    const float scale = amax / 127.f;
+    for (int64_t d = 0; d < kInt8Group; ++d)
+      out[g * kInt8Group + d] = static_cast<int8_t>(scale > 0.f ? std::nearbyint(xg[d] / scale) : 0.f);
+    std::memcpy(out + dim + g * 4, &scale, sizeof(float));
+  }
 }
 
-// cos/sin: [rows, dim/2] fp32; an int8 cache's rows are dim + 4 wide, each K and V row rotated or widened to fp32
-// first and then quantized
+// cos/sin: [rows, dim/2] fp32; an int8 cache's rows are dim + dim / 8 wide, each K and V row rotated or widened to
+// fp32 first and then quantized
 template <bool Neox, typename T, typename C>
 void rope_write_rows(const T* qkv, int64_t row_stride, const float* cos, const float* sin, int64_t rows,
                      int64_t num_heads, int64_t num_kv_heads, int64_t dim, C* k_cache, C* v_cache,
                      int64_t cache_head_stride, const int64_t* slots, float* q_out) {
   const int64_t half = dim / 2;
   constexpr bool int8 = std::is_same_v<C, int8_t>;
-  const int64_t width = int8 ? dim + 4 : dim;
+  const int64_t width = int8 ? dim + dim / kInt8Group * 4 : dim;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row_f32(int8 ? dim : 0);
     for (int64_t r = begin; r < end; ++r) {
@@ -373,7 +378,7 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, c10::opti
 }
 
 // qkv [rows, (num_heads + 2 * num_kv_heads) * dim] (rows may be strided), cos/sin [rows, dim/2] fp32, caches
-// [num_kv_heads, num_blocks, block_size, dim] fp32 or bf16 (int8: dim + 4), slots [rows] int64; returns rotated Q
+// [num_kv_heads, num_blocks, block_size, dim] fp32 or bf16 (int8: dim + dim / 8), slots [rows] int64; returns rotated Q
 // [rows, heads, dim]
 torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, bool neox, int64_t num_heads,
                             int64_t num_kv_heads, int64_t dim, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -387,9 +392,9 @@ torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
   TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32, "rope_write_kv: fp32 tables");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
                   k_cache.scalar_type() == v_cache.scalar_type() && k_cache.size(0) == num_kv_heads &&
-                  k_cache.size(3) == (k_cache.scalar_type() == torch::kChar ? dim + 4 : dim),
-              "rope_write_kv: contiguous K/V caches [kv_heads, blocks, block_size, dim (+ 4 for int8)] of one dtype "
-              "expected");
+                  k_cache.size(3) == (k_cache.scalar_type() == torch::kChar ? dim + dim / kInt8Group * 4 : dim),
+              "rope_write_kv: contiguous K/V caches [kv_heads, blocks, block_size, dim (int8: + dim / 8)] of one "
+              "dtype expected");
   TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 || k_cache.scalar_type() == torch::kBFloat16 ||
                   k_cache.scalar_type() == torch::kChar,
               "rope_write_kv: fp32, bf16 or int8 cache");

@@ -3,8 +3,8 @@
 //
 // Cache layout (see justapi/model/attention.py): [num_kv_heads, num_blocks, block_size, head_dim], fp32 or bf16
 // (a bf16 value is the top half of an fp32: widened as it is read; all arithmetic is fp32), or int8 rows of
-// head_dim + 4 bytes: the row's values rounded to multiples of its scale, then the scale (fp32). An int8 key's
-// products are summed as integers times fp32 queries and the sum scaled once; a value's scale goes into its weight.
+// head_dim + head_dim / 8 bytes: the values, each group of 32 rounded to multiples of its own scale, then the groups'
+// scales (fp32). Each group of 32 int8 values is widened and scaled as it is loaded.
 // Work item = (sequence, kv head): its `group` query heads share every key/value row it reads.
 //   pass 1: s[h][t] = scale * q[h] . k[t]        for t < context_len
 //   pass 2: p = softmax(s[h])                     (max-subtracted, fp32)
@@ -48,14 +48,15 @@ inline void hide_before_window(float* scores, int64_t group, int64_t ctx, int64_
     std::fill(scores + g * ctx, scores + g * ctx + skip, -std::numeric_limits<float>::infinity());
 }
 
-// an int8 cache row: head_dim values, then their scale's 4 bytes (model/attention.py's quantize_rows)
+// an int8 cache row: head_dim values, then one fp32 scale per group of 32 (model/attention.py's quantize_rows)
+constexpr int64_t kGroup = 32;
 template <typename T>
 constexpr bool kInt8 = std::is_same_v<T, int8_t>;
 template <typename T>
-constexpr int64_t row_width(int64_t head_dim) { return kInt8<T> ? head_dim + 4 : head_dim; }
-inline float row_scale(const int8_t* row, int64_t head_dim) {
+constexpr int64_t row_width(int64_t head_dim) { return kInt8<T> ? head_dim + head_dim / kGroup * 4 : head_dim; }
+inline float group_scale(const int8_t* row, int64_t head_dim, int64_t group) {
   float s;
-  std::memcpy(&s, row + head_dim, sizeof(float));
+  std::memcpy(&s, row + head_dim + group * 4, sizeof(float));
   return s;
 }
 
@@ -71,8 +72,7 @@ inline const float* row_f32(const uint16_t* src, float* buf, int64_t n) {
   return buf;
 }
 inline const float* row_f32(const int8_t* src, float* buf, int64_t n) {
-  const float scale = row_scale(src, n);
-  for (int64_t d = 0; d < n; ++d) buf[d] = static_cast<float>(src[d]) * scale;
+  for (int64_t d = 0; d < n; ++d) buf[d] = static_cast<float>(src[d]) * group_scale(src, n, d / kGroup);
   return buf;
 }
 
@@ -162,6 +162,16 @@ inline void load32(const int8_t* p, __m512& a, __m512& b) {
   a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(x)));
   b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(x, 1)));
 }
+// the 32 values of a row from column `c` (a multiple of 32: one int8 group, scaled)
+template <typename T>
+inline void load_row32(const T* row, int64_t c, int64_t D, __m512& a, __m512& b) {
+  load32(row + c, a, b);
+  if constexpr (kInt8<T>) {
+    const __m512 s = _mm512_set1_ps(group_scale(row, D, c / kGroup));
+    a = _mm512_mul_ps(a, s);
+    b = _mm512_mul_ps(b, s);
+  }
+}
 // (a, b) <- the lanes `first` and `second` pick out of the 32 lanes of a (0-15) and b (16-31)
 inline void permute_pair(__m512& a, __m512& b, __m512i first, __m512i second) {
   const __m512 x = _mm512_permutex2var_ps(a, first, b), y = _mm512_permutex2var_ps(a, second, b);
@@ -233,13 +243,11 @@ inline void weigh_values(const T* vb, int64_t n, const float* p, int64_t p_strid
   for (int h = 0; h < H; ++h)
     for (int i = 0; i < V; ++i) acc[h][i] = _mm512_loadu_ps(acc_rows + h * D + 16 * i);
   for (int64_t j = 0; j < n; ++j) {
-    float row_weight = 1.f;  // an int8 row's scale, taken into its weights
-    if constexpr (kInt8<T>) row_weight = row_scale(vb + j * W, D);
     __m512 w[H];
-    for (int h = 0; h < H; ++h) w[h] = _mm512_set1_ps(p[h * p_stride + j] * row_weight);
+    for (int h = 0; h < H; ++h) w[h] = _mm512_set1_ps(p[h * p_stride + j]);
     for (int i = 0; i < V; i += 2) {
       __m512 va, vb2;
-      load32(vb + j * W + 16 * i, va, vb2);
+      load_row32(vb + j * W, 16 * i, D, va, vb2);
       for (int h = 0; h < H; ++h) {
         acc[h][i] = _mm512_fmadd_ps(w[h], va, acc[h][i]);
         acc[h][i + 1] = _mm512_fmadd_ps(w[h], vb2, acc[h][i + 1]);
@@ -285,16 +293,14 @@ void attend_avx512(const float* qh, const T* kp, const T* vp, const int64_t* tab
       for (int64_t j0 = 0; j0 < n; j0 += 16) {  // 16 rows' dot products, reduced together
         const int64_t m = std::min<int64_t>(16, n - j0);
         __m512 s[16];
-        alignas(64) float key_scales[16] = {};
         for (int64_t j = 0; j < 16; ++j) {
           if (j < m) {
             const T* kr = kb + (j0 + j) * W;
-            if constexpr (kInt8<T>) key_scales[j] = row_scale(kr, D);
             __m512 ka, kb2;
-            load32(kr, ka, kb2);
+            load_row32(kr, 0, D, ka, kb2);
             s[j] = _mm512_fmadd_ps(q[1], kb2, _mm512_mul_ps(q[0], ka));
             for (int i = 2; i < V; i += 2) {
-              load32(kr + 16 * i, ka, kb2);
+              load_row32(kr, 16 * i, D, ka, kb2);
               s[j] = _mm512_fmadd_ps(q[i], ka, s[j]);
               s[j] = _mm512_fmadd_ps(q[i + 1], kb2, s[j]);
             }
@@ -302,9 +308,7 @@ void attend_avx512(const float* qh, const T* kp, const T* vp, const int64_t* tab
             s[j] = _mm512_setzero_ps();
           }
         }
-        __m512 dots = hsum16(s);
-        if constexpr (kInt8<T>) dots = _mm512_mul_ps(dots, _mm512_load_ps(key_scales));
-        _mm512_mask_storeu_ps(sg + j0, static_cast<__mmask16>((1u << m) - 1), dots);
+        _mm512_mask_storeu_ps(sg + j0, static_cast<__mmask16>((1u << m) - 1), hsum16(s));
       }
     }
   }
@@ -371,6 +375,16 @@ inline void load16(const int8_t* p, __m256& a, __m256& b) {
   const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x));
   b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(x, 8)));
+}
+// the 16 values of a row from column `c` (an int8 group's half, scaled)
+template <typename T>
+inline void load_row16(const T* row, int64_t c, int64_t D, __m256& a, __m256& b) {
+  load16(row + c, a, b);
+  if constexpr (kInt8<T>) {
+    const __m256 s = _mm256_set1_ps(group_scale(row, D, c / kGroup));
+    a = _mm256_mul_ps(a, s);
+    b = _mm256_mul_ps(b, s);
+  }
 }
 // 16 lanes in order <-> load16's order of a bf16 cache (the same exchange of 128-bit halves both ways)
 template <typename T>
@@ -459,17 +473,12 @@ void attend_avx2(const float* qh, const T* kp, const T* vp, const int64_t* table
           const __m256 qa = _mm256_loadu_ps(qg + 8 * i), qb = _mm256_loadu_ps(qg + 8 * i + 8);
           for (int j = 0; j < 8; ++j) {
             __m256 k_lo, k_hi;
-            load16(kr[j] + 8 * i, k_lo, k_hi);
+            load_row16(kr[j], 8 * i, D, k_lo, k_hi);
             s[j] = i == 0 ? _mm256_mul_ps(qa, k_lo) : _mm256_fmadd_ps(qa, k_lo, s[j]);
             s[j] = _mm256_fmadd_ps(qb, k_hi, s[j]);
           }
         }
-        __m256 r = hsum8(s);
-        if constexpr (kInt8<T>) {
-          alignas(32) float key_scales[8];
-          for (int j = 0; j < 8; ++j) key_scales[j] = row_scale(kr[j], D);
-          r = _mm256_mul_ps(r, _mm256_load_ps(key_scales));
-        }
+        const __m256 r = hsum8(s);
         if (m == 8) _mm256_storeu_ps(sg + j0, r);
         else _mm256_maskstore_ps(sg + j0, first_lanes(m), r);
       }
@@ -490,12 +499,10 @@ void attend_avx2(const float* qh, const T* kp, const T* vp, const int64_t* table
         __m256 acc[8];
         for (int i = 0; i < 8; ++i) acc[i] = _mm256_loadu_ps(ag + 8 * i);
         for (int64_t j = 0; j < n; ++j) {
-          float weight = sg[j];
-          if constexpr (kInt8<T>) weight *= row_scale(vb + j * W, D);
-          const __m256 p = _mm256_set1_ps(weight);
+          const __m256 p = _mm256_set1_ps(sg[j]);
           for (int i = 0; i < 8; i += 2) {
             __m256 v_lo, v_hi;
-            load16(vb + j * W + c + 8 * i, v_lo, v_hi);
+            load_row16(vb + j * W, c + 8 * i, D, v_lo, v_hi);
             acc[i] = _mm256_fmadd_ps(p, v_lo, acc[i]);
             acc[i + 1] = _mm256_fmadd_ps(p, v_hi, acc[i + 1]);
           }

@@ -1,5 +1,5 @@
 // Prefill attention on AVX-512 BF16 (AMD Zen 4, Intel Cooper Lake and later; an AVX2 build in fp32 below, for Zen
-// 2/3): one sequence's new tokens (a prompt chunk) over its bf16 or int8 cache (each int8 row's values times its
+// 2/3): one sequence's new tokens (a prompt chunk) over its bf16 or int8 cache (int8 values times their group's
 // scale as a tile is packed: no widened copy of the cache), read through the block table, causal, with an optional
 // sliding window. torch's CPU flash kernel, which served these chunks, ran at 16-90 GFLOP/s on a Zen 4
 // counted over the keys each query sees (`benchmarks/kernels_bench.py prefill`; the packed products reach ~310),
@@ -47,11 +47,13 @@
 namespace {
 
 #ifdef JUSTAPI_PREFILL_ATTENTION
-// an int8 cache row's scale: the 4 bytes after its `dim` values (model/attention.py's quantize_rows)
-inline float int8_scale(const int8_t* row, int64_t dim) {
+// an int8 cache row: `dim` values, then one fp32 scale per group of 32 (model/attention.py's quantize_rows)
+constexpr int64_t kInt8Group = 32;
+inline int64_t int8_row_width(int64_t dim) { return dim + dim / kInt8Group * 4; }
+inline float int8_value(const int8_t* row, int64_t dim, int64_t d) {
   float s;
-  std::memcpy(&s, row + dim, sizeof(float));
-  return s;
+  std::memcpy(&s, row + dim + d / kInt8Group * 4, sizeof(float));
+  return row[d] * s;
 }
 
 struct Shape {
@@ -101,7 +103,7 @@ void pack_tiles(const uint16_t* k_head, const uint16_t* v_head, const int64_t* t
   }
 }
 
-// An int8 cache's tiles: each row's values times its scale, rounded to bf16 as packed (rows dim + 4 wide)
+// An int8 cache's tiles: each value times its group's scale, rounded to bf16 as packed
 void pack_tiles(const int8_t* k_head, const int8_t* v_head, const int64_t* table, int64_t block_stride,
                 int64_t block_size, int64_t ctx, int64_t dim, int64_t tile, uint32_t* kp, uint32_t* vp) {
   std::memset(kp, 0, (dim / 2) * kKeys * sizeof(uint32_t));
@@ -110,12 +112,11 @@ void pack_tiles(const int8_t* k_head, const int8_t* v_head, const int64_t* table
   for (int64_t j = 0; j < kKeys; ++j) {
     const int64_t key = tile * kKeys + j;
     if (key >= ctx) break;
-    const int64_t offset = table[key / block_size] * block_stride + (key % block_size) * (dim + 4);
-    const float ks = int8_scale(k_head + offset, dim), vs = int8_scale(v_head + offset, dim);
+    const int64_t offset = table[key / block_size] * block_stride + (key % block_size) * int8_row_width(dim);
     uint16_t* vpair = reinterpret_cast<uint16_t*>(vp + (j / 2) * dim);
     for (int64_t d = 0; d < dim; ++d) {
-      kpair[((d / 2) * kKeys + j) * 2 + (d & 1)] = c10::BFloat16(k_head[offset + d] * ks).x;
-      vpair[2 * d + (j & 1)] = c10::BFloat16(v_head[offset + d] * vs).x;
+      kpair[((d / 2) * kKeys + j) * 2 + (d & 1)] = c10::BFloat16(int8_value(k_head + offset, dim, d)).x;
+      vpair[2 * d + (j & 1)] = c10::BFloat16(int8_value(v_head + offset, dim, d)).x;
     }
   }
 }
@@ -320,7 +321,7 @@ void pack_tiles(const uint16_t* k_head, const uint16_t* v_head, const int64_t* t
   }
 }
 
-// An int8 cache's tiles: each row's values times its scale (rows dim + 4 wide)
+// An int8 cache's tiles: each value times its group's scale
 void pack_tiles(const int8_t* k_head, const int8_t* v_head, const int64_t* table, int64_t block_stride,
                 int64_t block_size, int64_t ctx, int64_t dim, int64_t tile, float* kp, float* vp) {
   std::memset(kp, 0, dim * kKeys * sizeof(float));
@@ -328,11 +329,10 @@ void pack_tiles(const int8_t* k_head, const int8_t* v_head, const int64_t* table
   for (int64_t j = 0; j < kKeys; ++j) {
     const int64_t key = tile * kKeys + j;
     if (key >= ctx) break;
-    const int64_t offset = table[key / block_size] * block_stride + (key % block_size) * (dim + 4);
-    const float ks = int8_scale(k_head + offset, dim), vs = int8_scale(v_head + offset, dim);
+    const int64_t offset = table[key / block_size] * block_stride + (key % block_size) * int8_row_width(dim);
     for (int64_t d = 0; d < dim; ++d) {
-      kp[d * kKeys + j] = k_head[offset + d] * ks;
-      vp[j * dim + d] = v_head[offset + d] * vs;
+      kp[d * kKeys + j] = int8_value(k_head + offset, dim, d);
+      vp[j * dim + d] = int8_value(v_head + offset, dim, d);
     }
   }
 }
@@ -548,7 +548,7 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::T
   block_table = block_table.contiguous();
   const int64_t num_new = q.size(0), num_heads = q.size(1), dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
-  const int64_t width = int8 ? dim + 4 : dim;  // an int8 row: its values, then its scale
+  const int64_t width = int8 ? int8_row_width(dim) : dim;  // an int8 row: its values, then its groups' scales
   TORCH_CHECK(k_cache.size(3) == width && v_cache.sizes() == k_cache.sizes() && num_heads % num_kv_heads == 0,
               "prefill_attention: shape mismatch");
   TORCH_CHECK(dim == 64 || dim == 128 || dim == 256, "prefill_attention: head size 64, 128 or 256 expected");

