@@ -61,9 +61,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # The KV cache's element type. "auto": bfloat16 where the model computes in bfloat16 or runs --dtype auto's
 # quantized route (also where that route computes in fp32, on a CPU without a bf16 matmul), float32 otherwise (the
 # exact --dtype float32 path). Decode attention computes in fp32; a bf16 cache halves the bytes each decode step
-# reads and doubles the tokens a pool of the same memory holds. "int8": each token's row of each head rounded to
-# multiples of its own scale (max |x| / 127), the scale kept beside it (model.attention.quantize_rows): 53% of bf16's
-# bytes for head size 64, read by the attention kernels as they are.
+# reads and doubles the tokens a pool of the same memory holds. "int8": each token's row of each head in groups of
+# 32 rounded to multiples of their own scale (max |x| / 127), the scales kept at the row's end
+# (model.attention.quantize_rows): 56% of bf16's bytes for head size 64, read by the attention kernels as they are.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8")
 DISK_READ_POLICIES = ("auto", "always")  # --prefix-cache-dir-reads (core.kv_store.KvStore.worth_reading)
 
@@ -106,8 +106,8 @@ class EngineConfig(WorkerChecks):
     dtype: str = flag("auto", "auto: 4-bit GGUF weights stay 4-bit (bf16 activations; fp32 where the CPU has no bf16 "
                       "matmul), F32 files run in fp32; float32: every weight dequantized, exact", choices=DTYPES)
     kv_cache_dtype: str = flag("auto", "KV cache element type; auto: bf16 on a quantized model or a bf16 one, "
-                               "else fp32; int8: 8-bit values with a scale per token and head (about half of bf16's "
-                               "memory)", choices=KV_CACHE_DTYPES)
+                               "else fp32; int8: 8-bit values, a scale per 32 of a token's head (56% of bf16's "
+                               "memory at head size 64)", choices=KV_CACHE_DTYPES)
     block_size: int = flag(DEFAULT_BLOCK_SIZE, "tokens per KV block")
     pool_blocks: int | None = flag(None, "KV pool size in blocks (default: a quarter of available memory)")
     max_seqs: int = flag(DEFAULT_MAX_SEQS, "concurrent sequences")

@@ -242,3 +242,26 @@ def test_a_full_disk_is_survived(tiny_model, full_disk, tmp_path):
     finally:
         assert srv.stop() == 0
     assert "is full" in srv.read_log()
+
+
+def test_data_parallel_replicas_share_the_directory(tiny_model, tmp_path):
+    """Round robin sends a prompt's second request to the other replica, whose memory never saw it: it reads the
+    blocks the first replica wrote. /metrics sums the replicas' disk tiers."""
+    from server_helpers import undocumented_metrics
+
+    disk = str(tmp_path / "kv")
+    srv = ServerProcess(["--model", tiny_model, "--pool-blocks", "128", "--block-size", "4", "--data-parallel", "2",
+                         "--threads", "1", "--router", "round-robin", "--prefix-cache-dir", disk,
+                         "--prefix-cache-dir-reads", "always"], str(tmp_path / "dp.log"))
+    try:
+        shared = [random.Random(9).randrange(3, 250) for _ in range(80)]
+        _answer(srv.url, shared + [5])
+        files = lambda: sum(f.endswith(".kv") for _, _, names in os.walk(disk) for f in names)  # noqa: E731
+        wait_until(lambda: files() >= 20, 30, "the first replica's blocks on disk")
+        _answer(srv.url, shared + [6])
+        text = wait_until(lambda: (t := httpx.get(srv.url + "/metrics").text) and labelled(
+            t, "justapi_prefix_cache_hits_by_tier", tier="disk") >= 20 and t, 30, "the second replica's disk hits")
+        assert metric(text, "justapi_prefix_cache_disk_written_blocks_total") >= 20
+        assert undocumented_metrics(text) == set()
+    finally:
+        assert srv.stop() == 0

@@ -88,6 +88,21 @@ class KvStoreStats:
         return dataclasses.replace(self, rejected=dict(self.rejected))
 
 
+def merged(stats: list[KvStoreStats]) -> KvStoreStats:
+    """Several processes' counters as one (replicas sharing a directory: its size is each one's count of it)."""
+    total = KvStoreStats()
+    for s in stats:
+        for f in dataclasses.fields(KvStoreStats):
+            if f.name == "rejected":
+                for why, n in s.rejected.items():
+                    total.rejected[why] = total.rejected.get(why, 0) + n
+            elif f.name in ("disk_bytes", "max_bytes"):
+                setattr(total, f.name, max(getattr(total, f.name), getattr(s, f.name)))
+            else:
+                setattr(total, f.name, getattr(total, f.name) + getattr(s, f.name))
+    return total
+
+
 class KvStore:
     """One process's view of a disk-tier directory for one model: ``has``/``read`` on the engine thread, ``write``
     queued to the writer thread."""

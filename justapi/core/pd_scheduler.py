@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .admission import StepCosts
+from .kv_store import KvStoreStats
 from .router import PrefixRouter
 
 
@@ -43,6 +44,8 @@ class WorkerInfo:
     prefill_backlog: int = 0  # prompt tokens still to compute, reported plus routed here since the report
     num_decoding: int = 0
     routed: int = 0  # requests sent here (retries included)
+    disk_hits: int = 0  # of cache_hits, found in the prefix cache's disk tier
+    disk: KvStoreStats | None = None  # its disk tier's counters, as last reported
 
     @property
     def load(self) -> int:
@@ -54,6 +57,7 @@ class WorkerInfo:
         self.busy_fraction = load.busy_fraction
         self.cache_hits, self.cache_misses, self.cached_blocks = load.cache_hits, load.cache_misses, load.cached_blocks
         self.costs, self.prefill_backlog, self.num_decoding = load.costs, load.prefill_backlog, load.num_decoding
+        self.disk_hits, self.disk = load.disk_hits, load.disk
 
 
 @dataclass

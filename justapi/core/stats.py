@@ -180,6 +180,8 @@ class WorkerSnapshot:
     routed: int = 0
     free_blocks: int = 0  # free or evictable (prefix-cached), as last reported
     num_blocks: int = 0
+    disk_hits: int = 0  # of cache_hits, found in the prefix cache's disk tier
+    disk: KvStoreStats | None = None
 
 
 @dataclass(frozen=True)
@@ -195,7 +197,7 @@ class PdSnapshot:
     def of(cls, pd: PdScheduler) -> PdSnapshot:
         workers = tuple(WorkerSnapshot(w.rank, w.role, w.alive, w.running, w.waiting, w.busy_fraction, w.cache_hits,
                                        w.cache_misses, w.cached_blocks, w.load, w.costs, w.prefill_backlog,
-                                       w.num_decoding, w.routed, w.free_blocks, w.num_blocks)
+                                       w.num_decoding, w.routed, w.free_blocks, w.num_blocks, w.disk_hits, w.disk)
                         for w in pd.workers.values())
         return cls(workers, dataclasses.replace(pd.stats), pd.entry_role)
 

@@ -314,7 +314,8 @@ class EngineCore(ModelFront):
             cache_misses=cache.misses if cache is not None else 0, cached_blocks=sched.num_cached_blocks,
             prefill_backlog=sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
                                 for r in (*sched.waiting, *sched.running)),
-            num_decoding=sum(r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running))
+            num_decoding=sum(r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running),
+            disk_hits=sched.kv.disk_hits, disk=self.store.snapshot() if self.store is not None else None)
 
     def integrity(self) -> tuple[str | None, dict]:
         """The scheduler's integrity check (its failure, or None) and the counts a test reads once idle."""

@@ -220,7 +220,8 @@ class ServeEngine(ModelFront):
             return WorkerSnapshot(replica, "replica", alive, 0, 0, 0.0, 0, 0, 0, 0, routed=self.routed.get(replica, 0))
         return WorkerSnapshot(replica, "replica", alive, load.running, load.waiting, load.busy_fraction,
                               load.cache_hits, load.cache_misses, load.cached_blocks, 0, load.costs,
-                              load.prefill_backlog, load.num_decoding, self.routed.get(replica, 0))
+                              load.prefill_backlog, load.num_decoding, self.routed.get(replica, 0),
+                              disk_hits=load.disk_hits, disk=load.disk)
 
     def shared_prefixes(self, limit: int) -> list[tuple[tuple[int, ...], int]]:
         return []  # each worker's prefix cache is its own (the dashboard lists none)

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, replace
 
 from ..core.admission import StepCosts
+from ..core.kv_store import KvStoreStats
 from ..core.outputs import EngineCoreOutput
 from ..sampling_params import SamplingParams
 
@@ -152,6 +153,8 @@ class Load:
     costs: StepCosts | None = None
     prefill_backlog: int = 0
     num_decoding: int = 0
+    disk_hits: int = 0  # of cache_hits, blocks found in the prefix cache's disk tier
+    disk: KvStoreStats | None = None  # what the disk tier did (core.kv_store), with --prefix-cache-dir
 
 
 @dataclass(frozen=True)

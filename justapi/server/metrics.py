@@ -6,6 +6,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..core.kv_store import KvStoreStats, merged
 from ..core.stats import PdSnapshot, SchedulerSnapshot
 from ..engine.async_llm import RequestTiming
 from ..engine.output_processor import RequestOutput
@@ -82,14 +83,13 @@ def _prefix_cache_metrics(hits: int, misses: int, blocks: int, where: str):
     yield GaugeMetricFamily("prefix_cache_blocks", f"KV blocks currently held by {where}", value=blocks)
 
 
-def _disk_tier_metrics(snap: SchedulerSnapshot):
+def _disk_tier_metrics(hits: int, disk_hits: int, disk: KvStoreStats | None):
     """The prefix cache's hits by tier and, with --prefix-cache-dir, what its disk tier read, wrote and refused."""
     tiers = GaugeMetricFamily("justapi_prefix_cache_hits_by_tier", "Prompt KV blocks a first lookup found, by where "
                               "(memory: the radix tree; disk: --prefix-cache-dir)", labels=["tier"])
-    tiers.add_metric(["memory"], snap.prefix_cache_hits - snap.prefix_cache_disk_hits)
-    tiers.add_metric(["disk"], snap.prefix_cache_disk_hits)
+    tiers.add_metric(["memory"], hits - disk_hits)
+    tiers.add_metric(["disk"], disk_hits)
     yield tiers
-    disk = snap.disk_tier
     if disk is None:
         return
     for name, help, value in (
@@ -119,7 +119,7 @@ def _disk_tier_metrics(snap: SchedulerSnapshot):
 def _scheduler_metrics(snap: SchedulerSnapshot):
     yield from _prefix_cache_metrics(snap.prefix_cache_hits, snap.prefix_cache_misses, snap.prefix_cache_blocks,
                                      "the prefix cache")
-    yield from _disk_tier_metrics(snap)
+    yield from _disk_tier_metrics(snap.prefix_cache_hits, snap.prefix_cache_disk_hits, snap.disk_tier)
     yield GaugeMetricFamily("justapi_requests_running", "Requests being computed", value=snap.num_running)
     yield GaugeMetricFamily("justapi_requests_waiting", "Requests queued or preempted", value=snap.num_waiting)
     yield GaugeMetricFamily("justapi_kv_blocks_used", "KV blocks in use (requests and cache)",
@@ -167,6 +167,9 @@ def _pd_metrics(snap: PdSnapshot):
     yield from _prefix_cache_metrics(sum(w.cache_hits for w in entry), sum(w.cache_misses for w in entry),
                                      sum(w.cached_blocks for w in entry),
                                      f"the {snap.entry_role} workers' prefix caches")
+    disks = [w.disk for w in entry if w.disk is not None]
+    yield from _disk_tier_metrics(sum(w.cache_hits for w in entry), sum(w.disk_hits for w in entry),
+                                  merged(disks) if disks else None)
     st = snap.counters
     if snap.entry_role == "prefill":
         yield CounterMetricFamily("justapi_pd_kv_transfers", "Requests whose KV moved to a decode worker",
