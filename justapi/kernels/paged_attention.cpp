@@ -4,7 +4,8 @@
 // Cache layout (see justapi/model/attention.py): [num_kv_heads, num_blocks, block_size, head_dim], fp32 or bf16
 // (a bf16 value is the top half of an fp32: widened as it is read; all arithmetic is fp32), or int8 rows of
 // head_dim + head_dim / 8 bytes: the values, each group of 32 rounded to multiples of its own scale, then the groups'
-// scales (fp32). Each group of 32 int8 values is widened and scaled as it is loaded.
+// scales (fp32). An int8 block is widened and scaled into an L1 buffer once, for all of a KV head's query heads,
+// then read as an fp32 block is (widen_block).
 // Work item = (sequence, kv head): its `group` query heads share every key/value row it reads.
 //   pass 1: s[h][t] = scale * q[h] . k[t]        for t < context_len
 //   pass 2: p = softmax(s[h])                     (max-subtracted, fp32)
@@ -162,16 +163,6 @@ inline void load32(const int8_t* p, __m512& a, __m512& b) {
   a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(x)));
   b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(x, 1)));
 }
-// the 32 values of a row from column `c` (a multiple of 32: one int8 group, scaled)
-template <typename T>
-inline void load_row32(const T* row, int64_t c, int64_t D, __m512& a, __m512& b) {
-  load32(row + c, a, b);
-  if constexpr (kInt8<T>) {
-    const __m512 s = _mm512_set1_ps(group_scale(row, D, c / kGroup));
-    a = _mm512_mul_ps(a, s);
-    b = _mm512_mul_ps(b, s);
-  }
-}
 // (a, b) <- the lanes `first` and `second` pick out of the 32 lanes of a (0-15) and b (16-31)
 inline void permute_pair(__m512& a, __m512& b, __m512i first, __m512i second) {
   const __m512 x = _mm512_permutex2var_ps(a, first, b), y = _mm512_permutex2var_ps(a, second, b);
@@ -247,7 +238,7 @@ inline void weigh_values(const T* vb, int64_t n, const float* p, int64_t p_strid
     for (int h = 0; h < H; ++h) w[h] = _mm512_set1_ps(p[h * p_stride + j]);
     for (int i = 0; i < V; i += 2) {
       __m512 va, vb2;
-      load_row32(vb + j * W, 16 * i, D, va, vb2);
+      load32(vb + j * W + 16 * i, va, vb2);
       for (int h = 0; h < H; ++h) {
         acc[h][i] = _mm512_fmadd_ps(w[h], va, acc[h][i]);
         acc[h][i + 1] = _mm512_fmadd_ps(w[h], vb2, acc[h][i + 1]);
@@ -258,6 +249,77 @@ inline void weigh_values(const T* vb, int64_t n, const float* p, int64_t p_strid
     for (int i = 0; i < V; ++i) _mm512_storeu_ps(acc_rows + h * D + 16 * i, acc[h][i]);
 }
 
+// an int8 block's n rows widened and scaled into `wide` [n, D] fp32, once for all of a KV head's query heads (each
+// head read them from L1 after: converting a row per query head cost Gemma 3, four heads a KV head, 15% of decode)
+template <int V>
+inline void widen_block(const int8_t* block, int64_t n, float* wide) {
+  constexpr int64_t D = 16 * V, W = row_width<int8_t>(D);
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t c = 0; c < D; c += 32) {
+      __m512 a, b;
+      load32(block + j * W + c, a, b);
+      const __m512 s = _mm512_set1_ps(group_scale(block + j * W, D, c / kGroup));
+      _mm512_storeu_ps(wide + j * D + c, _mm512_mul_ps(a, s));
+      _mm512_storeu_ps(wide + j * D + c + 16, _mm512_mul_ps(b, s));
+    }
+}
+
+// scores[g * ctx + j] = q[g] . k[j] for a block's n key rows (R: fp32, or bf16 in load32's order), every query head
+template <typename R, int V>
+inline void block_scores(const R* kb, int64_t n, const float* qs, int64_t group, float* scores, int64_t ctx) {
+  constexpr int64_t D = 16 * V;
+  for (int64_t g = 0; g < group; ++g) {
+    __m512 q[V];
+    for (int i = 0; i < V; ++i) q[i] = _mm512_loadu_ps(qs + g * D + 16 * i);
+    float* sg = scores + g * ctx;
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {  // 16 rows' dot products, reduced together
+      const int64_t m = std::min<int64_t>(16, n - j0);
+      __m512 s[16];
+      for (int64_t j = 0; j < 16; ++j) {
+        if (j < m) {
+          const R* kr = kb + (j0 + j) * D;
+          __m512 ka, kb2;
+          load32(kr, ka, kb2);
+          s[j] = _mm512_fmadd_ps(q[1], kb2, _mm512_mul_ps(q[0], ka));
+          for (int i = 2; i < V; i += 2) {
+            load32(kr + 16 * i, ka, kb2);
+            s[j] = _mm512_fmadd_ps(q[i], ka, s[j]);
+            s[j] = _mm512_fmadd_ps(q[i + 1], kb2, s[j]);
+          }
+        } else {
+          s[j] = _mm512_setzero_ps();
+        }
+      }
+      _mm512_mask_storeu_ps(sg + j0, static_cast<__mmask16>((1u << m) - 1), hsum16(s));
+    }
+  }
+}
+
+// acc[g] += sum_j p[g][j] * v[j] over a block's n value rows, every query head (p[g] = p + g * ctx)
+template <typename R, int V>
+inline void block_values(const R* vb, int64_t n, const float* p, int64_t group, int64_t ctx, float* acc_all) {
+  constexpr int64_t D = 16 * V;
+  for (int64_t g = 0; g < group;) {  // the heads in sets whose accumulators fit 16 registers
+    const int64_t heads = std::min<int64_t>(16 / V, group - g);
+    const float* pg = p + g * ctx;
+    if constexpr (V == 4)
+      if (heads >= 3) {
+        if (heads == 4) weigh_values<R, V, 4>(vb, n, pg, ctx, acc_all + g * D);
+        else weigh_values<R, V, 3>(vb, n, pg, ctx, acc_all + g * D);
+        g += heads;
+        continue;
+      }
+    if constexpr (V <= 8)
+      if (heads == 2) {
+        weigh_values<R, V, 2>(vb, n, pg, ctx, acc_all + g * D);
+        g += heads;
+        continue;
+      }
+    weigh_values<R, V, 1>(vb, n, pg, ctx, acc_all + g * D);
+    g += 1;
+  }
+}
+
 // head_dim = 16 * V; blocks outermost so each is read from memory once, query/accumulator rows in registers
 template <typename T, int V>
 void attend_avx512(const float* qh, const T* kp, const T* vp, const int64_t* table, int64_t ctx, int64_t skip,
@@ -265,9 +327,10 @@ void attend_avx512(const float* qh, const T* kp, const T* vp, const int64_t* tab
                    int64_t num_blocks, int64_t block_size, int64_t group, float scale, float* oh,
                    std::vector<float>& scores) {
   constexpr int64_t D = 16 * V;
-  scores.resize(group * ctx + 2 * group * D);
+  scores.resize(group * ctx + 2 * group * D + (kInt8<T> ? block_size * D : 0));
   float* qs = scores.data() + group * ctx;  // the scaled queries, in load32's order
   float* acc_all = qs + group * D;
+  float* wide = acc_all + group * D;  // an int8 block widened (widen_block)
   for (int64_t i = 0; i < group * D; i += 32) {
     __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qh + i), _mm512_set1_ps(scale));
     __m512 b = _mm512_mul_ps(_mm512_loadu_ps(qh + i + 16), _mm512_set1_ps(scale));
@@ -284,32 +347,13 @@ void attend_avx512(const float* qh, const T* kp, const T* vp, const int64_t* tab
   for (int64_t ib = 0; ib < nblk; ++ib) {
     if (ib + kAhead < nblk) prefetch_block(kblock(ib + kAhead), block_bytes);
     else if (ib + kAhead - nblk < nblk) prefetch_block(vblock(ib + kAhead - nblk), block_bytes);
-    const T* kb = kblock(ib);
     const int64_t n = std::min(block_size, ctx - ib * block_size);
-    for (int64_t g = 0; g < group; ++g) {
-      __m512 q[V];
-      for (int i = 0; i < V; ++i) q[i] = _mm512_loadu_ps(qs + g * D + 16 * i);
-      float* sg = scores.data() + g * ctx + ib * block_size;
-      for (int64_t j0 = 0; j0 < n; j0 += 16) {  // 16 rows' dot products, reduced together
-        const int64_t m = std::min<int64_t>(16, n - j0);
-        __m512 s[16];
-        for (int64_t j = 0; j < 16; ++j) {
-          if (j < m) {
-            const T* kr = kb + (j0 + j) * W;
-            __m512 ka, kb2;
-            load_row32(kr, 0, D, ka, kb2);
-            s[j] = _mm512_fmadd_ps(q[1], kb2, _mm512_mul_ps(q[0], ka));
-            for (int i = 2; i < V; i += 2) {
-              load_row32(kr, 16 * i, D, ka, kb2);
-              s[j] = _mm512_fmadd_ps(q[i], ka, s[j]);
-              s[j] = _mm512_fmadd_ps(q[i + 1], kb2, s[j]);
-            }
-          } else {
-            s[j] = _mm512_setzero_ps();
-          }
-        }
-        _mm512_mask_storeu_ps(sg + j0, static_cast<__mmask16>((1u << m) - 1), hsum16(s));
-      }
+    float* sb = scores.data() + ib * block_size;
+    if constexpr (kInt8<T>) {
+      widen_block<V>(kblock(ib), n, wide);
+      block_scores<float, V>(wide, n, qs, group, sb, ctx);
+    } else {
+      block_scores<T, V>(kblock(ib), n, qs, group, sb, ctx);
     }
   }
   hide_before_window(scores.data(), group, ctx, skip);
@@ -318,26 +362,13 @@ void attend_avx512(const float* qh, const T* kp, const T* vp, const int64_t* tab
   std::fill(acc_all, acc_all + group * D, 0.f);
   for (int64_t ib = 0; ib < nblk; ++ib) {
     if (ib + kAhead < nblk) prefetch_block(vblock(ib + kAhead), block_bytes);
-    const T* vb = vblock(ib);
     const int64_t n = std::min(block_size, ctx - ib * block_size);
-    for (int64_t g = 0; g < group;) {  // the heads in sets whose accumulators fit 16 registers
-      const int64_t heads = std::min<int64_t>(16 / V, group - g);
-      const float* pg = scores.data() + g * ctx + ib * block_size;
-      if constexpr (V == 4)
-        if (heads >= 3) {
-          if (heads == 4) weigh_values<T, V, 4>(vb, n, pg, ctx, acc_all + g * D);
-          else weigh_values<T, V, 3>(vb, n, pg, ctx, acc_all + g * D);
-          g += heads;
-          continue;
-        }
-      if constexpr (V <= 8)
-        if (heads == 2) {
-          weigh_values<T, V, 2>(vb, n, pg, ctx, acc_all + g * D);
-          g += heads;
-          continue;
-        }
-      weigh_values<T, V, 1>(vb, n, pg, ctx, acc_all + g * D);
-      g += 1;
+    const float* pb = scores.data() + ib * block_size;
+    if constexpr (kInt8<T>) {
+      widen_block<V>(vblock(ib), n, wide);
+      block_values<float, V>(wide, n, pb, group, ctx, acc_all);
+    } else {
+      block_values<T, V>(vblock(ib), n, pb, group, ctx, acc_all);
     }
   }
   for (int64_t g = 0; g < group; ++g) {
@@ -375,16 +406,6 @@ inline void load16(const int8_t* p, __m256& a, __m256& b) {
   const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x));
   b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(x, 8)));
-}
-// the 16 values of a row from column `c` (an int8 group's half, scaled)
-template <typename T>
-inline void load_row16(const T* row, int64_t c, int64_t D, __m256& a, __m256& b) {
-  load16(row + c, a, b);
-  if constexpr (kInt8<T>) {
-    const __m256 s = _mm256_set1_ps(group_scale(row, D, c / kGroup));
-    a = _mm256_mul_ps(a, s);
-    b = _mm256_mul_ps(b, s);
-  }
 }
 // 16 lanes in order <-> load16's order of a bf16 cache (the same exchange of 128-bit halves both ways)
 template <typename T>
@@ -433,16 +454,81 @@ inline __m256 hsum8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
+// an int8 block's n rows widened and scaled into `wide` [n, D] fp32, once for all of a KV head's query heads
+template <int64_t D>
+inline void widen_block(const int8_t* block, int64_t n, float* wide) {
+  constexpr int64_t W = row_width<int8_t>(D);
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t c = 0; c < D; c += 16) {
+      __m256 a, b;
+      load16(block + j * W + c, a, b);
+      const __m256 s = _mm256_set1_ps(group_scale(block + j * W, D, c / kGroup));
+      _mm256_storeu_ps(wide + j * D + c, _mm256_mul_ps(a, s));
+      _mm256_storeu_ps(wide + j * D + c + 8, _mm256_mul_ps(b, s));
+    }
+}
+
+// scores[g * ctx + j] = q[g] . k[j] for a block's n key rows (R: fp32, or bf16 in load16's order), every query head
+template <typename R, int64_t D>
+inline void block_scores(const R* kb, int64_t n, const float* qs, int64_t group, float* scores, int64_t ctx) {
+  constexpr int64_t V = D / 8;
+  for (int64_t g = 0; g < group; ++g) {
+    const float* qg = qs + g * D;
+    float* sg = scores + g * ctx;
+    for (int64_t j0 = 0; j0 < n; j0 += 8) {  // 8 rows' dot products, reduced together
+      const int64_t m = std::min<int64_t>(8, n - j0);
+      const R* kr[8];  // rows past the block's end repeat its last row; their sums are not stored
+      for (int64_t j = 0; j < 8; ++j) kr[j] = kb + (j0 + std::min(j, m - 1)) * D;
+      __m256 s[8];
+      for (int64_t i = 0; i < V; i += 2) {
+        const __m256 qa = _mm256_loadu_ps(qg + 8 * i), qb = _mm256_loadu_ps(qg + 8 * i + 8);
+        for (int j = 0; j < 8; ++j) {
+          __m256 k_lo, k_hi;
+          load16(kr[j] + 8 * i, k_lo, k_hi);
+          s[j] = i == 0 ? _mm256_mul_ps(qa, k_lo) : _mm256_fmadd_ps(qa, k_lo, s[j]);
+          s[j] = _mm256_fmadd_ps(qb, k_hi, s[j]);
+        }
+      }
+      const __m256 r = hsum8(s);
+      if (m == 8) _mm256_storeu_ps(sg + j0, r);
+      else _mm256_maskstore_ps(sg + j0, first_lanes(m), r);
+    }
+  }
+}
+
+// acc[g] += sum_j p[g][j] * v[j] over a block's n value rows, every query head (p[g] = p + g * ctx)
+template <typename R, int64_t D>
+inline void block_values(const R* vb, int64_t n, const float* p, int64_t group, int64_t ctx, float* acc_all) {
+  for (int64_t g = 0; g < group; ++g) {
+    const float* sg = p + g * ctx;
+    for (int64_t c = 0; c < D; c += 64) {  // 64 columns at a time: 8 accumulators
+      float* ag = acc_all + g * D + c;
+      __m256 acc[8];
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_loadu_ps(ag + 8 * i);
+      for (int64_t j = 0; j < n; ++j) {
+        const __m256 w = _mm256_set1_ps(sg[j]);
+        for (int i = 0; i < 8; i += 2) {
+          __m256 v_lo, v_hi;
+          load16(vb + j * D + c + 8 * i, v_lo, v_hi);
+          acc[i] = _mm256_fmadd_ps(w, v_lo, acc[i]);
+          acc[i + 1] = _mm256_fmadd_ps(w, v_hi, acc[i + 1]);
+        }
+      }
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(ag + 8 * i, acc[i]);
+    }
+  }
+}
+
 // head_dim D = 64, 128 or 256; blocks outermost so each is read from memory once
 template <typename T, int64_t D>
 void attend_avx2(const float* qh, const T* kp, const T* vp, const int64_t* table, int64_t ctx, int64_t skip,
                  int64_t kvh,
                  int64_t num_blocks, int64_t block_size, int64_t group, float scale, float* oh,
                  std::vector<float>& scores) {
-  constexpr int64_t V = D / 8;
-  scores.resize(group * ctx + 2 * group * D);
+  scores.resize(group * ctx + 2 * group * D + (kInt8<T> ? block_size * D : 0));
   float* qs = scores.data() + group * ctx;  // the scaled queries
   float* acc_all = qs + group * D;
+  float* wide = acc_all + group * D;  // an int8 block widened (widen_block)
   for (int64_t i = 0; i < group * D; i += 16) {  // scaled, in load16's order
     __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qh + i), _mm256_set1_ps(scale));
     __m256 b = _mm256_mul_ps(_mm256_loadu_ps(qh + i + 8), _mm256_set1_ps(scale));
@@ -459,29 +545,13 @@ void attend_avx2(const float* qh, const T* kp, const T* vp, const int64_t* table
   for (int64_t ib = 0; ib < nblk; ++ib) {
     if (ib + kAhead < nblk) prefetch_block(kblock(ib + kAhead), block_bytes);
     else if (ib + kAhead - nblk < nblk) prefetch_block(vblock(ib + kAhead - nblk), block_bytes);
-    const T* kb = kblock(ib);
     const int64_t n = std::min(block_size, ctx - ib * block_size);
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = qs + g * D;
-      float* sg = scores.data() + g * ctx + ib * block_size;
-      for (int64_t j0 = 0; j0 < n; j0 += 8) {  // 8 rows' dot products, reduced together
-        const int64_t m = std::min<int64_t>(8, n - j0);
-        const T* kr[8];  // rows past the block's end repeat its last row; their sums are not stored
-        for (int64_t j = 0; j < 8; ++j) kr[j] = kb + (j0 + std::min(j, m - 1)) * W;
-        __m256 s[8];
-        for (int64_t i = 0; i < V; i += 2) {
-          const __m256 qa = _mm256_loadu_ps(qg + 8 * i), qb = _mm256_loadu_ps(qg + 8 * i + 8);
-          for (int j = 0; j < 8; ++j) {
-            __m256 k_lo, k_hi;
-            load_row16(kr[j], 8 * i, D, k_lo, k_hi);
-            s[j] = i == 0 ? _mm256_mul_ps(qa, k_lo) : _mm256_fmadd_ps(qa, k_lo, s[j]);
-            s[j] = _mm256_fmadd_ps(qb, k_hi, s[j]);
-          }
-        }
-        const __m256 r = hsum8(s);
-        if (m == 8) _mm256_storeu_ps(sg + j0, r);
-        else _mm256_maskstore_ps(sg + j0, first_lanes(m), r);
-      }
+    float* sb = scores.data() + ib * block_size;
+    if constexpr (kInt8<T>) {
+      widen_block<D>(kblock(ib), n, wide);
+      block_scores<float, D>(wide, n, qs, group, sb, ctx);
+    } else {
+      block_scores<T, D>(kblock(ib), n, qs, group, sb, ctx);
     }
   }
   hide_before_window(scores.data(), group, ctx, skip);
@@ -490,25 +560,13 @@ void attend_avx2(const float* qh, const T* kp, const T* vp, const int64_t* table
   std::fill(acc_all, acc_all + group * D, 0.f);
   for (int64_t ib = 0; ib < nblk; ++ib) {
     if (ib + kAhead < nblk) prefetch_block(vblock(ib + kAhead), block_bytes);
-    const T* vb = vblock(ib);
     const int64_t n = std::min(block_size, ctx - ib * block_size);
-    for (int64_t g = 0; g < group; ++g) {
-      const float* sg = scores.data() + g * ctx + ib * block_size;
-      for (int64_t c = 0; c < D; c += 64) {  // 64 columns at a time: 8 accumulators
-        float* ag = acc_all + g * D + c;
-        __m256 acc[8];
-        for (int i = 0; i < 8; ++i) acc[i] = _mm256_loadu_ps(ag + 8 * i);
-        for (int64_t j = 0; j < n; ++j) {
-          const __m256 p = _mm256_set1_ps(sg[j]);
-          for (int i = 0; i < 8; i += 2) {
-            __m256 v_lo, v_hi;
-            load_row16(vb + j * W, c + 8 * i, D, v_lo, v_hi);
-            acc[i] = _mm256_fmadd_ps(p, v_lo, acc[i]);
-            acc[i + 1] = _mm256_fmadd_ps(p, v_hi, acc[i + 1]);
-          }
-        }
-        for (int i = 0; i < 8; ++i) _mm256_storeu_ps(ag + 8 * i, acc[i]);
-      }
+    const float* pb = scores.data() + ib * block_size;
+    if constexpr (kInt8<T>) {
+      widen_block<D>(vblock(ib), n, wide);
+      block_values<float, D>(wide, n, pb, group, ctx, acc_all);
+    } else {
+      block_values<T, D>(vblock(ib), n, pb, group, ctx, acc_all);
     }
   }
   for (int64_t g = 0; g < group; ++g) {
