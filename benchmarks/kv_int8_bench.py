@@ -5,6 +5,7 @@ quality: long prompts of English prose (this repository's documents), greedy dec
          how many steps they agree for; KL(fp32 || bf16) beside it, what the default cache already costs.
 speed:   decode tok/s of 1 and 8 sequences over a long context with each cache (the decode kernel reads the int8
          rows as they are: about half the bytes), and how many blocks (tokens) the same KV memory holds.
+w1:      W1 (benchmarks/workloads.txt) against a `justapi serve` of SmolLM2 with each cache, one after the other.
 """
 
 from __future__ import annotations
@@ -109,6 +110,26 @@ def speed(model: str, context: int, steps: int, opts: dict) -> dict:
     return out
 
 
+def w1(kv_memory: str) -> dict:
+    import subprocess
+    import sys
+    import tempfile
+
+    from kv_tier_bench import Server
+
+    args = next(line.split()[1:] for line in open(os.path.join(ROOT, "benchmarks", "workloads.txt"))
+                if line.startswith("W1 "))
+    work, out = tempfile.mkdtemp(prefix="int8-w1-"), {}
+    for kv in ("bfloat16", "int8"):
+        srv = Server(["--kv-memory", kv_memory, "--kv-cache-dtype", kv], os.path.join(work, "w1.log")).settle()
+        report = os.path.join(work, f"{kv}.json")
+        subprocess.run([sys.executable, "-m", "justapi.cli", "bench", "serve", "--base-url", srv.url, *args,
+                        "--json", report], check=True)
+        srv.stop()
+        out[kv] = json.load(open(report))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="*", default=None, help="GGUF paths (default: SmolLM2 and Gemma 3 270M)")
@@ -117,7 +138,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=48)
     p.add_argument("--kv-memory", default="1G", help="the KV memory of every engine (the pools compared)")
     p.add_argument("--out", default=None)
+    p.add_argument("--w1", action="store_true", help="only W1 against a server with each cache")
     args = p.parse_args()
+    if args.w1:
+        result = w1(args.kv_memory)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=2)
+        return
     models = args.models or _default_models()
     opts = {"kv_memory": args.kv_memory}
     figures = {}

@@ -23,8 +23,10 @@ ARTIFACTS = Path(os.environ.get("JUSTAPI_TEST_ARTIFACTS", Path(__file__).resolve
 def server(tiny_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("dashboard") / "serve.log"
     # a pool small enough that 12 requests of ~150 tokens preempt one another: the page has preemptions to mark
+    # (and the prefix cache's disk tier: its panel shows what it wrote)
     srv = InProcessServer(["--model", tiny_model, "--pool-blocks", "60", "--block-size", "16", "--chunk-size", "64",
-                           "--spec-method", "ngram", "--dashboard-prompt-text"], str(log))
+                           "--spec-method", "ngram", "--dashboard-prompt-text", "--prefix-cache-dir",
+                           str(log.parent / "kv")], str(log))
     yield srv
     srv.stop()
 
@@ -134,6 +136,10 @@ def test_the_page_draws_the_schedule_live_in_chromium(server, browser):
     assert browser.execute_script("return document.getElementById('pool').toDataURL()") != pool_drawn
     assert browser.execute_script("return window.justapiDashboard.columns.some(c => c.marks.some("
                                   "m => m.kind === 'preempted'))"), "12 requests over 60 blocks preempt"
+    disk = _wait_for(browser, "const p = document.getElementById('disk-tier'), t = document.getElementById("
+                              "'disk-figures').textContent; "
+                              "return !p.hidden && /written [0-9.]+ MiB \\([1-9]/.test(t) && t")
+    assert "in memory" in disk and "on disk" in disk and "written" in disk, disk
     # hovering a cell names its request, its positions and its timings
     tip = browser.execute_script("""
         const st = window.justapiDashboard, c = document.getElementById('timeline');
