@@ -204,11 +204,14 @@ def attention(args) -> None:
     v = torch.randn(kv_heads, pool, bs, dim, generator=g)
     print(f"{seqs} sequences, {int(ctx.sum())} context tokens in blocks of {bs} ({args.block_order}), "
           f"{layers} layers' caches, {torch.get_num_threads()} threads")
-    for dtype in (torch.float32, torch.bfloat16):
-        caches = [(k.to(dtype, copy=True), v.to(dtype, copy=True)) for _ in range(layers)]  # 30 distinct caches
+    from justapi.model.attention import quantize_rows
+
+    for dtype in (torch.float32, torch.bfloat16, torch.int8):  # int8: rows with their groups' scales
+        as_cache = (lambda x: quantize_rows(x)) if dtype == torch.int8 else (lambda x: x.to(dtype, copy=True))
+        caches = [(as_cache(k), as_cache(v)) for _ in range(layers)]  # 30 distinct caches
         placed = {name: caches for name, _ in kernels}
         if args.huge_pages:
-            flat = hugepages.zeros([k.shape] * (2 * layers), dtype)
+            flat = hugepages.zeros([caches[0][0].shape] * (2 * layers), dtype)
             for dst, src in zip(flat, [t for pair in caches for t in pair]):
                 dst.copy_(src)
             placed["huge pages"] = list(zip(flat[0::2], flat[1::2]))
@@ -218,7 +221,7 @@ def attention(args) -> None:
         for name, mod in kernels:
             try:
                 out = mod.decode_attention(q, *placed[name][0], tables, ctx, dim ** -0.5)
-            except RuntimeError as e:  # an older kernel without bf16
+            except RuntimeError as e:  # an older kernel without bf16 or int8
                 print(f"  {name}, {dtype}: {str(e).splitlines()[0]}")
                 continue
             ref = out if ref is None else ref
@@ -230,7 +233,7 @@ def attention(args) -> None:
                 for i in range(2 * layers):
                     mod.decode_attention(q, *placed[name][i % layers], tables, ctx, dim ** -0.5)
                 best[name] = min(best[name], (time.perf_counter() - t) / (2 * layers))
-        nbytes = 2 * kv_heads * int(ctx.sum()) * dim * dtype.itemsize
+        nbytes = 2 * kv_heads * int(ctx.sum()) * caches[0][0].shape[-1] * dtype.itemsize
         for name, _ in usable:
             print(f"  {name:>14}, {str(dtype):>14}: {best[name] * 1e3:6.3f} ms a layer, "
                   f"{nbytes / best[name] / 1e9:5.1f} GB/s of K/V")
