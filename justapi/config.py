@@ -106,7 +106,7 @@ class EngineConfig(WorkerChecks):
     dtype: str = flag("auto", "auto: 4-bit GGUF weights stay 4-bit (bf16 activations; fp32 where the CPU has no bf16 "
                       "matmul), F32 files run in fp32; float32: every weight dequantized, exact", choices=DTYPES)
     kv_cache_dtype: str = flag("auto", "KV cache element type; auto: bf16 on a quantized model or a bf16 one, "
-                               "else fp32; int8: 8-bit values, a scale per 32 of a token's head (56% of bf16's "
+                               "else fp32; int8: 8-bit values, a scale per 32 of a token's head (0.56 of bf16's "
                                "memory at head size 64)", choices=KV_CACHE_DTYPES)
     block_size: int = flag(DEFAULT_BLOCK_SIZE, "tokens per KV block")
     pool_blocks: int | None = flag(None, "KV pool size in blocks (default: a quarter of available memory)")

@@ -38,6 +38,7 @@ FORMAT_VERSION = 1  # in the fingerprint: files of another format are another mo
 SUFFIX = ".kv"
 MAX_PENDING_BYTES = 256 << 20  # payloads queued for the writer at most; past it a block is not written (counted)
 PROBE_EVERY = 64  # lookups between reads made anyway while reads measure slower than prefill (to re-measure)
+MAX_KNOWN = 1 << 20  # keys remembered as on disk (a cache of what exists: cleared, not grown, past this)
 _SAMPLES, _SAMPLE_BYTES, _HEAD_BYTES = 64, 64 << 10, 4 << 20
 
 
@@ -132,6 +133,11 @@ class KvStore:
     def path(self, key: str) -> str:
         return os.path.join(self.dir, key[:2], key + SUFFIX)
 
+    def _remember(self, key: str) -> None:
+        if len(self._known) >= MAX_KNOWN:
+            self._known.clear()  # what is on disk is asked of the disk again (has)
+        self._known.add(key)
+
     def has(self, key: str) -> bool:
         return key in self._known or os.path.exists(self.path(key))
 
@@ -177,7 +183,7 @@ class KvStore:
             if self._prefill_s_per_token:
                 self.stats.saved_seconds += self._prefill_s_per_token * len(token_ids) - seconds
         self._read_s_per_block = _ewma(self._read_s_per_block, seconds)
-        self._known.add(key)
+        self._remember(key)
         try:
             os.utime(path)  # least recently used goes first
         except OSError:
@@ -223,7 +229,7 @@ class KvStore:
                 self.stats.dropped += 1
                 return
             self._pending += size
-        self._known.add(key)
+        self._remember(key)
         self._queue.put((key, list(token_ids), payload, size))
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -315,7 +321,7 @@ class KvStore:
                     files.append((st.st_mtime, st.st_size, path))
                     total += st.st_size
                     if dirpath.startswith(self.dir):
-                        self._known.add(name[: -len(SUFFIX)])
+                        self._remember(name[: -len(SUFFIX)])
         evicted = 0
         if target is not None and total > target:
             files.sort()
