@@ -6,6 +6,9 @@ quality: long prompts of English prose (this repository's documents), greedy dec
 speed:   decode tok/s of 1 and 8 sequences over a long context with each cache (the decode kernel reads the int8
          rows as they are: about half the bytes), and how many blocks (tokens) the same KV memory holds.
 w1:      W1 (benchmarks/workloads.txt) against a `justapi serve` of SmolLM2 with each cache, one after the other.
+formats: the K and V rows each model writes over a 1,000-token prompt, stored as int8 (a scale per 32), fp8 e4m3
+         (a scale per row, or per 32: torch's float8_e4m3fn) and bf16: the relative squared error of each (whether
+         fp8 would measure better than int8).
 """
 
 from __future__ import annotations
@@ -110,6 +113,35 @@ def speed(model: str, context: int, steps: int, opts: dict) -> dict:
     return out
 
 
+def formats(model: str, opts: dict) -> dict:
+    from justapi.model import attention, blocks
+
+    rows: list[torch.Tensor] = []
+    original = blocks.write_kv
+
+    def capture(k_cache, v_cache, k, v, slots):
+        rows.extend([k.detach().float().clone(), v.detach().float().clone()])
+        return original(k_cache, v_cache, k, v, slots)
+
+    blocks.write_kv = capture  # the torch path's writes (the C++ kernels off below)
+    try:
+        llm = LLM(model, show_progress=False, cpu_kernels=False, **opts)
+        llm.generate([prose_tokens(llm)[:1000]], SamplingParams(temperature=0, max_tokens=1))
+    finally:
+        blocks.write_kv = original
+
+    def e4m3(x: torch.Tensor, group: int) -> torch.Tensor:
+        g = x.unflatten(-1, (-1, group))
+        scale = (g.abs().amax(-1, keepdim=True) / 448).clamp_min(1e-30)  # 448: e4m3's largest
+        return ((g / scale).to(torch.float8_e4m3fn).float() * scale).flatten(-2)
+
+    stored = {"int8, a scale per 32": lambda x: attention.widen(attention.quantize_rows(x), torch.float32),
+              "fp8 e4m3, a scale per row": lambda x: e4m3(x, x.shape[-1]),
+              "fp8 e4m3, a scale per 32": lambda x: e4m3(x, 32), "bf16": lambda x: x.bfloat16().float()}
+    return {name: sum(float(((f(x) - x) ** 2).sum()) for x in rows) / sum(float((x ** 2).sum()) for x in rows)
+            for name, f in stored.items()}
+
+
 def w1(kv_memory: str) -> dict:
     import subprocess
     import sys
@@ -139,7 +171,12 @@ def main() -> None:
     p.add_argument("--kv-memory", default="1G", help="the KV memory of every engine (the pools compared)")
     p.add_argument("--out", default=None)
     p.add_argument("--w1", action="store_true", help="only W1 against a server with each cache")
+    p.add_argument("--formats", action="store_true", help="only the storage formats' errors on each model's K/V")
     args = p.parse_args()
+    if args.formats:
+        for model in args.models or _default_models():
+            print(os.path.basename(model), json.dumps(formats(model, {"kv_memory": args.kv_memory})))
+        return
     if args.w1:
         result = w1(args.kv_memory)
         if args.out:
