@@ -13,29 +13,34 @@ import torch.nn.functional as F
 from justapi.kernels import STALE_LOCK_S, _clear_stale_lock, _compiled_here
 from justapi.kernels.build_spec import CFLAGS, cflags
 from justapi.model.attention import write_kv
+from justapi.model.kernel_policy import kv_row_width
 from justapi.model.layers import RotaryEmbedding, rms_norm
 
 
 @pytest.mark.parametrize("style", ["norm", "neox"])
 @pytest.mark.parametrize("act,cache", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                       (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)])
+                                       (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
+                                       (torch.float32, torch.int8), (torch.bfloat16, torch.int8)])
 def test_rope_write_kv_is_bit_identical_to_the_torch_path(cpp_kernels, style, act, cache):
-    """Rotated Q, and K/V stored at shuffled slots, exactly as rotate() + write_kv() make them."""
+    """Rotated Q, and K/V stored at shuffled slots, exactly as rotate() + write_kv() make them (an int8 cache's rows
+    quantized as quantize_rows makes them, scales included)."""
     heads, kv_heads, dim, bs, blocks, n = 6, 2, 64, 4, 12, 9
+    width = kv_row_width(dim, cache == torch.int8)
     g = torch.Generator().manual_seed(3)
     qkv = (torch.randn(n, (heads + 2 * kv_heads) * dim, generator=g) * 3).to(act)
     positions = torch.randint(0, 500, (n,), generator=g)
     slots = torch.randperm(blocks * bs, generator=g)[:n]
     rope = RotaryEmbedding(dim, 10000.0, 512, style, "cpu")
     cos, sin = rope.tables(positions)
-    want_k, want_v = (torch.zeros(kv_heads, blocks, bs, dim, dtype=cache),
-                      torch.zeros(kv_heads, blocks, bs, dim, dtype=cache))
+    want_k, want_v = (torch.zeros(kv_heads, blocks, bs, width, dtype=cache),
+                      torch.zeros(kv_heads, blocks, bs, width, dtype=cache))
     qk = rope.rotate(qkv[:, : (heads + kv_heads) * dim].view(n, heads + kv_heads, dim).float(), cos, sin)
     write_kv(want_k, want_v, qk[:, heads:], qkv[:, (heads + kv_heads) * dim :].view(n, kv_heads, dim), slots)
     got_k, got_v = torch.zeros_like(want_k), torch.zeros_like(want_v)
     q = cpp_kernels.rope_write_kv(qkv, cos, sin, style == "neox", heads, kv_heads, dim, got_k, got_v, slots)
     assert q.dtype == torch.float32 and torch.equal(q, qk[:, :heads])
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    assert got_k.view(kv_heads, -1, width)[:, slots, :dim].abs().amax() > 0  # written, not left zero
     with pytest.raises(RuntimeError, match="slot out of range"):
         cpp_kernels.rope_write_kv(qkv, cos, sin, False, heads, kv_heads, dim, got_k, got_v, slots + blocks * bs)
 

@@ -1,7 +1,7 @@
-"""--kv-cache-dtype int8: rows quantized as they are written (C++ and torch, the same bits), read by the decode and
-prefill kernels as they are (close to exact attention over the rows' own values), and an engine whose greedy
-output does not depend on batching, chunking, preemption, the prefix cache, its disk tier, tensor parallelism or
-disaggregation, speculative decoding."""
+"""--kv-cache-dtype int8: rows quantized as they are written (C++ and torch give the same bits: test_kernels'
+rope_write_kv test), read by the decode and prefill kernels as they are (close to exact attention over the rows' own
+values), and an engine whose greedy output does not depend on batching, chunking, preemption, the prefix cache, its
+disk tier, tensor parallelism, disaggregation or speculative decoding."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ import torch
 
 from justapi import LLM, SamplingParams
 from justapi.config import EngineConfig
-from justapi.model.attention import SeqSpan, _sequence_attention, quantize_rows, widen, write_kv
-from justapi.model.layers import RotaryEmbedding
+from justapi.model.attention import SeqSpan, _sequence_attention, quantize_rows, widen
 
 
 def int8_cache(kv_heads: int, blocks: int, bs: int, dim: int, g: torch.Generator) -> torch.Tensor:
@@ -31,26 +30,6 @@ def test_quantize_rows_round_trips_within_half_a_step_of_each_group_and_keeps_ze
     step = (x.view(50, 2, 32).abs().amax(-1, keepdim=True) / 127).expand(50, 2, 32).reshape(50, 64)
     assert ((back - x).abs() <= step / 2 * (1 + 1e-6)).all() and (back[7] == 0).all()
     assert rows[:, :64].abs().max() == 127
-
-
-@pytest.mark.parametrize("style", ["norm", "neox"])
-@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
-def test_rope_write_kv_quantizes_exactly_as_the_torch_path(cpp_kernels, style, act):
-    heads, kv_heads, dim, bs, blocks, n = 6, 2, 64, 4, 12, 9
-    g = torch.Generator().manual_seed(3)
-    qkv = (torch.randn(n, (heads + 2 * kv_heads) * dim, generator=g) * 3).to(act)
-    positions = torch.randint(0, 500, (n,), generator=g)
-    slots = torch.randperm(blocks * bs, generator=g)[:n]
-    rope = RotaryEmbedding(dim, 10000.0, 512, style, "cpu")
-    cos, sin = rope.tables(positions)
-    want_k, want_v = (torch.zeros(kv_heads, blocks, bs, dim + dim // 8, dtype=torch.int8) for _ in range(2))
-    qk = rope.rotate(qkv[:, : (heads + kv_heads) * dim].view(n, heads + kv_heads, dim).float(), cos, sin)
-    write_kv(want_k, want_v, qk[:, heads:], qkv[:, (heads + kv_heads) * dim :].view(n, kv_heads, dim), slots)
-    got_k, got_v = torch.zeros_like(want_k), torch.zeros_like(want_v)
-    q = cpp_kernels.rope_write_kv(qkv, cos, sin, style == "neox", heads, kv_heads, dim, got_k, got_v, slots)
-    assert torch.equal(q, qk[:, :heads])
-    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
-    assert got_k.view(kv_heads, -1, dim + dim // 8)[:, slots, :dim].abs().max() == 127  # written, not left zero
 
 
 def _exact(q, k_rows, v_rows, table, ctx, scale, window=0):

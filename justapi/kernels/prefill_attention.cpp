@@ -305,34 +305,25 @@ inline float widen(uint16_t bits) {
   return f;
 }
 
-// The K and V tiles of one KV head: tile t holds keys [8t, 8t + 8), zeros past the context.
-void pack_tiles(const uint16_t* k_head, const uint16_t* v_head, const int64_t* table, int64_t block_stride,
-                int64_t block_size, int64_t ctx, int64_t dim, int64_t tile, float* kp, float* vp) {
-  std::memset(kp, 0, dim * kKeys * sizeof(float));
-  std::memset(vp, 0, kKeys * dim * sizeof(float));
-  for (int64_t j = 0; j < kKeys; ++j) {
-    const int64_t key = tile * kKeys + j;
-    if (key >= ctx) break;
-    const int64_t offset = table[key / block_size] * block_stride + (key % block_size) * dim;
-    for (int64_t d = 0; d < dim; ++d) {
-      kp[d * kKeys + j] = widen(k_head[offset + d]);
-      vp[j * dim + d] = widen(v_head[offset + d]);
-    }
-  }
-}
+// a cache value as fp32: a bf16 one widened (exact), an int8 one times its group's scale
+inline float cache_value(const uint16_t* row, int64_t, int64_t d) { return widen(row[d]); }
+inline float cache_value(const int8_t* row, int64_t dim, int64_t d) { return int8_value(row, dim, d); }
+inline int64_t row_width(const uint16_t*, int64_t dim) { return dim; }
+inline int64_t row_width(const int8_t*, int64_t dim) { return int8_row_width(dim); }
 
-// An int8 cache's tiles: each value times its group's scale
-void pack_tiles(const int8_t* k_head, const int8_t* v_head, const int64_t* table, int64_t block_stride,
-                int64_t block_size, int64_t ctx, int64_t dim, int64_t tile, float* kp, float* vp) {
+// The K and V tiles of one KV head: tile t holds keys [8t, 8t + 8), zeros past the context.
+template <typename C>
+void pack_tiles(const C* k_head, const C* v_head, const int64_t* table, int64_t block_stride, int64_t block_size,
+                int64_t ctx, int64_t dim, int64_t tile, float* kp, float* vp) {
   std::memset(kp, 0, dim * kKeys * sizeof(float));
   std::memset(vp, 0, kKeys * dim * sizeof(float));
   for (int64_t j = 0; j < kKeys; ++j) {
     const int64_t key = tile * kKeys + j;
     if (key >= ctx) break;
-    const int64_t offset = table[key / block_size] * block_stride + (key % block_size) * int8_row_width(dim);
+    const int64_t offset = table[key / block_size] * block_stride + (key % block_size) * row_width(k_head, dim);
     for (int64_t d = 0; d < dim; ++d) {
-      kp[d * kKeys + j] = int8_value(k_head + offset, dim, d);
-      vp[j * dim + d] = int8_value(v_head + offset, dim, d);
+      kp[d * kKeys + j] = cache_value(k_head + offset, dim, d);
+      vp[j * dim + d] = cache_value(v_head + offset, dim, d);
     }
   }
 }
