@@ -95,12 +95,13 @@ def test_int8_prefill_kernel_is_as_close_as_the_torch_path_it_replaces(cpp_kerne
 
 
 @pytest.fixture(scope="module")
-def model32(tmp_path_factory) -> str:
-    """The tiny llama with heads of 32 (int8 keeps a scale per 32 values)."""
+def model64(tmp_path_factory) -> str:
+    """The tiny llama with two KV heads of 64 (int8 keeps a scale per 32 values; the decode kernel's vector path;
+    --tp 2 splits the heads)."""
     from tiny_gguf import write_tiny_model
 
-    return write_tiny_model(str(tmp_path_factory.mktemp("int8") / "tiny-32.gguf"), "llama", hidden=64, num_heads=2,
-                            num_kv_heads=1, context_length=1024)
+    return write_tiny_model(str(tmp_path_factory.mktemp("int8") / "tiny-64.gguf"), "llama", hidden=128, num_heads=2,
+                            num_kv_heads=2, context_length=1024)
 
 
 def test_a_head_size_int8_cannot_group_is_refused_in_one_line(tiny_model):
@@ -120,52 +121,52 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [(shared if i % 2 else []) + [rng.randrange(3, 250) for _ in range(rng.randint(3, 80))] for i in range(n)]
 
 
-def test_int8_greedy_output_does_not_depend_on_batching_preemption_the_prefix_cache_or_its_disk_tier(model32,
+def test_int8_greedy_output_does_not_depend_on_batching_preemption_the_prefix_cache_or_its_disk_tier(model64,
                                                                                                     tmp_path):
     prompts = _prompts(24)
-    base = LLM(model32, pool_blocks=512, prefix_cache=False, **INT8)
+    base = LLM(model64, pool_blocks=512, prefix_cache=False, **INT8)
     assert base.engine.runner.kv_caches[0][0].dtype == torch.int8
     alone = [base.generate([p], GREEDY)[0].token_ids for p in prompts]
     assert [r.token_ids for r in base.generate(prompts, GREEDY)] == alone
     for opts in (dict(chunk_size=7), dict(pool_blocks=40, block_size=4), dict(spec_method="ngram"),
-                 dict(draft_model=model32, gamma=3, branch=2, spec_max_batch=64),  # draft trees: KV moved by row
+                 dict(draft_model=model64, gamma=3, branch=2, spec_max_batch=64),  # draft trees: KV moved by row
                  dict(pool_blocks=40, block_size=4, prefix_cache_dir=str(tmp_path / "kv"),
                       prefix_cache_dir_reads="always")):
-        llm = LLM(model32, **{"pool_blocks": 512, **opts}, **INT8)
+        llm = LLM(model64, **{"pool_blocks": 512, **opts}, **INT8)
         assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == alone, opts
         llm.engine.scheduler.check_integrity()
         if "prefix_cache_dir" in opts:
             llm.engine.close()
-            again = LLM(model32, **opts, **INT8)  # a restart: the int8 blocks from disk
+            again = LLM(model64, **opts, **INT8)  # a restart: the int8 blocks from disk
             assert [r.token_ids for r in again.generate(prompts, GREEDY)] == alone
             assert again.engine.scheduler.kv.disk_hits > 0
             again.engine.close()
-    small = LLM(model32, pool_blocks=40, block_size=4, max_seqs=24, prefix_cache=False, **INT8)
+    small = LLM(model64, pool_blocks=40, block_size=4, max_seqs=24, prefix_cache=False, **INT8)
     assert [r.token_ids for r in small.generate(prompts, GREEDY)] == alone
     assert small.engine.scheduler.stats.num_preemptions > 0
 
 
-def test_int8_holds_about_twice_the_tokens_of_bf16_in_the_same_memory(model32):
-    bf16 = LLM(model32, kv_cache_dtype="bfloat16", kv_memory="64M", show_progress=False).engine
-    int8 = LLM(model32, kv_cache_dtype="int8", kv_memory="64M", show_progress=False).engine
+def test_int8_holds_about_twice_the_tokens_of_bf16_in_the_same_memory(model64):
+    bf16 = LLM(model64, kv_cache_dtype="bfloat16", kv_memory="64M", show_progress=False).engine
+    int8 = LLM(model64, kv_cache_dtype="int8", kv_memory="64M", show_progress=False).engine
     dim = int8.model_config.head_dim
     assert int8.scheduler.pool.num_blocks == pytest.approx(bf16.scheduler.pool.num_blocks * 2 * dim / (dim + dim / 8),
                                                            rel=0.01)
 
 
-def test_int8_under_tensor_parallelism_and_disaggregation(model32):
+def test_int8_under_tensor_parallelism_and_disaggregation(model64):
     from justapi.engine.worker_pool import WorkerPoolEngine
     from test_pd import run_all
 
     prompts = _prompts(8, seed=2)
     params = [GREEDY] * len(prompts)
-    want = [r.token_ids for r in LLM(model32, pool_blocks=256, **INT8).generate(prompts, GREEDY)]
-    tp = LLM(model32, pool_blocks=256, tp=2, **INT8)
+    want = [r.token_ids for r in LLM(model64, pool_blocks=256, **INT8).generate(prompts, GREEDY)]
+    tp = LLM(model64, pool_blocks=256, tp=2, **INT8)
     try:
         assert [r.token_ids for r in tp.generate(prompts, GREEDY)] == want
     finally:
         tp.engine.close()
-    engine = WorkerPoolEngine(EngineConfig(model32, disaggregate=True, pool_blocks=256, num_threads=1, **INT8))
+    engine = WorkerPoolEngine(EngineConfig(model64, disaggregate=True, pool_blocks=256, num_threads=1, **INT8))
     try:
         done, failed = run_all(engine, prompts, params)
         assert not failed and [done[f"r{i}"].token_ids for i in range(len(prompts))] == want

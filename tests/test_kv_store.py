@@ -117,7 +117,12 @@ def test_another_models_file_at_this_models_key_is_refused(tmp_path):
     assert a.flush(10)
     wrong_size = KvStore(str(tmp_path), 1 << 30, FP_A, 128)
     assert read(wrong_size, key_a, toks) is None and wrong_size.snapshot().rejected == {"foreign": 1}
-    assert read(a, key_a, [5, 6, 7, 9]) is None  # a key whose tokens differ (a collision): refused
+    assert not os.path.exists(a.path(key_a))
+    a._known.discard(key_a)  # (the store remembers having written it; the file is gone)
+    a.write(key_a, toks, bytes(64))
+    assert a.flush(10) and os.path.exists(a.path(key_a))
+    assert read(a, key_a, [5, 6, 7, 9]) is None  # the file of a key whose tokens differ (a collision): refused
+    assert a.snapshot().rejected == {"foreign": 2}
     for store in (a, b, wrong_size):
         store.close()
 
@@ -145,7 +150,8 @@ def test_the_size_bound_removes_the_least_recently_used_files(tmp_path):
     for i, key in enumerate(keys[:10]):
         store.write(key, [i] * 4, bytes(block))
     assert store.flush(10)
-    os.utime(store.path(keys[0]), (1, 1))  # the oldest, then read: the most recent
+    for i, key in enumerate(keys[:10]):  # written long ago, one a second apart (not the clock's granularity)
+        os.utime(store.path(key), (1000 + i, 1000 + i))
     assert read(store, keys[0], [0] * 4) is not None
     for i, key in enumerate(keys[10:], 10):
         store.write(key, [i] * 4, bytes(block))
@@ -164,15 +170,64 @@ def test_a_dead_writers_temporary_file_is_removed_at_start(tmp_path):
     dead.wait()
     store = KvStore(str(tmp_path), 1 << 30, FP_A, 64)
     key = chain_keys(FP_A, [1, 2, 3, 4], 4, 1)[0]
-    stale = f"{store.path(key)}.{dead.pid}.tmp"
-    live = f"{store.path(key)}.{os.getpid()}.tmp"
+    stale = f"{store.path(key)}.{dead.pid}-1.tmp"
+    live = f"{store.path(key)}.{os.getpid()}-1.tmp"
     os.makedirs(os.path.dirname(stale), exist_ok=True)
     for path in (stale, live):
         open(path, "wb").write(b"half a block")
     store.close()
     KvStore(str(tmp_path), 1 << 30, FP_A, 64).close()
     assert not os.path.exists(stale) and os.path.exists(live)  # a running writer's file stays
-    assert not store.has(key)
+
+
+def test_tensor_parallel_ranks_write_and_read_every_head(tiny_model, reference, tmp_path):
+    """Under --tp 2 the tiny model's two KV heads are split: the files hold both (rank 0 gathers them), a restart
+    reads them back into each rank's own heads."""
+    prompts, want = reference
+    opts = dict(OPTS, tp=2, prefix_cache_dir=str(tmp_path / "kv"), **DISK)
+    first = LLM(tiny_model, **opts)
+    try:
+        assert tokens(first.generate(prompts[:40], GREEDY)) == want[:40]
+    finally:
+        first.engine.close()
+    assert first.engine.store.snapshot().written_blocks > 0 and first.engine.store.snapshot().write_errors == 0
+    again = LLM(tiny_model, **opts)
+    try:
+        assert tokens(again.generate(prompts[:40], GREEDY)) == want[:40]
+        assert again.engine.scheduler.kv.disk_hits > 0
+    finally:
+        again.engine.close()
+
+
+def test_static_batching_and_a_pool_the_disk_run_would_fill(tiny_model, reference, tmp_path):
+    """Static batching admits a whole batch and schedules part of it: a preempted or aborted request whose disk
+    blocks never reached the runner does not cache them. A prompt whose prefix on disk would fill the pool still
+    starts (its first chunk's blocks are left free) and gives the same output."""
+    prompts, want = reference
+    disk = str(tmp_path / "kv")
+    static = LLM(tiny_model, static_batching=True, max_seqs=8, prefix_cache_dir=disk, **DISK, **OPTS)
+    assert tokens(static.generate(prompts, GREEDY)) == want
+    static.engine.scheduler.check_integrity()
+    static.engine.close()
+    again = LLM(tiny_model, static_batching=True, max_seqs=8, prefix_cache_dir=disk, **DISK, **OPTS)
+    assert tokens(again.generate(prompts, GREEDY)) == want
+    assert again.engine.scheduler.kv.disk_hits > 0
+    again.engine.scheduler.check_integrity()
+    again.engine.close()
+    # a long prompt whose prefix is on disk, behind a request holding 16 of the pool's 40 blocks: the disk run is
+    # cut to leave its first chunk room (else its reads were made, and wasted, at every step it waited)
+    rng = random.Random(1)
+    long, other = [rng.randrange(3, 250) for _ in range(130)], [rng.randrange(3, 250) for _ in range(58)]
+    alone = [r.token_ids for r in LLM(tiny_model, prefix_cache=False, **OPTS).generate([other, long], GREEDY)]
+    writer = LLM(tiny_model, prefix_cache_dir=disk, **DISK, **OPTS)
+    assert writer.generate([long], GREEDY)[0].token_ids == alone[1]
+    writer.engine.close()
+    reader = LLM(tiny_model, prefix_cache_dir=disk, **DISK, **dict(OPTS, chunk_size=16))
+    assert [r.token_ids for r in reader.generate([other, long], GREEDY)] == alone
+    stats, kv = reader.engine.store.snapshot(), reader.engine.scheduler.kv
+    assert kv.disk_hits > 0 and stats.read_bytes == stats.loaded_blocks * reader.engine.store.block_bytes
+    kv.check_integrity(reader.engine.scheduler.running, reader.engine.scheduler.waiting)
+    reader.engine.close()
 
 
 def test_a_hybrid_model_is_refused_in_one_line(tmp_path):

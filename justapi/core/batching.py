@@ -56,7 +56,7 @@ class StaticBatching(Batching):
         while sched.waiting and len(sched.running) < sched.config.max_seqs:
             req = sched.waiting.popleft()
             if not pools_from_the_start(req):
-                sched.kv.match_prefix(req)
+                sched.kv.match_prefix(req, sched.config.chunk_size)
             sched.admit(req)
             self._batch.append(req)
 

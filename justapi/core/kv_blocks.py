@@ -60,8 +60,10 @@ class KvBlocks:
         req.block_ids.extend(new)
         return new
 
-    def match_prefix(self, req: Request) -> None:
-        """Start ``req`` from the longest cached prefix of its tokens (always leaving one token to compute)."""
+    def match_prefix(self, req: Request, chunk: int = 0) -> None:
+        """Start ``req`` from the longest cached prefix of its tokens (always leaving one token to compute).
+        ``chunk``: the prompt tokens its first step may take (the disk tier leaves their blocks free; 0: the step
+        starts no prompt, and the disk is not read for one that would wait)."""
         assert req.num_computed_tokens == 0 and not req.block_ids
         if self.cache is None:
             return
@@ -79,26 +81,32 @@ class KvBlocks:
         req.block_ids = list(block_ids)
         req.num_computed_tokens = len(block_ids) * self.block_size
         if self.store is not None:
-            self._match_disk(req, tokens)
+            self._match_disk(req, tokens, chunk)
 
     # --- the disk tier (core.kv_store) ------------------------------------------------------------------------
-    def _match_disk(self, req: Request, tokens: list[int]) -> None:
+    def _match_disk(self, req: Request, tokens: list[int], chunk: int) -> None:
         """Continue ``req``'s match with the blocks the disk holds after the memory's, where reading beats
-        computing them and the pool has room: their payloads go to the runner with the request's first step."""
+        computing them and the pool has room for them and the request's first chunk after them: their payloads go to
+        the runner with the request's first step."""
         assert self.store is not None and self.cache is not None
         bs, first = self.block_size, len(req.block_ids)
-        last = min(len(tokens) // bs, first + self.pool.num_free + self.cache.num_blocks - self.cache.num_locked_blocks)
-        if last <= first or not self.store.worth_reading(bs):
+        room = self.pool.num_free + self.cache.num_blocks - self.cache.num_locked_blocks
+        last = len(tokens) // bs
+        if last <= first or chunk <= 0 or not self.store.worth_reading(bs):
             return
         keys = chain_keys(self.store.fingerprint, tokens, bs, last)
         found = next((i for i in range(first, last) if not self.store.has(keys[i])), last) - first
-        if not found:
+        rest = req.num_tokens - (first + found) * bs  # to compute after them: their first chunk needs its blocks
+        if found + -(-min(rest, chunk) // bs) > room:
+            found = room - -(-chunk // bs)  # cut short: a whole chunk follows them
+        if found <= 0:
             return
         size = self.store.block_bytes
         # one buffer for the run, its pages touched only by the reads (a bytearray would zero it first)
         run = memoryview(mmap.mmap(-1, found * size))
         loads = 0
-        while loads < found and self.store.read(keys[first + loads], tokens[(first + loads) * bs :][:bs],
+        while loads < found and self.store.read(keys[first + loads], tokens[(first + loads) * bs :
+                                                                             (first + loads + 1) * bs],
                                                 run[loads * size : (loads + 1) * size]):
             loads += 1
         if loads and self.grow(req, (first + loads) * bs) is not None:
@@ -136,7 +144,10 @@ class KvBlocks:
         """What a step of ``n`` tokens of ``req`` copies besides computing: the blocks read from disk for it and the
         snapshot slots it reads before the step and writes after it."""
         if req.request_id in self._loads:
-            out.kv_loads.append(self._loads.pop(req.request_id))
+            ids, run = self._loads.pop(req.request_id)
+            out.kv_loads.append((ids, run))
+            assert self.store is not None  # only the disk tier's KvBlocks has loads
+            self.store.loaded(len(ids), self.block_size)
         if self.snapshots is None:
             return
         if req.state_load is not None:
@@ -191,6 +202,9 @@ class KvBlocks:
 
     def release(self, req: Request) -> None:
         """Give back everything ``req`` holds: its blocks (whole ones go to the prefix cache) and its lock."""
+        pending = self._loads.pop(req.request_id, None)
+        if pending is not None:  # admitted, never scheduled (static batching): its disk blocks were never filled
+            req.num_computed_tokens = (len(req.block_ids) - len(pending[0])) * self.block_size
         if self.cache is not None:
             if req.num_computed_tokens >= self.block_size:
                 self.cache_computed(req)

@@ -39,6 +39,8 @@ SUFFIX = ".kv"
 MAX_PENDING_BYTES = 256 << 20  # payloads queued for the writer at most; past it a block is not written (counted)
 PROBE_EVERY = 64  # lookups between reads made anyway while reads measure slower than prefill (to re-measure)
 MAX_KNOWN = 1 << 20  # keys remembered as on disk (a cache of what exists: cleared, not grown, past this)
+RESCAN_S = 60.0  # a writer counts the shared directory again at least this often (replicas, other models)
+FREE_WHEN_FULL = 64  # blocks' worth of the oldest files removed when the disk is full
 _SAMPLES, _SAMPLE_BYTES, _HEAD_BYTES = 64, 64 << 10, 4 << 20
 
 
@@ -125,6 +127,7 @@ class KvStore:
         self._pending = 0  # bytes queued for the writer
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
+        self._scanned = 0.0
         self._scan(remove_stale=True)
         self._writer = threading.Thread(target=self._write_loop, name="justapi-kv-store", daemon=True)
         self._writer.start()
@@ -177,11 +180,8 @@ class KvStore:
             return False
         seconds = time.perf_counter() - t0
         with self._lock:
-            self.stats.loaded_blocks += 1
             self.stats.read_bytes += self.block_bytes
             self.stats.read_seconds += seconds
-            if self._prefill_s_per_token:
-                self.stats.saved_seconds += self._prefill_s_per_token * len(token_ids) - seconds
         self._read_s_per_block = _ewma(self._read_s_per_block, seconds)
         self._remember(key)
         try:
@@ -190,6 +190,21 @@ class KvStore:
             pass
         return True
 
+    def loaded(self, blocks: int, block_size: int) -> None:
+        """``blocks`` read went into a sequence: count them, and the prefill they saved (as measured: never below 0)."""
+        with self._lock:
+            self.stats.loaded_blocks += blocks
+            if self._prefill_s_per_token:
+                saved = self._prefill_s_per_token * block_size - self._read_s_per_block
+                self.stats.saved_seconds += blocks * max(0.0, saved)
+
+    def room(self, blocks: int) -> int:
+        """How many of ``blocks`` the writer's queue takes now; the rest are counted as dropped."""
+        with self._lock:
+            fit = max(0, min(blocks, (MAX_PENDING_BYTES - self._pending) // self.block_bytes))
+            self.stats.dropped += blocks - fit
+            return fit
+
     def _parse(self, f, key: str, token_ids: list[int], into: memoryview) -> str:
         """Why the open file fails its checks ("" where it passes, its payload then in ``into``)."""
         if f.read(len(MAGIC)) != MAGIC:
@@ -197,7 +212,7 @@ class KvStore:
         try:
             (length,) = struct.unpack("<I", f.read(4))
             header = json.loads(f.read(min(length, 1 << 20)))
-        except (struct.error, ValueError, UnicodeDecodeError):
+        except (struct.error, ValueError, UnicodeDecodeError, RecursionError):
             return "corrupt"
         if not isinstance(header, dict) or header.get("fingerprint") != self.fingerprint:
             return "foreign"
@@ -260,6 +275,7 @@ class KvStore:
             try:
                 self._write_file(key, token_ids, payload() if callable(payload) else payload)
             except Exception:  # the writer never dies: a block not written is only a later miss
+                self._known.discard(key)
                 log.exception("prefix cache disk tier: writing %s failed", key)
             finally:
                 with self._lock:
@@ -274,7 +290,7 @@ class KvStore:
         header = json.dumps({"fingerprint": self.fingerprint, "key": key, "tokens": token_ids,
                              "nbytes": self.block_bytes, "xxh3_64": xxhash.xxh3_64_intdigest(payload)}).encode()
         data = MAGIC + struct.pack("<I", len(header)) + header
-        tmp = f"{path}.{os.getpid()}.tmp"
+        tmp = f"{path}.{os.getpid()}-{id(self)}.tmp"  # the process (its writer's liveness: _writer_alive), the store
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(tmp, "wb") as f:
@@ -289,7 +305,7 @@ class KvStore:
             if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):  # make room for the next ones
                 log.warning("prefix cache disk tier: %s is full (%s); removing its oldest blocks", self.root,
                             e.strerror)
-                self._scan(target=self.stats.disk_bytes // 2)
+                self._scan(free=FREE_WHEN_FULL * self.block_bytes)
             else:
                 log.warning("prefix cache disk tier: cannot write %s: %s", path, e)
             return
@@ -298,13 +314,15 @@ class KvStore:
             self.stats.written_bytes += len(data) + self.block_bytes
             self.stats.disk_bytes += len(data) + self.block_bytes
             over = self.stats.disk_bytes > self.stats.max_bytes
-        if over:
+        # the others sharing the directory write too: counted again now and then, not only past this one's count
+        if over or time.monotonic() - self._scanned > RESCAN_S:
             self._scan(target=self.stats.max_bytes * 9 // 10)
 
-    def _scan(self, target: int | None = None, remove_stale: bool = False) -> None:
+    def _scan(self, target: int | None = None, free: int = 0, remove_stale: bool = False) -> None:
         """Count the whole directory (every model's files, every process's); with ``target``, remove the least
-        recently used files until it holds at most that many bytes; with ``remove_stale``, temporary files whose
-        writer is gone."""
+        recently used files until it holds at most that many bytes (``free``: until that many bytes fewer than
+        counted); with ``remove_stale``, temporary files whose writer is gone."""
+        self._scanned = time.monotonic()
         files, total = [], 0
         for dirpath, _, names in os.walk(self.root):
             for name in names:
@@ -323,6 +341,8 @@ class KvStore:
                     if dirpath.startswith(self.dir):
                         self._remember(name[: -len(SUFFIX)])
         evicted = 0
+        if free:
+            target = total - free
         if target is not None and total > target:
             files.sort()
             for _, size, path in files:
@@ -352,9 +372,9 @@ def _remove(path: str) -> bool:
 
 
 def _writer_alive(tmp_name: str) -> bool:
-    """Whether the process named in a temporary file's name (KEY.kv.PID.tmp) still runs."""
+    """Whether the process named in a temporary file's name (KEY.kv.PID-STORE.tmp) still runs."""
     try:
-        pid = int(tmp_name.split(".")[-2])
+        pid = int(tmp_name.split(".")[-2].split("-")[0])
         os.kill(pid, 0)
     except (ValueError, IndexError, ProcessLookupError):
         return False

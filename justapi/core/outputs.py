@@ -63,7 +63,8 @@ class SchedulerOutput:
     state_loads: dict[str, int] = field(default_factory=dict)
     state_saves: dict[str, int] = field(default_factory=dict)
     # the prefix cache's disk tier (core.kv_store): runs of blocks to fill before the step, (block ids, their K/V
-    # as read from disk: per block [layers, 2, kv_heads, block_size, head_dim], every head, in the KV dtype)
+    # as read from disk: per block [layers, 2, kv_heads, block_size, row], every head, in the KV dtype; row: head_dim
+    # or an int8 row's width)
     kv_loads: list[tuple[list[int], memoryview | bytearray]] = field(default_factory=list)
 
     @property

@@ -239,7 +239,7 @@ class Scheduler(HandOffs):
             if req.imported_kv is not None:
                 req.num_computed_tokens = req.num_prompt_tokens  # its prompt's KV arrives with it
             elif not pools_from_the_start(req):  # a mean- or cls-pooled embedding needs its rows from the first
-                self.kv.match_prefix(req)
+                self.kv.match_prefix(req, budget.tokens if budget.may_prefill() else 0)
             remaining = req.num_tokens - req.num_computed_tokens
             is_decode = remaining == 1
             if is_decode and not budget.may_decode():

@@ -52,6 +52,6 @@ def spill(store: KvStore, kv: torch.Tensor, spills: list[tuple[int, str, list[in
     ([layers, 2, kv_heads, blocks, block_size, dim], a copy). Each block is made contiguous on the writer's thread
     by numpy: a torch op there would start an OpenMP team of that thread's own, whose spinning threads took the
     engine's cores (a shared-prefix run lost its disk hits' gain)."""
-    raw = kv.contiguous().view(torch.uint8).numpy()  # bytes as the last dimension: any KV dtype
+    raw = kv.cpu().contiguous().view(torch.uint8).numpy()  # bytes as the last dimension: any KV dtype, any device
     for i, (_, key, tokens) in enumerate(spills):
         store.write(key, tokens, lambda i=i: numpy.ascontiguousarray(raw[:, :, :, i]))

@@ -241,8 +241,11 @@ class EngineCore(ModelFront):
         """Queue for the disk tier the blocks the prefix cache gained that it does not hold: their K/V copied now,
         while no step has written over them, and written by its own thread."""
         spills = self.scheduler.kv.take_spills()
+        if not spills:
+            return
+        assert self.store is not None  # only a disk tier's KvBlocks records spills
+        spills = spills[: self.store.room(len(spills))]  # what the writer's queue takes (the rest is counted)
         if spills:
-            assert self.store is not None  # only a disk tier's KvBlocks records spills
             spill(self.store, self.export_kv([block for block, _, _ in spills]), spills)
 
     def _execute(self, sched):

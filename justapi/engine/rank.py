@@ -54,10 +54,10 @@ class Rank:
         if lead:
             for line in policy.describe():
                 log.info(line)
-        tensors = load_tensors(reader, path, dtype, config.show_progress and self.lead, keep_packed, select)
-        if config.kv_cache_dtype == "int8" and model_config.head_dim % INT8_GROUP:
+        if config.kv_cache_dtype == "int8" and not model_config.is_encoder and model_config.head_dim % INT8_GROUP:
             raise ModelLoadError(f"--kv-cache-dtype int8 keeps a scale per {INT8_GROUP} values of a head: this "
                                  f"model's head size is {model_config.head_dim}; use bfloat16")
+        tensors = load_tensors(reader, path, dtype, config.show_progress and self.lead, keep_packed, select)
         model_class = EncoderModel if model_config.is_encoder else LlamaModel
         return model_class(model_config, tensors, config.device, config.batch_invariant, plan, comm,
                           kv_dtype=kv_cache_dtype(config.kv_cache_dtype, dtype, keep_packed), policy=policy,

@@ -1,6 +1,7 @@
 """Attention over the paged KV cache: keys and values live in fixed-size blocks reached through block tables.
 
-Cache layout, per layer, for K and for V: ``[num_kv_heads, num_blocks, block_size, head_dim]``. Token ``i`` of a
+Cache layout, per layer, for K and for V: ``[num_kv_heads, num_blocks, block_size, head_dim]`` (an int8 cache's rows:
+``head_dim + head_dim / 8`` bytes, the values then their groups' scales, ``quantize_rows``). Token ``i`` of a
 sequence lives in block ``block_table[i // block_size]`` at offset ``i % block_size``; its *slot* is
 ``block_id * block_size + offset``. Heads come first so that gathering a sequence's blocks yields
 ``[num_kv_heads, tokens, head_dim]`` ready for batched matmuls, with no transposing copy (measured: the copies of
@@ -82,7 +83,7 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     the bf16 cache to 0.037 (SmolLM2's 0.004; docs/benchmarks.md)."""
     groups = x.float().unflatten(-1, (-1, INT8_GROUP))
     scale = groups.abs().amax(dim=-1, keepdim=True) / 127
-    q = torch.where(scale > 0, groups / scale.clamp_min(torch.finfo(torch.float32).tiny), 0.0).round()
+    q = torch.where(scale > 0, groups / scale.masked_fill(scale == 0, 1.0), 0.0).round()
     return torch.cat([q.to(torch.int8).flatten(-2), scale.squeeze(-1).contiguous().view(torch.int8)], dim=-1)
 
 

@@ -50,7 +50,8 @@ def kv_row(model: LlamaModel | EncoderModel) -> int:
 
 
 def new_kv_caches(model: LlamaModel | EncoderModel, num_blocks: int, block_size: int, device: str):
-    """Per layer (K, V), each [num_kv_heads, num_blocks, block_size, head_dim]; on huge pages where the model's
+    """Per layer (K, V), each [num_kv_heads, num_blocks, block_size, row] (row: head_dim, or an int8 row's
+    values and scales, kv_row); on huge pages where the model's
     weights are (decode attention reads scattered blocks: fewer TLB misses)."""
     cfg = model.config
     if not model.kv_layers:
@@ -159,7 +160,9 @@ class ModelRunner:
 
     def block_shape(self) -> tuple[int, ...]:
         """One block's K/V of every layer and every KV head of the model, as the disk tier keeps it."""
-        return (self.model.kv_layers, 2, self.model.config.num_kv_heads, self.block_size, kv_row(self.model))
+        model = self.model  # its config has this rank's heads under --tp; export_kv gathers all of them
+        heads = model.comm.num_kv_heads if model.tp is not None else model.config.num_kv_heads
+        return (model.kv_layers, 2, heads, self.block_size, kv_row(model))
 
     def load_blocks(self, runs: list[tuple[list[int], memoryview | bytearray]]) -> None:
         """Fill blocks from the disk tier's runs (block ids, their ``block_shape()`` payloads one after another)."""
