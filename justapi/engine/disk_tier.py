@@ -22,12 +22,12 @@ from ..sizes import parse_size
 log = logging.getLogger("justapi.engine")
 
 
-def open_disk_tier(config: EngineConfig, model_config: ModelConfig, model, block_shape: tuple[int, ...]
-                   ) -> KvStore | None:
+def open_disk_tier(config: EngineConfig, model_config: ModelConfig, model, runner) -> KvStore | None:
     """The store of ``--prefix-cache-dir`` for this model, or None without one (or for an encoder, which has no
-    prefix cache). ``model``: rank 0's (its KV and compute dtypes); ``block_shape``: one block's K/V, every head."""
+    prefix cache). ``model``, ``runner``: rank 0's (its KV and compute dtypes; one block's K/V, every head)."""
     if config.prefix_cache_dir is None or model_config.is_encoder:
         return None
+    block_shape = runner.block_shape()
     if model_config.is_hybrid:
         raise ModelLoadError("--prefix-cache-dir keeps attention KV only: a hybrid model's recurrent states are not "
                              "written to disk in this version; drop --prefix-cache-dir")

@@ -59,7 +59,7 @@ class EngineCore(ModelFront):
         self.executor = make_executor(config, self.model_config, tp_group)
         num_blocks = self.executor.size_pool(self._num_blocks(), config.branch or DEFAULT_BRANCH)
         self.role = role
-        self.store = open_disk_tier(config, self.model_config, self.model, self.runner.block_shape())
+        self.store = open_disk_tier(config, self.model_config, self.model, self.runner)
         self.scheduler = Scheduler(self._scheduler_config(num_blocks),
                                    StaticBatching() if config.static_batching else None, self.store)
         self.outputs = OutputProcessor(self.tokenizer)
