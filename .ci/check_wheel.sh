@@ -37,10 +37,11 @@ ready=$(echo "$(date +%s.%N) - $start" | bc)
 grep -q "kernels: .*$work/site/justapi/kernels/_C" "$work/serve.log" \
   || { echo "wheel check: the server did not load the wheel's compiled kernels"; cat "$work/serve.log"; exit 1; }
 if grep -q "compiling the C++ kernels" "$work/serve.log"; then echo "wheel check: the kernels were compiled on first use"; exit 1; fi
-curl -s "http://127.0.0.1:$PORT/v1/completions" -H 'Content-Type: application/json' \
-  -d '{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}' | grep -q '"text"' \
-  || { echo "wheel check: no completion"; exit 1; }
-curl -s "http://127.0.0.1:$PORT/dashboard/dashboard.js" | grep -q "EventSource" \
-  || { echo "wheel check: the dashboard's script is not served"; exit 1; }
+answer=$(curl -s "http://127.0.0.1:$PORT/v1/completions" -H 'Content-Type: application/json' \
+  -d '{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}')
+grep -q '"text"' <<<"$answer" || { echo "wheel check: no completion"; exit 1; }
+# read whole before grep: grep -q leaves at its first match, and under pipefail curl's broken pipe failed the check
+script=$(curl -s "http://127.0.0.1:$PORT/dashboard/dashboard.js")
+grep -q "EventSource" <<<"$script" || { echo "wheel check: the dashboard's script is not served"; exit 1; }
 echo "wheel check: every source and header packaged; server from the wheel ready after ${ready} s (limit ${READY_LIMIT_S} s)"
 awk -v r="$ready" -v l="$READY_LIMIT_S" 'BEGIN { exit !(r < l) }' || { echo "wheel check: too slow to start"; cat "$work/serve.log"; exit 1; }
