@@ -38,20 +38,22 @@ class ServerProcess:
             stdout=self.log, stderr=subprocess.STDOUT, env=env,
         )
         self.health_statuses: set[int] = set()  # what /health answered while the server started
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+
+        def healthy() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.read_log()}")
             try:
                 status = httpx.get(self.url + "/health", timeout=2).status_code
-                self.health_statuses.add(status)
-                if status == 200:
-                    return
             except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise RuntimeError(f"server not ready after {timeout_s} s:\n{self.read_log()}")
+                return False
+            self.health_statuses.add(status)
+            return status == 200
+
+        try:
+            wait_until(healthy, timeout_s, "the server's /health")
+        except AssertionError:
+            self.stop()
+            raise RuntimeError(f"server not ready after {timeout_s} s:\n{self.read_log()}") from None
 
     def read_log(self) -> str:
         with open(self.log_path) as f:
@@ -112,25 +114,26 @@ class InProcessServer:
         self.thread = threading.Thread(target=self._serve, name=f"justapi-serve-{self.port}", daemon=True)
         self.thread.start()
         self.health_statuses: set[int] = set()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+
+        def healthy() -> bool:
             if not self.thread.is_alive():
                 self.stop()
                 raise RuntimeError(f"server ended ({self.error!r}):\n{self.read_log()}")
             try:
                 health = httpx.get(self.url + "/health", timeout=2)
             except httpx.HTTPError:
-                time.sleep(0.05)
-                continue
+                return False
             self.health_statuses.add(health.status_code)
-            if health.status_code == 200:
-                return
             if "failed to load" in health.text:
                 self.stop()
                 raise RuntimeError(f"{health.json()['error']['message']}:\n{self.read_log()}")
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"server not ready after {timeout_s} s:\n{self.read_log()}")
+            return health.status_code == 200
+
+        try:
+            wait_until(healthy, timeout_s, "the server's /health")
+        except AssertionError:
+            self.stop()
+            raise RuntimeError(f"server not ready after {timeout_s} s:\n{self.read_log()}") from None
 
     def _serve(self) -> None:
         try:

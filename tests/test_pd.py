@@ -15,6 +15,7 @@ from justapi.config import EngineConfig
 from justapi.core.pd_scheduler import PdScheduler, WorkerInfo
 from justapi.sampling_params import Pooling
 from justapi.structured.spec import StructuredOutput
+from server_helpers import wait_until
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"enum": ["a", "b"]}},
           "required": ["n", "s"], "additionalProperties": False}
@@ -99,12 +100,17 @@ def settled(engine, timeout_s=30):
     """The workers' integrity answers once none holds a request, a handoff or a transfer: a prefill worker's last
     transfer reports (Sent) and releases come in after the outputs have. Polled: no fixed wait. Past the deadline
     the last answers come back as they are, for the caller's assertions to name the worker still holding something."""
-    deadline = time.monotonic() + timeout_s
-    answers = engine.check_integrity()  # (reads the messages that came before each answer)
-    while not all(h["running"] == h["handoffs"] == h["transfers"] == h["blocks_held_by_requests"] == 0
-                  for _, h in answers.values()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-        answers = engine.check_integrity()
+    answers = {}
+
+    def idle() -> bool:
+        answers.update(engine.check_integrity())  # (reads the messages that came before each answer)
+        return all(h["running"] == h["handoffs"] == h["transfers"] == h["blocks_held_by_requests"] == 0
+                   for _, h in answers.values())
+
+    try:
+        wait_until(idle, timeout_s, "the workers idle")
+    except AssertionError:
+        pass  # the caller's assertions name the worker
     return answers
 
 

@@ -323,11 +323,11 @@ def test_the_worker_listener_survives_stray_connections(monkeypatch):
         reader.start()
         # the reader waits past the handshake's timeout, counted from its own start on a slow machine too: the
         # accepted connection must not time out (a timed-out recv raises and ends the reader)
-        deadline = time.monotonic() + 30
-        while not (reading_since and time.monotonic() > reading_since[0] + channel.HANDSHAKE_S + 0.5):
-            assert reading_since or time.monotonic() < deadline, "the reader thread never started reading"
+        def read_past_handshake() -> bool:
             assert reader.is_alive(), "the accepted connection's read ended (timed out) before the worker sent"
-            time.sleep(0.05)
+            return bool(reading_since) and time.monotonic() > reading_since[0] + channel.HANDSHAKE_S + 0.5
+
+        wait_until(read_past_handshake, 30, "the reader reading past the handshake's timeout")
         assert reader.is_alive(), "the accepted connection's read ended (timed out) before the worker sent"
         workers[1].send("late")
         reader.join(10)
