@@ -147,13 +147,13 @@ def w1(kv_memory: str) -> dict:
     import sys
     import tempfile
 
-    from kv_tier_bench import Server
+    from kv_tier_bench import started
 
     args = next(line.split()[1:] for line in open(os.path.join(ROOT, "benchmarks", "workloads.txt"))
                 if line.startswith("W1 "))
     work, out = tempfile.mkdtemp(prefix="int8-w1-"), {}
     for kv in ("bfloat16", "int8"):
-        srv = Server(["--kv-memory", kv_memory, "--kv-cache-dtype", kv], os.path.join(work, "w1.log")).settle()
+        srv = started(["--kv-memory", kv_memory, "--kv-cache-dtype", kv], os.path.join(work, f"w1-{kv}.log"))
         report = os.path.join(work, f"{kv}.json")
         subprocess.run([sys.executable, "-m", "justapi.cli", "bench", "serve", "--base-url", srv.url, *args,
                         "--json", report], check=True)

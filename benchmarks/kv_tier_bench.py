@@ -14,8 +14,6 @@ import json
 import os
 import random
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,55 +23,27 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from server_helpers import labelled, metric  # noqa: E402
+from server_helpers import ServerProcess, labelled, metric  # noqa: E402
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def started(flags: list[str], log_path: str) -> ServerProcess:
+    """A `justapi serve` on loopback once it answers, its memory settled: the KV pool's prefault (model.hugepages)
+    takes a core for a few seconds after a start, and what a request meets then says more about the start than about
+    the tier. A first request pays the first-call costs."""
+    srv = ServerProcess(flags, log_path, timeout_s=300)
+    last, still = -1, 0
+    while still < 4:
+        with open(f"/proc/{srv.proc.pid}/status") as f:
+            rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        still = still + 1 if abs(rss - last) < 1024 else 0
+        last = rss
+        time.sleep(0.25)
+    ttft(srv.url, [7] * 64)
+    return srv
 
 
-class Server:
-    def __init__(self, flags: list[str], log_path: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(log_path, "a")
-        self.proc = subprocess.Popen([sys.executable, "-m", "justapi.cli", "serve", "--port", str(self.port), *flags],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"server exited with {self.proc.returncode}; see {log_path}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise SystemExit(f"server not ready; see {log_path}")
-
-    def settle(self) -> Server:
-        """Wait until the process's memory stops growing (the KV pool's prefault, model.hugepages, takes a core
-        for a few seconds after a start: what a request meets then says more about the start than about the tier);
-        a first request pays the first-call costs."""
-        last, still = -1, 0
-        while still < 4:
-            with open(f"/proc/{self.proc.pid}/status") as f:
-                rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-            still = still + 1 if abs(rss - last) < 1024 else 0
-            last = rss
-            time.sleep(0.25)
-        ttft(self.url, [7] * 64)
-        return self
-
-    def metrics(self) -> str:
-        return httpx.get(self.url + "/metrics", timeout=30).text
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)  # a graceful stop writes what the disk tier has queued
-        self.proc.wait(timeout=120)
-        self.log.close()
+def metrics_of(srv: ServerProcess) -> str:
+    return httpx.get(srv.url + "/metrics", timeout=30).text
 
 
 def ttft(url: str, prompt: list[int]) -> float:
@@ -94,21 +64,21 @@ def run_ttft(args, flags: list[str], work: str) -> dict:
     rows: dict[str, list[float]] = {"cold, no disk tier": [], "cold, disk tier on": [], "warm (memory)": [],
                                     "after a restart (disk)": []}
     disk_hits, read_s = [], []
-    log = os.path.join(work, "ttft.log")
+    log = lambda name: os.path.join(work, f"ttft-{name}.log")  # noqa: E731
     for r in range(args.rounds):
         disk = os.path.join(work, f"kv{r}")
         prefix = [rng.randrange(100, 40000) for _ in range(args.prompt_tokens - 16)]
         tails = [[rng.randrange(100, 40000) for _ in range(16)] for _ in range(4)]
-        srv = Server(flags, log).settle()
+        srv = started(flags, log("cold"))
         rows["cold, no disk tier"].append(ttft(srv.url, prefix + tails[3]))
         srv.stop()
-        srv = Server([*flags, "--prefix-cache-dir", disk], log).settle()
+        srv = started([*flags, "--prefix-cache-dir", disk], log("warm"))
         rows["cold, disk tier on"].append(ttft(srv.url, prefix + tails[0]))
         rows["warm (memory)"].append(ttft(srv.url, prefix + tails[1]))
         srv.stop()
-        srv = Server([*flags, "--prefix-cache-dir", disk], log).settle()
+        srv = started([*flags, "--prefix-cache-dir", disk], log("restart"))
         rows["after a restart (disk)"].append(ttft(srv.url, prefix + tails[2]))
-        text = srv.metrics()
+        text = metrics_of(srv)
         disk_hits.append(labelled(text, "justapi_prefix_cache_hits_by_tier", tier="disk"))
         read_s.append(metric(text, "justapi_prefix_cache_disk_read_seconds_total"))
         srv.stop()
@@ -124,13 +94,13 @@ def run_w2(args, flags: list[str], work: str) -> dict:
     results = {}
     disk = ["--prefix-cache-dir", os.path.join(work, "w2")]
     for name, extra in (("without disk tier", []), ("with disk tier", disk)):
-        srv = Server([*flags, "--pool-blocks", str(args.w2_pool_blocks), *extra], os.path.join(work, "w2.log")).settle()
+        srv = started([*flags, "--pool-blocks", str(args.w2_pool_blocks), *extra], os.path.join(work, f"w2-{name}.log"))
         out = os.path.join(work, f"w2-{len(extra)}.json")
         subprocess.run([sys.executable, "-m", "justapi.cli", "bench", "serve", "--base-url", srv.url,
                         "--workload", "shared-prefix", "--num-prefixes", str(args.w2_prefixes), "--prefix-len",
                         str(args.w2_prefix_len), "--suffixes-per-prefix", str(args.w2_suffixes), "--input-len", "32",
                         "--output-len", "32", "--max-concurrency", "4", "--json", out], check=True)
-        text = srv.metrics()
+        text = metrics_of(srv)
         srv.stop()
         report = json.load(open(out))
         results[name] = {"report": report, "hits_memory": labelled(text, "justapi_prefix_cache_hits_by_tier",

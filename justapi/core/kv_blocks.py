@@ -117,7 +117,8 @@ class KvBlocks:
         """The blocks of ``req`` just inserted in the cache that the disk does not hold yet."""
         if self.store is None:
             return
-        bs, n = self.block_size, len(req.block_ids[: req.num_computed_tokens // self.block_size])
+        bs = self.block_size
+        n = min(len(req.block_ids), req.num_computed_tokens // bs)
         keys = chain_keys(self.store.fingerprint, req.all_token_ids, bs, n)
         for i, key in enumerate(keys):
             if not self.store.has(key):

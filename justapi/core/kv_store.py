@@ -147,8 +147,8 @@ class KvStore:
     def worth_reading(self, block_size: int) -> bool:
         """Whether reading a block beats computing its ``block_size`` tokens, as measured on this machine: yes until
         both are measured, and once in PROBE_EVERY lookups where reads lost (to measure them again); always yes
-        under ``reads="always"``. (On the CPUs measured a block reads in ~0.2 ms, its 16 tokens prefill in ~10 ms;
-        a tiny model's can compute faster than it reads.)"""
+        under ``reads="always"``. (On the Xeon measured a SmolLM2 block reads in ~0.3 ms, its 16 tokens prefill in
+        ~9 ms; a tiny model's can compute faster than it reads.)"""
         self._lookups += 1
         if self.reads == "always" or not (self._read_s_per_block and self._prefill_s_per_token):
             return True

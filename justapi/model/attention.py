@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .kernel_policy import INT8_GROUP
+from .kernel_policy import INT8_GROUP, int8_head_dim
 
 
 @dataclass
@@ -80,7 +80,7 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     """[..., d] → an int8 cache's rows [..., d + d / 8]: each group of 32 values divided by its scale, max |x| / 127
     over the group, rounded half to even; then the groups' scales' bytes (kernels/layer_ops.cpp's quantize_row, bit
     for bit). Groups of 32 as llama.cpp's q8_0: one scale per row of a head took Gemma 3's next-token KL against
-    the bf16 cache to 0.037 (SmolLM2's 0.004; docs/benchmarks.md)."""
+    the bf16 cache to 0.037 (SmolLM2's 0.004; docs/benchmarks-archive.md)."""
     groups = x.float().unflatten(-1, (-1, INT8_GROUP))
     scale = groups.abs().amax(dim=-1, keepdim=True) / 127
     q = torch.where(scale > 0, groups / scale.masked_fill(scale == 0, 1.0), 0.0).round()
@@ -91,7 +91,7 @@ def widen(cache_rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows read from a cache as ``dtype``: an int8 cache's values times their group's scale."""
     if cache_rows.dtype != torch.int8:
         return cache_rows.to(dtype)
-    dim = cache_rows.shape[-1] * 8 // 9  # d values and d / 8 bytes of scales
+    dim = int8_head_dim(cache_rows.shape[-1])
     values = cache_rows[..., :dim].float().unflatten(-1, (-1, INT8_GROUP))
     scales = cache_rows[..., dim:].contiguous().view(torch.float32).unsqueeze(-1)
     return (values * scales).flatten(-2).to(dtype)

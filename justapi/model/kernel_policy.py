@@ -147,6 +147,11 @@ def kv_row_width(head_dim: int, int8: bool) -> int:
     return head_dim + head_dim // INT8_GROUP * 4 if int8 else head_dim
 
 
+def int8_head_dim(row_width: int) -> int:
+    """The values in an int8 cache row of ``row_width`` bytes (``kv_row_width``'s inverse)."""
+    return row_width * INT8_GROUP // (INT8_GROUP + 4)
+
+
 @dataclass(frozen=True)
 class KernelPolicy:
     """The kernel routes of one model, decided at load (see the module docstring)."""
