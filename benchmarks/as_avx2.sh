@@ -2,7 +2,7 @@
 # Run a benchmark as on an AVX2-only CPU (AMD Zen 3) on a bigger x86 one (Zen 4, Xeon): every server it starts
 # takes the routes it takes on a Zen 3. The machine is still not a Zen 3 (clock, caches, memory differ), so its
 # figures say where the AVX2 routes stand against the peers' AVX2 routes within one run, not what a Zen 3 measures.
-#   benchmarks/as_avx2.sh benchmarks/peers_bench.sh [args]      (or step_bench.py bound, kernels_bench.py, ...)
+#   benchmarks/as_avx2.sh benchmarks/peers_bench.sh [args]      (or bounds.py, kernels_bench.py, ...)
 # - torch (JustAPI's and vLLM's): oneDNN without AVX-512 (so no bf16 matmul: JustAPI's --dtype auto computes in
 #   fp32, as on a Zen 3), ATen's kernels and MKL's sgemm on AVX2.
 # - JustAPI's C++ kernels compiled for -march=znver3 (JUSTAPI_KERNELS_MARCH; into torch's extension cache, once).

@@ -9,7 +9,8 @@
 # The three servers are started together (idle, each uses ~0% CPU) and measured one after another by each
 # `justapi bench serve` call. Needs the peers installed with the recipes in ../shared/peers (README there).
 # LLAMA_SERVER=PATH serves llama.cpp with another build (benchmarks/as_avx2.sh: one built for a Zen 3).
-# Results: bench_results/peers_{S1,W1,W2,W3}.json, bench_results/sweep.{json,png}, bench_results/peers_bench.txt
+# Results: bench_results/peers_{S1,W1,W2,W3}.json, bench_results/bounds.{json,txt} (each workload's bound on this
+# machine, benchmarks/bounds.py), bench_results/sweep.{json,png}, bench_results/peers_bench.txt
 # Before/after a change, in the same run: JUSTAPI_BEFORE=DIR serves the checkout in DIR (another revision, e.g.
 # `git worktree add ../before REV`) as "justapi-before" on the next port, with this venv's Python and
 # JUSTAPI_BEFORE_ARGS (e.g. --scheduled for revisions whose default was static batching); where that revision
@@ -34,6 +35,8 @@ J=$ROOT/.venv/bin/justapi
 workload() { sed -n "s/^$1 //p" "$ROOT/benchmarks/workloads.txt"; }  # S1, W1, W2, W3: one place for both scripts
 up() { curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$1/v1/models" 2>/dev/null | grep -q 200; }
 
+# the machine's read bandwidth and matmul rates, measured before any server starts, and each workload's bound
+"$ROOT/.venv/bin/python" "$ROOT/benchmarks/bounds.py" --model "$GGUF" --json "$OUT/bounds.json" > "$OUT/bounds.txt"
 up "$PORT_JUSTAPI" || {
   setsid "$J" serve --model "$GGUF" --port "$PORT_JUSTAPI" --served-model-name "$SERVED_NAME" \
     > "$PEERS/logs/justapi.log" 2>&1 < /dev/null &
@@ -95,6 +98,9 @@ LOG=$OUT/peers_bench.txt
   echo "## W3: 96 requests, Poisson arrivals at 1.2 req/s, <= 24 in flight, prompts 128-1024, outputs 16-256 tokens"
   # shellcheck disable=SC2046
   timeout 1800 "$J" bench serve "${URLS[@]}" $(workload W3) --json "$OUT/peers_W3.json"
+  echo "## each figure as a share of what this machine allows it (benchmarks/bounds.py), beside the ratio to the best peer"
+  cat "$OUT/bounds.txt"
+  "$ROOT/.venv/bin/python" "$ROOT/benchmarks/bounds.py" report "$OUT/bounds.json" "$OUT"
   if [ -n "${JUSTAPI_BEFORE:-}" ]; then
     # the server measured second reads ~5% slower here whatever it holds (A/A, docs/benchmarks.md): the workloads
     # again with "before" listed first and a fresh seed (no prefix-cache hits from the first pass)

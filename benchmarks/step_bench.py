@@ -1,11 +1,8 @@
-"""One engine step in process, on SmolLM2 (--dtype auto): its forward pass, the whole step, and the bound the
-arithmetic of a workload's steps sets.
+"""One engine step in process, on SmolLM2 (--dtype auto): its forward pass and the whole step.
 
 usage: python benchmarks/step_bench.py forward [--base HEAD~1 | --disable KERNEL] [--reps 30]
        PYTHONPATH=DIR python benchmarks/step_bench.py forward --alone [--reps 30]
        python benchmarks/step_bench.py step [--steps 10] [--base REV | --disable KERNEL]
-       python benchmarks/step_bench.py bound [--workload W1] [--gflops G] [--model GGUF] [--requests N]
-                                             [--prompt A:B] [--output A:B] [--arrival-rate R]
 
 ``forward``: one step's forward pass (LlamaModel.forward and model/layers.py), the inputs captured from real steps
 (1, 8 and 32 decode rows, a 512-token prefill chunk), best of ``--reps`` x 5 calls each (a tenth as many for the
@@ -30,20 +27,7 @@ best of each kind of step are printed for both, with ratios. With ``--disable am
 config.OPTIONAL_KERNELS): the same, the two sides being a second engine loaded with that kernel off and the default
 one, each with its own 28 decoding requests.
 
-``bound``: the most output tok/s any engine computing in fp32 could reach on a workload (W1 or W3 of
-benchmarks/workloads.txt; ``--requests``, ``--prompt``, ``--output``, ``--arrival-rate`` override its shape), from
-its arithmetic and this machine's measured matmul rate: every product, attention included, counted at the best rate
-torch's fp32 matmul reaches here (square sizes 1024-4096, all threads, best of 5 each; ``--gflops`` gives it
-instead), nothing else counted (no norms, no dispatch, no memory traffic). Lengths are uniform over the ranges (the
-expectation is summed, length by length); the architecture is read from the GGUF. Per request of prompt length L and
-output length O:
-
-    layers    2 FLOP per weight for each of the L + O - 1 tokens fed (the last output token is not fed back)
-    head      2 FLOP per weight for each of the O positions whose logits are sampled
-    attention 4 * heads * head_dim * layers FLOP per (query, visible key): QK^T and PV; query i sees i keys
-
-With arrivals (W3's Poisson arrivals at 1.2 a second), the run lasts at least as long as they do (requests / rate),
-which the arithmetic alone does not count: both bounds are printed.
+(What a workload could reach at most on this machine: benchmarks/bounds.py.)
 """
 
 from __future__ import annotations
@@ -284,78 +268,6 @@ def compare_kernels(engine, rev: str, steps: int, decode, mixed) -> None:
     use_kernels(model, builds["working tree"])  # the working tree's build left in use
 
 
-# --- bound ----------------------------------------------------------------------------------------------------------
-def span(text: str) -> range:
-    lo, _, hi = text.partition(":")
-    return range(int(lo), int(hi or lo) + 1)
-
-
-def shape_of(args) -> tuple[int, range, range, float | None]:
-    """(requests, prompt lengths, output lengths, arrival rate) of ``args.workload``, with the flags given over it."""
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--num-requests", type=int)
-    p.add_argument("--input-len", type=span)
-    p.add_argument("--output-len", type=span)
-    p.add_argument("--request-rate", type=float, default=None)
-    w = p.parse_known_args(WORKLOADS[args.workload].split())[0]
-    pick = lambda given, default: default if given is None else given  # noqa: E731
-    return (pick(args.requests, w.num_requests), pick(args.prompt, w.input_len), pick(args.output, w.output_len),
-            pick(args.arrival_rate, w.request_rate))
-
-
-def matmul_gflops() -> float:
-    import torch
-
-    best = 0.0
-    for n in (1024, 2048, 3072, 4096):
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        a @ b
-        for _ in range(5):
-            t = time.perf_counter()
-            a @ b
-            best = max(best, 2 * n ** 3 / (time.perf_counter() - t) / 1e9)
-    return best
-
-
-def bound(args) -> None:
-    import torch
-
-    from justapi.model.gguf_loader import open_gguf, read_model_config
-
-    requests, prompt, output, arrival_rate = shape_of(args)
-    path = args.model or default_model_path()
-    cfg = read_model_config(open_gguf(path), path)
-    h, d = cfg.hidden_size, cfg.head_dim
-    layer = h * cfg.num_heads * d * 2 + h * cfg.num_kv_heads * d * 2 + 3 * h * cfg.intermediate_size
-    weights = cfg.num_layers * layer
-    head = cfg.vocab_size * h
-    attn = 4 * cfg.num_heads * d * cfg.num_layers  # per (query, key) pair
-    prefill = decode = 0.0
-    for n_in in prompt:
-        for n_out in output:
-            prefill += n_in * 2 * weights + 2 * head + attn * n_in * (n_in + 1) / 2
-            decode += (n_out - 1) * (2 * weights + 2 * head) + attn * sum(range(n_in + 1, n_in + n_out))
-    pairs = len(prompt) * len(output)
-    prefill, decode = prefill / pairs * requests, decode / pairs * requests
-    output_tokens = requests * sum(output) / len(output)
-    rate = args.gflops or matmul_gflops()
-    seconds = (prefill + decode) / (rate * 1e9)
-    per_decode = decode / (requests * (sum(output) / len(output) - 1))
-    print(f"model {path}: {weights / 1e6:.1f} M layer weights, head {head / 1e6:.1f} M")
-    print(f"workload: {requests} requests, {requests * sum(prompt) / len(prompt):.0f} prompt and {output_tokens:.0f} "
-          "output tokens")
-    print(f"arithmetic: prefill {prefill / 1e12:.2f} TFLOP, decode {decode / 1e12:.2f} TFLOP, "
-          f"{per_decode / 1e6:.0f} MFLOP per decode token")
-    print(f"fp32 matmul rate: {rate:.1f} GFLOP/s ({'given' if args.gflops else 'measured'}, "
-          f"{torch.get_num_threads()} threads)")
-    print(f"at that rate: prefill alone {prefill / (rate * 1e9):.1f} s, all {seconds:.1f} s -> at most "
-          f"{output_tokens / seconds:.0f} out tok/s; decode alone at most {rate * 1e9 / per_decode:.0f} tok/s")
-    if arrival_rate:  # the requests cannot all be served before the last one arrives
-        arrivals = requests / arrival_rate
-        print(f"arrivals at {arrival_rate:g} a second: the last one ~{arrivals:.0f} s in -> at most "
-              f"{output_tokens / max(seconds, arrivals):.0f} out tok/s")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -368,16 +280,8 @@ def main() -> None:
     s.add_argument("--steps", type=int, default=10)
     s.add_argument("--base", default=None, help="a git revision whose kernels are timed against the working tree's")
     s.add_argument("--disable", default=None, help="a kernel (--disable-kernels) to time off against on")
-    b = sub.add_parser("bound", help="the most out tok/s fp32 arithmetic allows on W1 (or W3)")
-    b.add_argument("--workload", default="W1", choices=["W1", "W3"], help="its shape, from benchmarks/workloads.txt")
-    b.add_argument("--model", default=None, help="a GGUF (default: SmolLM2)")
-    b.add_argument("--requests", type=int, default=None)
-    b.add_argument("--prompt", type=span, default=None, help="prompt tokens, N or MIN:MAX")
-    b.add_argument("--output", type=span, default=None, help="output tokens, N or MIN:MAX")
-    b.add_argument("--gflops", type=float, default=None, help="the fp32 matmul rate, instead of measuring it")
-    b.add_argument("--arrival-rate", type=float, default=None, help="requests a second (W3: 1.2; 0: all at once)")
     args = ap.parse_args()
-    {"forward": forward, "step": step, "bound": bound}[args.command](args)
+    {"forward": forward, "step": step}[args.command](args)
 
 
 if __name__ == "__main__":
