@@ -3,7 +3,10 @@ runs in the test process; so does the server, see server_helpers.InProcessServer
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -328,3 +331,54 @@ def test_compare_gives_after_over_before_in_both_orders(bench, tmp_path):
     (tmp_path / "peers_W1.json").write_text(json.dumps({"servers": [{"name": "justapi", "figures": {}}]}))
     p = bench("compare", str(tmp_path))
     assert p.returncode == 2 and "justapi-before" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_bounds_count_a_token_s_bytes_and_a_workload_s_products(tiny_model, tmp_path, capsys, monkeypatch):
+    """benchmarks/bounds.py: S1's bytes a token are every layer tensor and the head as stored plus the K/V of the
+    mean context; the loaded workloads' attention arithmetic in closed form equals the sum over each query's keys
+    (windows included); W2's shared prefix counted once; `report` gives a figure as a share of its bound."""
+    import importlib.util
+    from pathlib import Path
+
+    from justapi.model.gguf_loader import open_gguf
+
+    path = Path(__file__).parent.parent / "benchmarks" / "bounds.py"
+    spec = importlib.util.spec_from_file_location("bounds", path)
+    b = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bounds", b)  # its dataclasses look their module up
+    spec.loader.exec_module(b)
+    model = b.Model(tiny_model)
+    cfg = model.cfg
+    stored = {t.name: int(t.n_bytes) for t in open_gguf(tiny_model).tensors}
+    head = stored.get("output.weight", stored["token_embd.weight"])
+    assert model.token_bytes == sum(n for k, n in stored.items() if k.startswith("blk.")) + head
+    keys = sum(p + 1 for p in range(5, 5 + 7))  # queries at positions 5..11
+    assert model.attention(5, 7) == 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers * keys
+    model.cfg = dataclasses.replace(cfg, layer_windows=(4,) + (None,) * (cfg.num_layers - 1))  # layer 0 windowed
+    window_keys = sum(min(p + 1, 4) for p in range(5, 12))
+    per_layer = 4 * cfg.num_heads * cfg.head_dim
+    assert model.attention(5, 7) == per_layer * (window_keys + (cfg.num_layers - 1) * keys)
+    assert model.kv_bytes(10) == 2 * cfg.num_kv_heads * cfg.head_dim * 2 * (4 + 10 * (cfg.num_layers - 1))
+    model.cfg = cfg
+    machine = b.Machine(read_gbps=10.0, gflops_bf16=100.0, gflops_fp32=50.0)
+    s1 = b.s1_bound(model, b.Shape(1, range(128, 129), range(128, 129)), machine)
+    assert s1["bytes_per_token"] == model.token_bytes + model.kv_bytes(128 + 64)
+    assert s1["bound"] == pytest.approx(10e9 / s1["bytes_per_token"])
+    shared = b.loaded_bound(model, b.Shape(4, range(8, 9), range(2, 3), prefix=100), machine)
+    alone = b.loaded_bound(model, b.Shape(4, range(8, 9), range(2, 3)), machine)
+    prefix_flop = 2 * model.layer_weights * 100 + model.attention(0, 100)
+    later_keys = 4 * (model.attention(100, 9) - model.attention(0, 9))  # the suffixes see the prefix's keys too
+    assert shared["tflop"] * 1e12 == pytest.approx(alone["tflop"] * 1e12 + prefix_flop + later_keys)
+    assert shared["bound"] == pytest.approx(4 * 2 / (shared["tflop"] * 1e12 / 100e9))
+    w2 = b.shape_of("W2")
+    assert (w2.requests, w2.prefix, w2.prompt, w2.output) == (64, 400, range(32, 33), range(64, 65))
+    saved = tmp_path / "bounds.json"
+    saved.write_text(json.dumps(dict(model="m", machine=dataclasses.asdict(machine), measured="now",
+                                     bounds={"S1": s1})))
+    servers = [{"name": "justapi", "figures": {"completed": 4, "tpot_ms": {"p50": 1000 / (s1["bound"] / 2)}}},
+               {"name": "llama.cpp", "figures": {"completed": 4, "tpot_ms": {"p50": 1000 / (s1["bound"] / 4)}}}]
+    (tmp_path / "peers_S1.json").write_text(json.dumps({"servers": servers}))
+    capsys.readouterr()
+    b.report(argparse.Namespace(bounds=str(saved), results=str(tmp_path)))
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("S1") and "justapi" in x)
+    assert "50.0%" in line and "2.00x" in line
