@@ -62,8 +62,9 @@ SETTINGS = {
 }
 
 
+@pytest.mark.parametrize("route", ["torch", "C++"])
 @pytest.mark.parametrize("filters", SETTINGS.values(), ids=SETTINGS.keys())
-def test_filters_sample_the_exact_renormalised_distribution(filters):
+def test_filters_sample_the_exact_renormalised_distribution(filters, route, cpp_kernels):
     from scipy.stats import chi2
 
     want = filtered(0.8, **filters)
@@ -72,12 +73,15 @@ def test_filters_sample_the_exact_renormalised_distribution(filters):
     assert len(want) >= 5 and removed > 0.07, (len(want), removed)  # the filter matters here
     if len(filters) == 3:  # each of the three removes something the others keep
         assert len(filtered(0.8, top_k=8)) > len(filtered(0.8, top_k=8, top_p=0.95)) > len(want)
+    if route == "C++" and cpp_kernels is None:
+        pytest.skip("no C++ kernels here")
+    kernels = cpp_kernels if route == "C++" else None
     params = SamplingParams(temperature=0.8, **filters)
     logits = torch.tensor([LOGITS], dtype=torch.float32).expand(500, -1)
     counts: dict[int, int] = {}
     for start in range(0, N, 500):  # 500 rows a call, as a batch of 500 requests; positions 0-6
         rows = [SampleRow(params, 7919 * i + 13, [ORDER[0]] * (i % 7)) for i in range(start, start + 500)]
-        for tok in sample(logits, rows)[0]:
+        for tok in sample(logits, rows, kernels)[0]:
             counts[tok] = counts.get(tok, 0) + 1
     outside = {t: c for t, c in counts.items() if t not in want}
     assert not outside, f"tokens the filter removes were drawn: {outside}"
@@ -85,3 +89,54 @@ def test_filters_sample_the_exact_renormalised_distribution(filters):
     assert chi_square(counts, want, N) < threshold, (counts, want)
     # the draws tell temperature 0.8 from 1.0: a sampler that dropped the temperature would fail above
     assert chi_square(counts, filtered(1.0, **filters), N) > threshold
+
+
+def test_the_kernel_draws_the_token_the_torch_steps_draw(cpp_kernels):
+    """The C++ sample_rows against sampler.draw on the same rows and uniforms: the same token every time, over
+    vocabularies of every tail length, logits with ties and -inf (a grammar's mask), each filter alone and together,
+    a batch of rows at once; a row with nothing to draw is -1 (sample() then raises for that row)."""
+    from justapi.model.sampler import draw
+
+    if cpp_kernels is None or not hasattr(cpp_kernels, "sample_rows"):
+        pytest.skip("no C++ kernels here")
+    g = torch.Generator().manual_seed(0)
+    settings = [dict(), dict(top_k=7), dict(top_p=0.9), dict(min_p=0.05), dict(top_k=40, top_p=0.95, min_p=0.02),
+                dict(top_p=0.5), dict(top_k=1000), dict(top_p=0.999)]
+    mismatches, draws = [], 0
+    for vocab in (1, 5, 16, 17, 100, 4099, 50000):
+        for temperature in (0.3, 0.8, 1.0, 1.7):
+            logits = (torch.randn(len(settings), vocab, generator=g) * 3).round(decimals=1)  # ties
+            logits[1, 1::3] = float("-inf")
+            rows = [SamplingParams(temperature=temperature, **f) for f in settings]
+            us = torch.rand(len(settings), generator=g, dtype=torch.float64).tolist()
+            batch = torch.tensor([[p.temperature, p.top_k, p.top_p, p.min_p, u] for p, u in zip(rows, us)],
+                                 dtype=torch.float64)
+            got = cpp_kernels.sample_rows(logits, batch).tolist()
+            for r, (p, u) in enumerate(zip(rows, us)):
+                draws += 1
+                want = draw(logits[r], p, u)
+                if got[r] != want:
+                    mismatches.append((vocab, temperature, settings[r], got[r], want))
+    assert draws == 7 * 4 * len(settings) and not mismatches, mismatches
+    dead = torch.full((2, 50), float("-inf"))
+    dead[1, 3] = float("nan")
+    one = torch.tensor([[1.0, 0, 1.0, 0, 0.5]] * 2, dtype=torch.float64)
+    assert cpp_kernels.sample_rows(dead, one).tolist() == [-1, -1]
+    with pytest.raises(ValueError, match="no token can be sampled"):
+        draw(dead[0], SamplingParams(temperature=1.0), 0.5)
+
+
+def test_a_draw_takes_the_token_whose_cumulative_weight_passes_u(cpp_kernels):
+    """draw's inverse distribution, by hand: weights 1 : 3 : 4 at temperature 1 (logits log 1, log 3, log 4); u
+    below 1/8 draws token 0, up to 1/2 token 1, the rest token 2; top-p 0.5 keeps token 2 alone (the mass before
+    the next one, 4/8, is not under 0.5), top-k 2 tokens 1 and 2 (u scaled over 7)."""
+    from justapi.model.sampler import draw
+
+    logits = torch.tensor([0.0, math.log(3), math.log(4)])
+    plain = SamplingParams(temperature=1.0)
+    assert [draw(logits, plain, u) for u in (0.0, 0.12, 0.13, 0.49, 0.51, 0.999)] == [0, 0, 1, 1, 2, 2]
+    assert {draw(logits, SamplingParams(temperature=1.0, top_p=0.5), u) for u in (0.0, 0.5, 0.99)} == {2}
+    assert [draw(logits, SamplingParams(temperature=1.0, top_k=2), u) for u in (0.42, 0.44)] == [1, 2]
+    if cpp_kernels is not None and hasattr(cpp_kernels, "sample_rows"):
+        batch = torch.tensor([[1.0, 0, 1.0, 0, u] for u in (0.0, 0.12, 0.13, 0.49, 0.51, 0.999)], dtype=torch.float64)
+        assert cpp_kernels.sample_rows(logits.expand(6, -1).contiguous(), batch).tolist() == [0, 0, 1, 1, 2, 2]

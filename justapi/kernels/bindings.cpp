@@ -50,6 +50,9 @@ void gated_delta_runs(torch::Tensor mixed, torch::Tensor b, torch::Tensor alpha,
                       double eps, torch::Tensor tails, torch::Tensor states, torch::Tensor runs, int64_t key_heads,
                       torch::Tensor out);
 
+// sampling.cpp
+torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor settings);
+
 // q_matmul.cpp
 bool q_matmul_available();
 torch::Tensor q_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scale, c10::optional<torch::Tensor> offset,
@@ -90,6 +93,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gated_delta_runs", &gated_delta_runs,
         "Gated DeltaNet's convolution and delta rule over runs of rows (decode rows, prompt chunks), in place on "
         "their state slots (fp32)");
+  m.def("sample_rows", &sample_rows,
+        "a token from each logits row under its (temperature, top_k, top_p, min_p, u): the inverse of its cumulative "
+        "distribution at u, as model/sampler.py's draw; -1 where none can be drawn");
   m.def("q_matmul_available", &q_matmul_available, "whether q_matmul can run here (an AVX2 + FMA build)");
   m.def("q_matmul", &q_matmul, "x @ w.T, fp32 rows (rounded to 16-bit integers) x a packed 4-bit or Q8_0 weight, on AVX2");
 }

@@ -83,6 +83,50 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return probs / probs.sum()
 
 
+def draw(logits: torch.Tensor, params: SamplingParams, u: float) -> int:
+    """A token from ``logits`` [vocab] (fp32) under the temperature, top-k, top-p and min-p of ``params``: the
+    first whose running sum of weights (in vocabulary order) passes ``u`` (uniform in [0, 1)) times their total.
+    The weights are exp((logit - max) / temperature), zero where a filter drops the token; top-k keeps ties with the
+    k-th logit, top-p the likeliest tokens (ties in vocabulary order) while the mass before them is under top_p,
+    min-p those at least min_p times the likeliest's weight (which is 1). The C++ ``sample_rows`` takes the same
+    steps in the same order and rounding, token for token (tested), in a few passes over the row."""
+    top = logits.max()
+    if not bool(torch.isfinite(top)):
+        raise ValueError("no token can be sampled: every logit is -inf, or one is NaN")
+    w = torch.exp((logits - top) / params.temperature)
+    if 0 < params.top_k < logits.shape[-1]:
+        w = w.masked_fill(logits < torch.topk(logits, params.top_k).values[-1], 0.0)
+    if params.top_p < 1.0:
+        z = torch.cumsum(w.double(), 0)[-1]
+        order = torch.sort(w, descending=True, stable=True).indices
+        sorted_w = w[order].double()
+        before = torch.cat([sorted_w.new_zeros(1), torch.cumsum(sorted_w, 0)[:-1]])  # the mass before each
+        drop = before >= params.top_p * z
+        drop[0] = False  # the likeliest token at least
+        w = w.index_fill(0, order[drop], 0.0)
+    if params.min_p > 0.0:
+        w = w.masked_fill(w < params.min_p, 0.0)
+    running = torch.cumsum(w.double(), 0)
+    token = int(torch.searchsorted(running, u * running[-1], right=True))
+    return token if token < len(w) else int(torch.nonzero(w)[-1])  # u * total rounded past the sum
+
+
+def draw_rows(drawn: list[tuple[int, torch.Tensor, SamplingParams, float]], kernels) -> list[int]:
+    """``draw`` for each (row, logits, params, u): all in one call of the C++ ``sample_rows`` on CPU, where the
+    kernels are built with it."""
+    if not drawn:
+        return []
+    if kernels is None or not hasattr(kernels, "sample_rows") or drawn[0][1].device.type != "cpu":
+        return [draw(row_logits.float(), params, u) for _, row_logits, params, u in drawn]
+    logits = drawn[0][1].unsqueeze(0) if len(drawn) == 1 else torch.stack([d[1] for d in drawn])
+    settings = torch.tensor([[p.temperature, p.top_k, p.top_p, p.min_p, u] for _, _, p, u in drawn],
+                            dtype=torch.float64)
+    tokens = kernels.sample_rows(logits.float(), settings).tolist()
+    if -1 in tokens:
+        raise ValueError("no token can be sampled: every logit is -inf, or one is NaN")
+    return tokens
+
+
 def sample(logits: torch.Tensor, rows: list[SampleRow], kernels=None) -> tuple[list[int], list[Logprob | None]]:
     """One token per row of ``logits`` [num_rows, vocab] (fp32), and logprobs where a row asked for them.
     ``kernels``: the engine's C++ kernels (justapi.kernels), whose ``argmax_rows`` makes the greedy pick on CPU."""
@@ -98,6 +142,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], kernels=None) -> tuple[l
         for i, t in zip(greedy_rows, picked):
             tokens[i] = t
     greedy_set = set(greedy_rows)
+    drawn: list[tuple[int, torch.Tensor, SamplingParams, float]] = []
     for i, row in enumerate(rows):
         if i in greedy_set:
             continue
@@ -105,9 +150,11 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], kernels=None) -> tuple[l
         if row.params.greedy:
             tokens[i] = int(row_logits.argmax())
             continue
-        probs = processed_probs(row_logits, row.params)
         g = row_generator(row.seed, len(row.output_token_ids), str(logits.device))
-        tokens[i] = int(torch.multinomial(probs, 1, generator=g))
+        drawn.append((i, row_logits, row.params, float(torch.rand((), generator=g, dtype=torch.float64,
+                                                                    device=logits.device))))
+    for (i, *_), token in zip(drawn, draw_rows(drawn, kernels)):
+        tokens[i] = token
     logprobs: list[Logprob | None] = [None] * len(rows)
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     if want:
