@@ -21,9 +21,11 @@ from justapi.model.layers import RotaryEmbedding, rms_norm
 @pytest.mark.parametrize("act,cache", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                        (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
                                        (torch.float32, torch.int8), (torch.bfloat16, torch.int8)])
-def test_rope_write_kv_is_bit_identical_to_the_torch_path(cpp_kernels, style, act, cache):
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["", "qk_norm"])
+def test_rope_write_kv_is_bit_identical_to_the_torch_path(cpp_kernels, style, act, cache, qk_norm):
     """Rotated Q, and K/V stored at shuffled slots, exactly as rotate() + write_kv() make them (an int8 cache's rows
-    quantized as quantize_rows makes them, scales included)."""
+    quantized as quantize_rows makes them, scales included); with QK norms (Qwen3, Gemma 3), each Q and K head
+    normed first as the torch path's norms (add_rms_norm on the head rows) make them."""
     heads, kv_heads, dim, bs, blocks, n = 6, 2, 64, 4, 12, 9
     width = kv_row_width(dim, cache == torch.int8)
     g = torch.Generator().manual_seed(3)
@@ -34,10 +36,18 @@ def test_rope_write_kv_is_bit_identical_to_the_torch_path(cpp_kernels, style, ac
     cos, sin = rope.tables(positions)
     want_k, want_v = (torch.zeros(kv_heads, blocks, bs, width, dtype=cache),
                       torch.zeros(kv_heads, blocks, bs, width, dtype=cache))
-    qk = rope.rotate(qkv[:, : (heads + kv_heads) * dim].view(n, heads + kv_heads, dim).float(), cos, sin)
+    heads_in = qkv[:, : (heads + kv_heads) * dim].view(n, heads + kv_heads, dim)
+    norms = (torch.rand(dim, generator=g) + 0.5, torch.rand(dim, generator=g) + 0.5) if qk_norm else (None, None)
+    if qk_norm:  # as blocks.ForwardPass.norm: the kernel's norm over each head's row, in the activations' dtype
+        def normed(t, w):
+            return cpp_kernels.add_rms_norm(t.reshape(-1, dim).contiguous(), None, w, 1e-6)[1].view(t.shape)
+
+        heads_in = torch.cat([normed(heads_in[:, :heads], norms[0]), normed(heads_in[:, heads:], norms[1])], 1)
+    qk = rope.rotate(heads_in.float(), cos, sin)
     write_kv(want_k, want_v, qk[:, heads:], qkv[:, (heads + kv_heads) * dim :].view(n, kv_heads, dim), slots)
     got_k, got_v = torch.zeros_like(want_k), torch.zeros_like(want_v)
-    q = cpp_kernels.rope_write_kv(qkv, cos, sin, style == "neox", heads, kv_heads, dim, got_k, got_v, slots)
+    q = cpp_kernels.rope_write_kv(qkv, cos, sin, style == "neox", heads, kv_heads, dim, got_k, got_v, slots, *norms,
+                                  1e-6)
     assert q.dtype == torch.float32 and torch.equal(q, qk[:, :heads])
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
     assert got_k.view(kv_heads, -1, width)[:, slots, :dim].abs().amax() > 0  # written, not left zero

@@ -15,7 +15,8 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, c10::opti
                                                       torch::Tensor weight, double eps);
 torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, bool neox, int64_t num_heads,
                             int64_t num_kv_heads, int64_t dim, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor slots);
+                            torch::Tensor slots, c10::optional<torch::Tensor> q_norm,
+                            c10::optional<torch::Tensor> k_norm, double eps);
 
 // int4_matmul.cpp
 bool int4_amx_available();
@@ -63,7 +64,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "window > 0: only each sequence's last `window` tokens", py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("window") = 0);
   m.def("add_rms_norm", &add_rms_norm, "x += residual; rms_norm(x) * weight (fp32 accumulation), in place on x");
-  m.def("rope_write_kv", &rope_write_kv, "rotary embedding of fused QKV rows, K/V stored at their slots; returns Q");
+  m.def("rope_write_kv", &rope_write_kv, "rotary embedding of fused QKV rows (each Q and K head RMS-normed first "
+        "with q_norm / k_norm), K/V stored at their slots; returns Q", py::arg("qkv"), py::arg("cos"), py::arg("sin"),
+        py::arg("neox"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("dim"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("slots"), py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(),
+        py::arg("eps") = 0.0);
   m.def("int4_amx_available", &int4_amx_available, "whether int4_amx_matmul can run here (built with AMX, allowed)");
   m.def("int4_amx_pack", &int4_amx_pack, "4-bit weight (q, scale, zero) -> the layout int4_amx_matmul reads");
   m.def("int4_amx_matmul", &int4_amx_matmul, "x @ w.T, bf16 rows x a packed 4-bit weight, on AMX tiles");

@@ -2,7 +2,8 @@
 // torch op costs microseconds of dispatch for nanoseconds of work):
 //
 //   add_rms_norm   x += residual (optional), h = rms_norm(x) * weight
-//   rope_write_kv  rotate the Q and K heads of the fused QKV output, store K and V at their cache slots, return Q
+//   rope_write_kv  rotate the Q and K heads of the fused QKV output (each normed first where the model has QK
+//                  norms), store K and V at their cache slots, return Q
 //   silu_mul       silu(gate) * up from the fused gate/up output, in one pass over it (AVX-512 builds; fp32
 //                  only on AVX2)
 //   argmax_rows    the greedy pick: each row's first maximum (torch's max(dim=-1) runs on one thread, 1.6 ms
@@ -107,30 +108,48 @@ inline void quantize_row(const float* x, int64_t dim, int8_t* out) {
   }
 }
 
+// A per-head QK norm before the rotary (Qwen3, Gemma 3): each Q and K head of a row normed by add_rms_norm_rows
+// itself, the function the torch path's norms call (nested in this parallel region it runs on the calling thread),
+// so the normed heads, rounded to T, are the torch path's bit for bit
+struct QkNorm {
+  const float* q = nullptr;  // [dim] fp32 weights; null: no QK norm
+  const float* k = nullptr;
+  float eps = 0.f;
+};
+
 // cos/sin: [rows, dim/2] fp32; an int8 cache's rows are dim + dim / 8 wide, each K and V row rotated or widened to
 // fp32 first and then quantized
 template <bool Neox, typename T, typename C>
 void rope_write_rows(const T* qkv, int64_t row_stride, const float* cos, const float* sin, int64_t rows,
                      int64_t num_heads, int64_t num_kv_heads, int64_t dim, C* k_cache, C* v_cache,
-                     int64_t cache_head_stride, const int64_t* slots, float* q_out) {
+                     int64_t cache_head_stride, const int64_t* slots, float* q_out, QkNorm norm) {
   const int64_t half = dim / 2;
   constexpr bool int8 = std::is_same_v<C, int8_t>;
   const int64_t width = int8 ? dim + dim / kInt8Group * 4 : dim;
+  const int64_t qk = (num_heads + num_kv_heads) * dim;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row_f32(int8 ? dim : 0);
+    std::vector<T> raw(norm.q ? qk : 0), normed(norm.q ? qk : 0);
     for (int64_t r = begin; r < end; ++r) {
       const T* row = qkv + r * row_stride;
+      if (norm.q) {  // the row's Q and K heads normed into `normed`; its V is read from qkv as it is
+        std::memcpy(raw.data(), row, qk * sizeof(T));
+        add_rms_norm_rows<T>(raw.data(), nullptr, norm.q, normed.data(), num_heads, dim, norm.eps);
+        add_rms_norm_rows<T>(raw.data() + num_heads * dim, nullptr, norm.k, normed.data() + num_heads * dim,
+                             num_kv_heads, dim, norm.eps);
+      }
+      const T* heads = norm.q ? normed.data() : row;
       const float* c = cos + r * half;
       const float* s = sin + r * half;
       for (int64_t h = 0; h < num_heads; ++h)
-        rotate_head<Neox>(row + h * dim, c, s, q_out + (r * num_heads + h) * dim, half);
+        rotate_head<Neox>(heads + h * dim, c, s, q_out + (r * num_heads + h) * dim, half);
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         C* ko = k_cache + h * cache_head_stride + slots[r] * width;
         if constexpr (int8) {
-          rotate_head<Neox>(row + (num_heads + h) * dim, c, s, row_f32.data(), half);
+          rotate_head<Neox>(heads + (num_heads + h) * dim, c, s, row_f32.data(), half);
           quantize_row(row_f32.data(), dim, ko);
         } else {
-          rotate_head<Neox>(row + (num_heads + h) * dim, c, s, ko, half);
+          rotate_head<Neox>(heads + (num_heads + h) * dim, c, s, ko, half);
         }
       }
       const T* v = row + (num_heads + num_kv_heads) * dim;
@@ -151,13 +170,13 @@ void rope_write_rows(const T* qkv, int64_t row_stride, const float* cos, const f
 template <typename T, typename C>
 void rope_write_dispatch_style(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, bool neox,
                                int64_t num_heads, int64_t num_kv_heads, int64_t dim, torch::Tensor& k_cache,
-                               torch::Tensor& v_cache, const torch::Tensor& slots, torch::Tensor& q) {
+                               torch::Tensor& v_cache, const torch::Tensor& slots, torch::Tensor& q, QkNorm norm) {
   const int64_t head_stride = k_cache.size(1) * k_cache.size(2) * k_cache.size(3);  // one KV head's blocks
   auto run = [&](auto neox_style) {
     rope_write_rows<decltype(neox_style)::value>(qkv.data_ptr<T>(), qkv.stride(0), cos.data_ptr<float>(),
                                                  sin.data_ptr<float>(), qkv.size(0), num_heads, num_kv_heads, dim,
                                                  k_cache.data_ptr<C>(), v_cache.data_ptr<C>(), head_stride,
-                                                 slots.data_ptr<int64_t>(), q.data_ptr<float>());
+                                                 slots.data_ptr<int64_t>(), q.data_ptr<float>(), norm);
   };
   if (neox) run(std::true_type{});
   else run(std::false_type{});
@@ -166,15 +185,16 @@ void rope_write_dispatch_style(const torch::Tensor& qkv, const torch::Tensor& co
 template <typename T>
 void rope_write_dispatch_cache(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, bool neox,
                                int64_t num_heads, int64_t num_kv_heads, int64_t dim, torch::Tensor& k_cache,
-                               torch::Tensor& v_cache, const torch::Tensor& slots, torch::Tensor& q) {
+                               torch::Tensor& v_cache, const torch::Tensor& slots, torch::Tensor& q, QkNorm norm) {
   if (k_cache.scalar_type() == torch::kFloat32)
-    rope_write_dispatch_style<T, float>(qkv, cos, sin, neox, num_heads, num_kv_heads, dim, k_cache, v_cache, slots, q);
+    rope_write_dispatch_style<T, float>(qkv, cos, sin, neox, num_heads, num_kv_heads, dim, k_cache, v_cache, slots, q,
+                                        norm);
   else if (k_cache.scalar_type() == torch::kChar)
     rope_write_dispatch_style<T, int8_t>(qkv, cos, sin, neox, num_heads, num_kv_heads, dim, k_cache, v_cache, slots,
-                                         q);
+                                         q, norm);
   else
     rope_write_dispatch_style<T, c10::BFloat16>(qkv, cos, sin, neox, num_heads, num_kv_heads, dim, k_cache, v_cache,
-                                                slots, q);
+                                                slots, q, norm);
 }
 
 #ifdef JUSTAPI_SILU
@@ -379,10 +399,11 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, c10::opti
 
 // qkv [rows, (num_heads + 2 * num_kv_heads) * dim] (rows may be strided), cos/sin [rows, dim/2] fp32, caches
 // [num_kv_heads, num_blocks, block_size, dim] fp32 or bf16 (int8: dim + dim / 8), slots [rows] int64; returns rotated Q
-// [rows, heads, dim]
+// [rows, heads, dim]; with q_norm and k_norm ([dim] fp32) each Q and K head is RMS-normed (eps) before its rotary
 torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, bool neox, int64_t num_heads,
                             int64_t num_kv_heads, int64_t dim, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor slots) {
+                            torch::Tensor slots, c10::optional<torch::Tensor> q_norm,
+                            c10::optional<torch::Tensor> k_norm, double eps) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * dim,
               "rope_write_kv: qkv [rows, (heads + 2 kv_heads) * dim] with unit column stride expected");
   TORCH_CHECK(qkv.scalar_type() == torch::kFloat32 || qkv.scalar_type() == torch::kBFloat16, "rope_write_kv: fp32 or bf16");
@@ -404,11 +425,22 @@ torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t r = 0; r < slots.numel(); ++r)
     TORCH_CHECK(sp[r] >= 0 && sp[r] < num_slots, "rope_write_kv: slot out of range");
+  QkNorm norm;
+  torch::Tensor qn, kn;  // held while the kernel reads them
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "rope_write_kv: both QK norms or neither");
+  if (q_norm.has_value()) {
+    qn = q_norm->contiguous();
+    kn = k_norm->contiguous();
+    TORCH_CHECK(qn.scalar_type() == torch::kFloat32 && kn.scalar_type() == torch::kFloat32 && qn.numel() == dim &&
+                    kn.numel() == dim, "rope_write_kv: [dim] fp32 QK norm weights expected");
+    norm = QkNorm{qn.data_ptr<float>(), kn.data_ptr<float>(), static_cast<float>(eps)};
+  }
   auto q = torch::empty({qkv.size(0), num_heads, dim}, qkv.options().dtype(torch::kFloat32));
   if (qkv.scalar_type() == torch::kFloat32)
-    rope_write_dispatch_cache<float>(qkv, cos, sin, neox, num_heads, num_kv_heads, dim, k_cache, v_cache, slots, q);
+    rope_write_dispatch_cache<float>(qkv, cos, sin, neox, num_heads, num_kv_heads, dim, k_cache, v_cache, slots, q,
+                                     norm);
   else
     rope_write_dispatch_cache<c10::BFloat16>(qkv, cos, sin, neox, num_heads, num_kv_heads, dim, k_cache, v_cache,
-                                             slots, q);
+                                             slots, q, norm);
   return q;
 }

@@ -122,10 +122,10 @@ class Attention:
         # the queries are fp32 whatever the weights' dtype; the cache stores K/V in its own dtype (write_kv), and
         # attention reads them in fp32, except prefill chunks over a bf16 cache of a bf16 model (paged_attention)
         rope = self.rope
-        if fp.fused and self.q_norm is None and rope is not None and rope.whole:
+        if fp.fused and rope is not None and rope.whole:  # one call: QK norms (where there are), rotary, K/V store
             cos, sin = fp.tables(rope)
             q = fp.kernels.rope_write_kv(qkv, cos, sin, rope.style == "neox", self.heads, self.kv_heads, d,
-                                         k_cache, v_cache, fp.meta.slot_mapping)
+                                         k_cache, v_cache, fp.meta.slot_mapping, self.q_norm, self.k_norm, fp.eps)
         else:
             q = qkv[:, :q_size].view(n, self.heads, d)
             k = qkv[:, q_size : q_size + kv_size].view(n, self.kv_heads, d)
