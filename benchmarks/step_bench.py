@@ -110,14 +110,14 @@ def old_version(rev: str):
 
 
 def base_side(args, model, new_forward) -> tuple[str, tuple]:
-    """The base's name and (forward, rope, head, layers, policy): another revision's forward, or the working tree's
-    over weights loaded with ``args.disable`` off."""
+    """The base's name and (forward, rope, head, layers, policy, native decode layers): another revision's forward,
+    or the working tree's over weights loaded with ``args.disable`` off."""
     import torch
 
     if args.disable:
         off = LLM(default_model_path(), pool_blocks=16, disabled_kernels=(args.disable,),
                   show_progress=False).engine.model
-        return f"{args.disable} off", (new_forward, model.rope, off.lm_head, off.layers, off.policy)
+        return f"{args.disable} off", (new_forward, model.rope, off.lm_head, off.layers, off.policy, off.decode_layers)
     old_forward, OldRope = old_version(args.base)
     # a weight wrapper the base revision may not know (quant.Int8RowWeight): the base multiplies its dense tensor (a
     # plain copy of it where it is prepacked for oneDNN); a head held without one (the units' routes) goes to the
@@ -127,7 +127,7 @@ def base_side(args, model, new_forward) -> tuple[str, tuple]:
         head = head.dense.to_dense() if head.dense.is_mkldnn else head.dense
     rope = OldRope.__new__(OldRope)
     rope.__dict__.update(model.rope.__dict__)
-    return args.base, (old_forward, rope, head, model.layers, model.policy)
+    return args.base, (old_forward, rope, head, model.layers, model.policy, None)
 
 
 def forward(args) -> None:
@@ -142,17 +142,18 @@ def forward(args) -> None:
         print(json.dumps({"src": justapi.__file__, "ms": best}))
         return
     new_forward = type(model).forward
-    new = (new_forward, model.rope, model.lm_head, model.layers, model.policy)
+    new = (new_forward, model.rope, model.lm_head, model.layers, model.policy, model.decode_layers)
     base_name, base = base_side(args, model, new_forward)
     inputs = capture(llm, (1, 8, 32, 512))
     print(f"forward pass of one step (decode rows, or a 512-token prefill chunk), {base_name} vs working tree, "
           f"best of {args.reps} x 5")
 
     def side(parts: tuple, a: tuple, k: dict) -> tuple:
-        f, rope, head, layers, policy = parts
+        f, rope, head, layers, policy, native = parts
 
         def prepare():
             model.rope, model.lm_head, model.layers, model.policy = rope, head, layers, policy
+            model.decode_layers = native
         return prepare, lambda: f(model, *a, **k)
 
     for n, (a, k) in inputs.items():

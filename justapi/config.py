@@ -73,7 +73,7 @@ DISK_READ_POLICIES = ("auto", "always")  # --prefix-cache-dir-reads (core.kv_sto
 # units with AVX-512 FMAs), q4_small (1-2 rows times 4-bit units so, beside dpbf16), prepack (dense weights in oneDNN's
 # blocked layout), fused_silu (silu(gate) * up in one C++ call), prefill_attention (prompt chunks' attention in C++).
 OPTIONAL_KERNELS = ("q_matmul", "amx", "dpbf16", "q8_small", "q4_small", "prepack", "fused_silu", "prefill_attention",
-                    "delta_rule")
+                    "delta_rule", "decode_step")
 
 
 def flag(default, help: str, name: str | None = None, choices=None, metavar: str | None = None,

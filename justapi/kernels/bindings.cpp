@@ -54,6 +54,9 @@ void gated_delta_runs(torch::Tensor mixed, torch::Tensor b, torch::Tensor alpha,
 // sampling.cpp
 torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor settings);
 
+// decode_step.cpp: the DecodeLayers class
+void bind_decode_step(py::module& m);
+
 // q_matmul.cpp
 bool q_matmul_available();
 torch::Tensor q_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scale, c10::optional<torch::Tensor> offset,
@@ -102,5 +105,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a token from each logits row under its (temperature, top_k, top_p, min_p, u): the inverse of its cumulative "
         "distribution at u, as model/sampler.py's draw; -1 where none can be drawn");
   m.def("q_matmul_available", &q_matmul_available, "whether q_matmul can run here (an AVX2 + FMA build)");
+  bind_decode_step(m);
   m.def("q_matmul", &q_matmul, "x @ w.T, fp32 rows (rounded to 16-bit integers) x a packed 4-bit or Q8_0 weight, on AVX2");
 }

@@ -7,7 +7,8 @@ setup.py imports this file by path, so it depends on nothing but the standard li
 from __future__ import annotations
 
 SOURCES = ("bindings.cpp", "paged_attention.cpp", "layer_ops.cpp", "int4_matmul.cpp", "units_avx512.cpp",
-           "q_matmul.cpp", "prefill_attention.cpp", "recurrent.cpp", "sampling.cpp")
+           "q_matmul.cpp", "prefill_attention.cpp", "recurrent.cpp", "sampling.cpp",
+           "decode_step.cpp")
 # -fopenmp: at::parallel_for is inline OpenMP; without it every call runs on one thread. The module links libgomp by
 # soname, so it shares the one torch has loaded (one thread pool). -ffp-contract=off: no fused multiply-adds where
 # the source has none, so elementwise code rounds exactly as torch's separate ops do (layer_ops.cpp's rotary is

@@ -185,7 +185,9 @@ class KernelPolicy:
                 # Gated DeltaNet's convolution and delta rule over a batch's decode rows and prompt chunks, in place
                 # on their state slots (fp32 states whatever the model's dtype); --batch-invariant keeps the torch
                 # path, whose draft verification steps round as its decode does (model.recurrent)
-                "delta_rule": kernels is not None and hasattr(kernels, "gated_delta_runs")}
+                "delta_rule": kernels is not None and hasattr(kernels, "gated_delta_runs"),
+                # a decode step's layers in one native call where the model's parts allow it (model.decode_plan)
+                "decode_step": kernels is not None and hasattr(kernels, "DecodeLayers")}
         assert set(runs) == set(OPTIONAL_KERNELS)
         return cls(dtype, kernels, cpu, frozenset(k for k, ok in runs.items() if ok and k not in disabled))
 

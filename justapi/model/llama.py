@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from ..model_config import ModelConfig
 from .attention import AttentionMetadata
 from .blocks import Attention, Classifier, DecoderLayer, DenseMlp, ForwardPass, MoeMlp
+from .decode_plan import decode_layers
 from .recurrent import GatedDeltaNet, ShortConv
 from .gguf_loader import Q8_SUFFIX, ModelLoadError
 from . import hugepages
@@ -111,6 +112,9 @@ class LlamaModel:
         self.huge_pages = huge_pages and device == "cpu"
         if self.huge_pages:
             self._weights_to_huge_pages()
+        # decode steps' layers in one native call where every part has one (model.decode_plan): built last, over
+        # the tensors as they stay (huge pages moved them)
+        self.decode_layers = decode_layers(self) if device == "cpu" else None
 
     # --- assembly: each layer's parts, chosen once ---------------------------------------------------------------
     def _local_rope(self, device: str) -> RotaryEmbedding | None:
@@ -275,8 +279,13 @@ class LlamaModel:
         x = self._embed(input_ids)
         fp = ForwardPass(self, positions, meta, x.device.type == "cpu")
         residual = None  # the last sublayer's output, not yet added to x
-        for layer, cache in zip(self.layers, caches):
-            x, residual = layer(x, residual, fp, cache)
+        if self.decode_layers is not None and meta.decode_rows is not None and len(meta.decode_rows) == len(x):
+            native, ropes = self.decode_layers  # every row one sequence's next token
+            x, residual = native.run(x, [fp.tables(rope) for rope in ropes], caches, meta.slot_mapping,
+                                     meta.decode_block_tables, meta.decode_context_lens)
+        else:
+            for layer, cache in zip(self.layers, caches):
+                x, residual = layer(x, residual, fp, cache)
         rows = logits_rows if hidden_rows is None else torch.cat([logits_rows, hidden_rows])
         # only the rows that give logits or states (row-wise from here)
         x = fp.add_norm(x[rows], residual[rows], self.norm)[1]

@@ -1,0 +1,94 @@
+"""A decode step's layers in one native call (kernels/decode_step.cpp ``DecodeLayers``), built once at load.
+
+The Python loop over layers (model.blocks) dispatches a few dozen ops a layer from Python: on a decode step that
+is 12% of SmolLM2's forward at 1-32 rows and 20% of Gemma 3's on a Xeon (docs/benchmarks.md). ``DecodeLayers``
+calls the same kernels with the same tensors in the same order, each weight's route picked by the batch's rows
+from the weight's own table, so its result is the loop's bit for bit (tests/test_decode_step.py). It serves a
+step whose every row is one sequence's next token (no prompt chunk, no draft tree); the loop serves the rest.
+
+``decode_layers(model)`` is None with ``--disable-kernels decode_step``, and where some part is not one the
+native loop has (a hybrid's recurrent layers, experts, tensor parallelism, a layer without RoPE or with partial
+rotary, a soft-cap, gated attention, a weight on oneDNN's prepacked dense route, the pure-torch path,
+--batch-invariant); the reason is logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .blocks import Attention, DenseMlp
+from .quant import Int4Weight, _Int8Forms, _RoutedWeight  # noqa: PLC2701 (the routes' own tables)
+
+log = logging.getLogger("justapi.model")
+
+# the tensors each route reads, as quant.py's _run_<kernel> passes them
+_FORMS = {"torch_int4": ("packed", "scales_zeros"), "amx": ("units",), "dpbf16": ("units",), "q4_small": ("units",),
+          "q8_small": ("units",), "q_matmul": ("q_bytes", "q_scale", "q_offset"), "dense": ("dense",)}
+
+
+class NotNative(Exception):
+    """A part the native loop does not have: the Python loop serves the model."""
+
+
+def decode_layers(model):
+    """The model's ``DecodeLayers`` with the RoPE tables its layers read, or None (module docstring)."""
+    kernels = model.kernels
+    try:
+        if not model.policy.uses("decode_step") or not model.policy.layer_ops:
+            raise NotNative("no C++ kernels, or --disable-kernels decode_step")
+        if model.batch_invariant or model.tp is not None:
+            raise NotNative("--batch-invariant or tensor parallelism")
+        ropes: list = []
+        native = kernels.DecodeLayers(model.config.rms_norm_eps, model.policy.uses("fused_silu"))
+        for layer in model.layers:
+            native.add(*_layer_args(layer, ropes))
+        return native, ropes
+    except NotNative as why:
+        log.info("decode steps through the Python layer loop: %s", why)
+        return None
+
+
+def _layer_args(layer, ropes: list) -> tuple:
+    """DecodeLayers.add's arguments for ``layer``; its RoPE table appended to ``ropes`` where it is new."""
+    attn, mlp = layer.attn, layer.mlp
+    if not isinstance(attn, Attention) or not isinstance(mlp, DenseMlp):
+        raise NotNative(f"a {type(attn).__name__} / {type(mlp).__name__} layer")
+    if attn.rope is None or not attn.rope.whole or attn.softcap is not None or attn.gated:
+        raise NotNative("a layer without whole RoPE, or with a soft-cap or an output gate")
+    if mlp.act not in ("silu", "gelu_tanh"):
+        raise NotNative(f"activation {mlp.act}")
+    if attn.rope not in ropes:
+        ropes.append(attn.rope)
+    return (layer.attn_norm, layer.ffn_norm, layer.post_attn_norm, layer.post_ffn_norm, layer.residual_scale,
+            _weight(attn.qkv), attn.qkv_bias, attn.q_norm, attn.k_norm, _weight(attn.o), attn.heads, attn.kv_heads,
+            attn.head_dim, attn.scale, attn.window or 0, ropes.index(attn.rope), attn.rope.style == "neox",
+            _weight(mlp.gate_up), _weight(mlp.down), mlp.act == "gelu_tanh")
+
+
+def _weight(w):
+    """A plain tensor as it is; a routed weight as (computes in bf16, its routes), each route (max_rows, kernel,
+    forms, out_features, group, bits, 8-bit, has_zero)."""
+    if isinstance(w, torch.Tensor):
+        if w.is_mkldnn:
+            raise NotNative("a weight in oneDNN's prepacked layout")
+        return w
+    if not isinstance(w, _RoutedWeight):
+        raise NotNative(f"a {type(w).__name__} weight")
+    int8 = isinstance(w, _Int8Forms)
+    if not (int8 or isinstance(w, Int4Weight)) and any(run.__name__ != "_run_dense" for _, run in w._table):
+        raise NotNative(f"a {type(w).__name__} weight")
+    unit = getattr(w, "unit", {})
+    routes = []
+    for max_rows, run in w._table:
+        kernel = run.__name__.removeprefix("_run_")
+        if kernel not in _FORMS:
+            raise NotNative(f"route {kernel}")
+        forms = [getattr(w, name) for name in _FORMS[kernel] if getattr(w, name, None) is not None]
+        if any(t.is_mkldnn for t in forms):
+            raise NotNative("a weight in oneDNN's prepacked layout")
+        bits = 4 if kernel == "q_matmul" and getattr(w, "q_offset", None) is not None else 8
+        routes.append((min(max_rows, 1 << 62), kernel, forms, w.shape[0], unit.get("group", 32), bits, int8,
+                       bool(unit.get("has_zero", False))))
+    return (w.dtype == torch.bfloat16, routes)
