@@ -81,7 +81,17 @@ struct Linear {
     if (r.kernel == "q_matmul")
       return q_matmul(in(at::kFloat), r.t[0], r.t[1], r.t.size() > 2 ? Opt(r.t[2]) : Opt(), r.bits, r.out);
     TORCH_CHECK(r.kernel == "dense", "DecodeLayers: no route ", r.kernel);
-    return at::linear(in(dtype), r.t[0]);
+    return r.t[0].is_mkldnn() ? prepacked_linear(in(dtype), r.t[0]) : at::linear(in(dtype), r.t[0]);
+  }
+
+  // quant.packed_linear's product with a weight in oneDNN's prepacked layout: torch's own op, through the dispatcher
+  static Tensor prepacked_linear(const Tensor& x, const Tensor& w) {
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                               .typed<Tensor(const Tensor&, const Tensor&, const c10::optional<Tensor>&,
+                                             c10::string_view, c10::List<c10::optional<c10::Scalar>>,
+                                             c10::optional<c10::string_view>)>();
+    return op.call(x, w, c10::nullopt, "none", c10::List<c10::optional<c10::Scalar>>(), c10::string_view(""));
   }
 
   // layers.linear: the product, in x's dtype, plus the bias

@@ -8,7 +8,7 @@ step whose every row is one sequence's next token (no prompt chunk, no draft tre
 
 ``decode_layers(model)`` is None with ``--disable-kernels decode_step``, and where some part is not one the
 native loop has (a hybrid's recurrent layers, experts, tensor parallelism, a layer without RoPE or with partial
-rotary, a soft-cap, gated attention, a weight on oneDNN's prepacked dense route, the pure-torch path,
+rotary, a soft-cap, gated attention, a plain weight in oneDNN's prepacked layout, the pure-torch path,
 --batch-invariant); the reason is logged once.
 """
 
@@ -86,8 +86,6 @@ def _weight(w):
         if kernel not in _FORMS:
             raise NotNative(f"route {kernel}")
         forms = [getattr(w, name) for name in _FORMS[kernel] if getattr(w, name, None) is not None]
-        if any(t.is_mkldnn for t in forms):
-            raise NotNative("a weight in oneDNN's prepacked layout")
         bits = 4 if kernel == "q_matmul" and getattr(w, "q_offset", None) is not None else 8
         routes.append((min(max_rows, 1 << 62), kernel, forms, w.shape[0], unit.get("group", 32), bits, int8,
                        bool(unit.get("has_zero", False))))
