@@ -196,7 +196,7 @@ def report(args) -> None:
     m = saved["machine"]
     print(f"# % of bound: {saved['model']}; read {m['read_gbps']:.1f} GB/s, bf16 {m['gflops_bf16']:.0f} and fp32 "
           f"{m['gflops_fp32']:.0f} GFLOP/s (measured {saved['measured']})")
-    print(f"{'workload':8} {'server':16} {'figure':>10} {'bound':>9} {'% of bound':>10} {'x best peer':>11}")
+    print(f"{'workload':8} {'server':16} {'figure':>10} {'bound':>9} {'% of bound':>10} {'x best peer':>11} failed")
     for name, b in saved["bounds"].items():
         path = results / f"peers_{name}.json"
         if not path.exists():
@@ -206,7 +206,8 @@ def report(args) -> None:
         for n, v in values.items():
             peers = [x for p, x in values.items() if not p.startswith("justapi")]
             ratio = f"{v / max(peers):.2f}x" if peers and n.startswith("justapi") else ""
-            print(f"{name:8} {n:16} {v:10.1f} {b['bound']:9.1f} {100 * v / b['bound']:9.1f}% {ratio:>11}")
+            failed = servers[n]["figures"].get("failed", 0)  # a peer that failed requests: its ratio is not one
+            print(f"{name:8} {n:16} {v:10.1f} {b['bound']:9.1f} {100 * v / b['bound']:9.1f}% {ratio:>11} {failed:6}")
         print(f"{'':8} ({b['figure']}; bound: {b['limit']})")
 
 
