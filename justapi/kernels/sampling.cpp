@@ -11,7 +11,7 @@
 //      tokens with w >= eps are sorted, eps lowered until their mass reaches top_p * Z: the kept prefix then lies
 //      within them, as in a full sort
 //   5. min-p: w below min_p dropped (the top token's w is exp(0) = 1, the maximum)
-//   6. the first token whose running sum (index order, double) passes u times the total
+//   6. the first token whose running sum (index order, double, kept once) passes u times the total
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -102,13 +102,15 @@ void keep_top_p(float* w, int64_t n, double top_p, double z) {
   }
 }
 
-int64_t sample_row(const float* l, int64_t n, const Settings& s, std::vector<float>& w) {
+int64_t sample_row(const float* l, int64_t n, const Settings& s, std::vector<float>& w, std::vector<double>& run) {
   float m = -std::numeric_limits<float>::infinity();
+  int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
   for (int64_t i = 0; i < n; ++i) {
-    if (std::isnan(l[i])) return -1;
     m = std::max(m, l[i]);
+    nan |= l[i] != l[i];
   }
-  if (!std::isfinite(m)) return -1;
+  if (nan || !std::isfinite(m)) return -1;
   w.resize(n);
   exp_shifted(l, m, s.temperature, w.data(), n);
   if (s.top_k > 0 && s.top_k < n) {
@@ -121,20 +123,18 @@ int64_t sample_row(const float* l, int64_t n, const Settings& s, std::vector<flo
     for (int64_t i = 0; i < n; ++i) z += w[i];
     keep_top_p(w.data(), n, s.top_p, z);
   }
+  // the running sums once (torch.cumsum's sequence), then the first past u times their total
+  run.resize(n);
   double total = 0.0;
   int64_t last = -1;
   for (int64_t i = 0; i < n; ++i) {
     if (s.min_p > 0.0f && w[i] < s.min_p) w[i] = 0.0f;
     total += w[i];
+    run[i] = total;
     if (w[i] > 0.0f) last = i;
   }
-  const double target = s.u * total;
-  double run = 0.0;
-  for (int64_t i = 0; i < n; ++i) {
-    run += w[i];
-    if (run > target) return i;
-  }
-  return last;  // u * total rounded past the sum
+  const auto past = std::upper_bound(run.begin(), run.end(), s.u * total);
+  return past == run.end() ? last : past - run.begin();  // the end: u * total rounded past the sum
 }
 
 }  // namespace
@@ -160,10 +160,11 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor settings) {
                 "sample_rows: a positive temperature and u in [0, 1) expected");
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> w;
+    std::vector<double> run;
     for (int64_t r = begin; r < end; ++r) {
       const double* s = sp + 5 * r;
       const Settings row{static_cast<float>(s[0]), static_cast<int64_t>(s[1]), s[2], static_cast<float>(s[3]), s[4]};
-      op[r] = sample_row(lp + r * n, n, row, w);
+      op[r] = sample_row(lp + r * n, n, row, w, run);
     }
   });
   return out;
