@@ -5,6 +5,7 @@ usage: python benchmarks/kernels_bench.py [weights] [--model GGUF] [--rows 1 5 8
        python benchmarks/kernels_bench.py attention [--base REV | --huge-pages] [--block-order random] [--reps 7]
        python benchmarks/kernels_bench.py prefill [--base REV] [--reps 7]
        python benchmarks/kernels_bench.py peak
+       python benchmarks/kernels_bench.py sampling [--reps 7]
 
 ``weights`` (the default): the weight kernels on SmolLM2's own weights (or ``--model``'s), route by route: what each
 kernel of the policy costs at each batch size, and what the weights of each route table hold. Loads the model with
@@ -43,6 +44,10 @@ route would multiply with; integer operations counted as FLOP), on 1 thread and 
 of ~0.1 s. The ceiling the products of ``weights`` are measured against.
 
 Replaces int4_amx_bench.py, q_matmul_bench.py and decode_attention_bench.py (docs/benchmarks-archive.md).
+
+``sampling``: one sampled row's token drawn by the sampler (model/sampler.py ``sample``) through torch's ops and
+through the C++ ``sample_rows``, ms per row (median of 30 calls, best of ``--reps``), on random logits (N(0, 3))
+of SmolLM2's and Gemma 3's vocabulary sizes, under temperature 0.8 alone and with top-k 40, top-p 0.95 and both.
 """
 
 from __future__ import annotations
@@ -359,9 +364,35 @@ def peak(args) -> None:
             print(f"{name:>10}, {threads} thread(s): {16 * iters * flops * threads / best / 1e9:6.1f} GFLOP/s")
 
 
+def sampling(args) -> None:
+    import statistics
+
+    from justapi import SamplingParams
+    from justapi.kernels import decode_kernels
+    from justapi.model.sampler import SampleRow, sample
+
+    kernels = decode_kernels()
+    settings = {"t 0.8": {}, "+ top-k 40": dict(top_k=40), "+ top-p 0.95": dict(top_p=0.95),
+                "+ top-k 40, top-p 0.95": dict(top_k=40, top_p=0.95)}
+    print(f"{'vocabulary':>10} {'settings':24} {'torch ms':>9} {'C++ ms':>8}")
+    for vocab in (49152, 262144):
+        logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(0)) * 3
+        for name, extra in settings.items():
+            rows = [SampleRow(SamplingParams(temperature=0.8, **extra), 1, [1, 2, 3])]
+
+            def ms(k) -> float:
+                def once() -> float:
+                    t = time.perf_counter()
+                    sample(logits, rows, k)
+                    return time.perf_counter() - t
+                return min(statistics.median(once() for _ in range(30)) for _ in range(args.reps)) * 1e3
+
+            print(f"{vocab:10} {name:24} {ms(None):9.3f} {ms(kernels):8.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", nargs="?", choices=["weights", "attention", "prefill", "peak"],
+    ap.add_argument("mode", nargs="?", choices=["weights", "attention", "prefill", "peak", "sampling"],
                     default="weights")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 5, 8, 28, 64, 128, 512], help="weights: row counts")
@@ -379,7 +410,8 @@ def main() -> None:
                     help="attention: the blocks in random order or each sequence's contiguous")
     ap.add_argument("--huge-pages", action="store_true", help="attention: caches on huge pages against ordinary ones")
     args = ap.parse_args()
-    {"weights": weights, "attention": attention, "prefill": prefill, "peak": peak}[args.mode](args)
+    modes = {"weights": weights, "attention": attention, "prefill": prefill, "peak": peak, "sampling": sampling}
+    modes[args.mode](args)
 
 
 if __name__ == "__main__":
