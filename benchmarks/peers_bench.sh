@@ -37,8 +37,14 @@ up() { curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$1/v1/models" 2>
 
 # the machine's read bandwidth and matmul rates, measured before any server starts, and each workload's bound
 "$ROOT/.venv/bin/python" "$ROOT/benchmarks/bounds.py" --model "$GGUF" --json "$OUT/bounds.json" > "$OUT/bounds.txt"
+# two JustAPI servers (JUSTAPI_BEFORE) hold two default KV pools, a quarter of the memory each, touched at start:
+# beside llama.cpp and vLLM's 4 GB of KV that ran a 24 GiB machine out of memory (docs/benchmarks.md), so each then
+# gets 3 GB (W1-W3 use under 1 GB of it); JUSTAPI_KV_MEMORY sets it either way
+KV_MEMORY=${JUSTAPI_KV_MEMORY:-${JUSTAPI_BEFORE:+3G}}
 up "$PORT_JUSTAPI" || {
+  # shellcheck disable=SC2086 # the optional flag is words
   setsid "$J" serve --model "$GGUF" --port "$PORT_JUSTAPI" --served-model-name "$SERVED_NAME" \
+    ${KV_MEMORY:+--kv-memory $KV_MEMORY} \
     > "$PEERS/logs/justapi.log" 2>&1 < /dev/null &
   echo $! > "$PEERS/run/justapi.pid"
   "$STEER/wait_ready.sh" "$PORT_JUSTAPI" 300 "$PEERS/run/justapi.pid" "$PEERS/logs/justapi.log"; }
@@ -50,6 +56,7 @@ if [ -n "${JUSTAPI_BEFORE:-}" ]; then
     # run from DIR: `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH
     (cd "$JUSTAPI_BEFORE" && PYTHONPATH="$JUSTAPI_BEFORE" TORCH_EXTENSIONS_DIR="$JUSTAPI_BEFORE/.torch_extensions" \
       exec setsid "$ROOT/.venv/bin/python" -m justapi.cli serve ${JUSTAPI_BEFORE_ARGS:-} --model "$GGUF" \
+      --kv-memory "$KV_MEMORY" \
       --port "$PORT_BEFORE" --served-model-name "$SERVED_NAME" > "$PEERS/logs/justapi_before.log" 2>&1 < /dev/null) &
     echo $! > "$PEERS/run/justapi_before.pid"
     "$STEER/wait_ready.sh" "$PORT_BEFORE" 900 "$PEERS/run/justapi_before.pid" "$PEERS/logs/justapi_before.log"; }
