@@ -20,27 +20,7 @@
 #include <utility>
 #include <vector>
 
-// the kernels it calls (their own files; bound in bindings.cpp)
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                               torch::Tensor block_tables, torch::Tensor context_lens, double scale, int64_t window);
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,
-                                                      torch::Tensor weight, double eps);
-torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, bool neox, int64_t num_heads,
-                            int64_t num_kv_heads, int64_t dim, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor slots, c10::optional<torch::Tensor> q_norm,
-                            c10::optional<torch::Tensor> k_norm, double eps);
-torch::Tensor silu_mul(torch::Tensor gate_up);
-torch::Tensor int4_amx_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features);
-torch::Tensor q8_amx_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features, int64_t group,
-                            bool has_zero);
-torch::Tensor int4_dpbf16_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features);
-torch::Tensor q8_dpbf16_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features, int64_t group,
-                               bool has_zero);
-torch::Tensor q8_small_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features, int64_t group,
-                              bool has_zero);
-torch::Tensor int4_small_matmul(torch::Tensor x, torch::Tensor packed, int64_t out_features);
-torch::Tensor q_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scale, c10::optional<torch::Tensor> offset,
-                       int64_t bits, int64_t out);
+#include "kernels.h"  // the kernels it calls
 
 namespace {
 
