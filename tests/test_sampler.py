@@ -140,3 +140,26 @@ def test_a_draw_takes_the_token_whose_cumulative_weight_passes_u(cpp_kernels):
     if cpp_kernels is not None and hasattr(cpp_kernels, "sample_rows"):
         batch = torch.tensor([[1.0, 0, 1.0, 0, u] for u in (0.0, 0.12, 0.13, 0.49, 0.51, 0.999)], dtype=torch.float64)
         assert cpp_kernels.sample_rows(logits.expand(6, -1).contiguous(), batch).tolist() == [0, 0, 1, 1, 2, 2]
+
+
+def test_the_kernel_rounds_its_weights_as_torch_does(cpp_kernels):
+    """Weights at their rounding's edge: a min-p set exactly at torch's own weight of the second token keeps it, and
+    a uniform near 1 then draws it; a weight rounded any other way (another exp) would drop it and draw token 0. A
+    temperature past fp32's range over a -inf logit (NaN in fp32) leaves that token out on both paths."""
+    from justapi.model.sampler import draw
+
+    if cpp_kernels is None or not hasattr(cpp_kernels, "sample_rows"):
+        pytest.skip("no C++ kernels here")
+    g = torch.Generator().manual_seed(7)
+    logits = torch.stack([torch.zeros(400), -5 * torch.rand(400, generator=g)], 1)
+    weights = torch.exp((logits[:, 1] - 0.0) / 1.0)  # the second token's weight, as draw computes it
+    settings = torch.tensor([[1.0, 0, 1.0, float(w), 0.999999999] for w in weights], dtype=torch.float64)
+    want = [draw(row, SamplingParams(temperature=1.0, min_p=float(w)), 0.999999999) for row, w in zip(logits, weights)]
+    assert want == [1] * 400
+    assert cpp_kernels.sample_rows(logits.contiguous(), settings).tolist() == want
+    masked = torch.tensor([[0.5, float("-inf"), 0.2, float("-inf")]])
+    hot = SamplingParams(temperature=1e300)
+    drawn = [draw(masked[0], hot, u) for u in (0.0, 0.49, 0.51, 0.99)]
+    assert drawn == [0, 0, 2, 2]
+    batch = torch.tensor([[1e300, 0, 1.0, 0.0, u] for u in (0.0, 0.49, 0.51, 0.99)], dtype=torch.float64)
+    assert cpp_kernels.sample_rows(masked.expand(4, -1).contiguous(), batch).tolist() == drawn

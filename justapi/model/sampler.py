@@ -89,11 +89,13 @@ def draw(logits: torch.Tensor, params: SamplingParams, u: float) -> int:
     The weights are exp((logit - max) / temperature), zero where a filter drops the token; top-k keeps ties with the
     k-th logit, top-p the likeliest tokens (ties in vocabulary order) while the mass before them is under top_p,
     min-p those at least min_p times the likeliest's weight (which is 1). The C++ ``sample_rows`` takes the same
-    steps in the same order and rounding, token for token (tested), in a few passes over the row."""
+    steps in the same order and rounding (its weights by these same torch ops), token for token (tested), in a few
+    passes over the row."""
     top = logits.max()
     if not bool(torch.isfinite(top)):
         raise ValueError("no token can be sampled: every logit is -inf, or one is NaN")
-    w = torch.exp((logits - top) / params.temperature)
+    # NaN only where a temperature past fp32's range meets a -inf logit (-inf / inf): that token stays out
+    w = torch.exp((logits - top) / params.temperature).nan_to_num(0.0)
     if 0 < params.top_k < logits.shape[-1]:
         w = w.masked_fill(logits < torch.topk(logits, params.top_k).values[-1], 0.0)
     if params.top_p < 1.0:
@@ -119,8 +121,9 @@ def draw_rows(drawn: list[tuple[int, torch.Tensor, SamplingParams, float]], kern
     if kernels is None or not hasattr(kernels, "sample_rows") or drawn[0][1].device.type != "cpu":
         return [draw(row_logits.float(), params, u) for _, row_logits, params, u in drawn]
     logits = drawn[0][1].unsqueeze(0) if len(drawn) == 1 else torch.stack([d[1] for d in drawn])
-    settings = torch.tensor([[p.temperature, p.top_k, p.top_p, p.min_p, u] for _, _, p, u in drawn],
-                            dtype=torch.float64)
+    vocab = logits.shape[-1]  # a top-k of the vocabulary or more (or none, <= 0) filters nothing
+    settings = torch.tensor([[p.temperature, max(min(p.top_k, vocab), 0), p.top_p, p.min_p, u]
+                             for _, _, p, u in drawn], dtype=torch.float64)
     tokens = kernels.sample_rows(logits.float(), settings).tolist()
     if -1 in tokens:
         raise ValueError("no token can be sampled: every logit is -inf, or one is NaN")
