@@ -203,10 +203,11 @@ def report(args) -> None:
             continue
         servers = {s["name"]: s for s in json.loads(path.read_text())["servers"] if s["figures"].get("completed")}
         values = {n: figure(s, name) for n, s in servers.items()}
-        for n, v in values.items():
-            peers = [x for p, x in values.items() if not p.startswith("justapi")]
+        complete = {n for n, s in servers.items() if not s["figures"].get("failed")}
+        for n, v in values.items():  # the best peer among those that failed no request
+            peers = [x for p, x in values.items() if not p.startswith("justapi") and p in complete]
             ratio = f"{v / max(peers):.2f}x" if peers and n.startswith("justapi") else ""
-            failed = servers[n]["figures"].get("failed", 0)  # a peer that failed requests: its ratio is not one
+            failed = servers[n]["figures"].get("failed", 0)
             print(f"{name:8} {n:16} {v:10.1f} {b['bound']:9.1f} {100 * v / b['bound']:9.1f}% {ratio:>11} {failed:6}")
         print(f"{'':8} ({b['figure']}; bound: {b['limit']})")
 

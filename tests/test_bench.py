@@ -376,7 +376,9 @@ def test_bounds_count_a_token_s_bytes_and_a_workload_s_products(tiny_model, tmp_
     saved.write_text(json.dumps(dict(model="m", machine=dataclasses.asdict(machine), measured="now",
                                      bounds={"S1": s1})))
     servers = [{"name": "justapi", "figures": {"completed": 4, "tpot_ms": {"p50": 1000 / (s1["bound"] / 2)}}},
-               {"name": "llama.cpp", "figures": {"completed": 4, "tpot_ms": {"p50": 1000 / (s1["bound"] / 4)}}}]
+               {"name": "llama.cpp", "figures": {"completed": 4, "tpot_ms": {"p50": 1000 / (s1["bound"] / 4)}}},
+               # a faster peer that failed requests gives no ratio
+               {"name": "other", "figures": {"completed": 3, "failed": 1, "tpot_ms": {"p50": 1.0}}}]
     (tmp_path / "peers_S1.json").write_text(json.dumps({"servers": servers}))
     capsys.readouterr()
     b.report(argparse.Namespace(bounds=str(saved), results=str(tmp_path)))
