@@ -19,13 +19,9 @@ import logging
 import torch
 
 from .blocks import Attention, DenseMlp
-from .quant import Int4Weight, _Int8Forms, _RoutedWeight  # noqa: PLC2701 (the routes' own tables)
+from .quant import _RoutedWeight  # noqa: PLC2701
 
 log = logging.getLogger("justapi.model")
-
-# the tensors each route reads, as quant.py's _run_<kernel> passes them
-_FORMS = {"torch_int4": ("packed", "scales_zeros"), "amx": ("units",), "dpbf16": ("units",), "q4_small": ("units",),
-          "q8_small": ("units",), "q_matmul": ("q_bytes", "q_scale", "q_offset"), "dense": ("dense",)}
 
 
 class NotNative(Exception):
@@ -68,25 +64,12 @@ def _layer_args(layer, ropes: list) -> tuple:
 
 
 def _weight(w):
-    """A plain tensor as it is; a routed weight as (computes in bf16, its routes), each route (max_rows, kernel,
-    forms, out_features, group, bits, 8-bit, has_zero)."""
+    """A plain tensor as it is; a routed weight as (computes in bf16, its routes as quant's ``native_routes``)."""
     if isinstance(w, torch.Tensor):
         if w.is_mkldnn:
-            raise NotNative("a weight in oneDNN's prepacked layout")
+            raise NotNative("a plain weight in oneDNN's prepacked layout")
         return w
-    if not isinstance(w, _RoutedWeight):
-        raise NotNative(f"a {type(w).__name__} weight")
-    int8 = isinstance(w, _Int8Forms)
-    if not (int8 or isinstance(w, Int4Weight)) and any(run.__name__ != "_run_dense" for _, run in w._table):
-        raise NotNative(f"a {type(w).__name__} weight")
-    unit = getattr(w, "unit", {})
-    routes = []
-    for max_rows, run in w._table:
-        kernel = run.__name__.removeprefix("_run_")
-        if kernel not in _FORMS:
-            raise NotNative(f"route {kernel}")
-        forms = [getattr(w, name) for name in _FORMS[kernel] if getattr(w, name, None) is not None]
-        bits = 4 if kernel == "q_matmul" and getattr(w, "q_offset", None) is not None else 8
-        routes.append((min(max_rows, 1 << 62), kernel, forms, w.shape[0], unit.get("group", 32), bits, int8,
-                       bool(unit.get("has_zero", False))))
+    routes = w.native_routes() if isinstance(w, _RoutedWeight) else None
+    if routes is None:
+        raise NotNative(f"a {type(w).__name__} weight with a route no native call has")
     return (w.dtype == torch.bfloat16, routes)

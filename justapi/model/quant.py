@@ -60,6 +60,24 @@ class _RoutedWeight:
             getattr(self, "_build_" + route.kernel)()
             self._table.append((route.max_rows, getattr(self, "_run_" + route.kernel)))
 
+    # the forms each route reads, in the order its _run_<kernel> passes them: what a native decode step (kernels/
+    # decode_step.cpp) is handed to call the same kernel
+    ROUTE_FORMS = {"torch_int4": ("packed", "scales_zeros"), "amx": ("units",), "dpbf16": ("units",),
+                   "q4_small": ("units",), "q8_small": ("units",), "q_matmul": ("q_bytes", "q_scale", "q_offset"),
+                   "dense": ("dense",)}
+
+    def native_routes(self) -> list[tuple] | None:
+        """Each route as DecodeLayers takes it, (max_rows, kernel, forms, out_features, group, bits, 8-bit,
+        has_zero); None where a route has no native call (model.decode_plan)."""
+        if any(route.kernel not in self.ROUTE_FORMS for route in self.routes):
+            return None
+        unit = getattr(self, "unit", {})
+        bits = 4 if getattr(self, "q_offset", None) is not None else 8  # q_matmul's, as _run_q_matmul gives it
+        forms = {kernel: [getattr(self, name) for name in names if getattr(self, name, None) is not None]
+                 for kernel, names in self.ROUTE_FORMS.items()}
+        return [(route.max_rows, route.kernel, forms[route.kernel], self.shape[0], unit.get("group", GROUP_SIZE), bits,
+                 isinstance(self, _Int8Forms), bool(unit.get("has_zero", False))) for route in self.routes]
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [rows, in] (any float dtype) → [rows, out] in ``self.dtype``."""
         rows = x.shape[0]
