@@ -27,10 +27,23 @@ namespace {
 using torch::Tensor;
 using Opt = c10::optional<Tensor>;
 
-// One route of a weight: batches of up to max_rows rows go to `kernel` (model/quant.py's _run_<kernel>)
+// model/quant.py's _run_<kernel>, named once when the plan is built (a step compares no strings)
+enum class Kernel { TorchInt4, Amx, Dpbf16, Small, QMatmul, Dense };
+
+Kernel kernel_of(const std::string& name) {
+  if (name == "torch_int4") return Kernel::TorchInt4;
+  if (name == "amx") return Kernel::Amx;
+  if (name == "dpbf16") return Kernel::Dpbf16;
+  if (name == "q4_small" || name == "q8_small") return Kernel::Small;
+  if (name == "q_matmul") return Kernel::QMatmul;
+  TORCH_CHECK(name == "dense", "DecodeLayers: no route ", name);
+  return Kernel::Dense;
+}
+
+// One route of a weight: batches of up to max_rows rows go to `kernel`
 struct Route {
   int64_t max_rows;
-  std::string kernel;  // torch_int4, amx, dpbf16, q4_small / q8_small, q_matmul, dense
+  Kernel kernel;
   std::vector<Tensor> t;  // the forms it reads, in quant.py's order
   int64_t out, group, bits;
   bool int8, has_zero;
@@ -44,23 +57,26 @@ struct Linear {
   Tensor run(const Route& r, const Tensor& x) const {
     const auto in = [&](at::ScalarType d) { return x.scalar_type() == d ? x : x.to(d); };
     const auto as_dtype = [&](const Tensor& y) { return y.scalar_type() == dtype ? y : y.to(dtype); };
-    if (r.kernel == "torch_int4")
-      return as_dtype(at::_weight_int4pack_mm_for_cpu(in(at::kBFloat16), r.t[0], 32, r.t[1]));
-    if (r.kernel == "amx")
-      return r.int8 ? q8_amx_matmul(in(dtype), r.t[0], r.out, r.group, r.has_zero)
-                    : int4_amx_matmul(in(dtype), r.t[0], r.out);
-    if (r.kernel == "dpbf16")
-      return r.int8 ? q8_dpbf16_matmul(in(dtype), r.t[0], r.out, r.group, r.has_zero)
-                    : int4_dpbf16_matmul(in(dtype), r.t[0], r.out);
-    if (r.kernel == "q4_small" || r.kernel == "q8_small") {
-      const bool fits = x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16;
-      const Tensor xs = fits ? x : x.to(dtype);
-      return as_dtype(r.int8 ? q8_small_matmul(xs, r.t[0], r.out, r.group, r.has_zero)
-                             : int4_small_matmul(xs, r.t[0], r.out));
+    switch (r.kernel) {
+      case Kernel::TorchInt4:
+        return as_dtype(at::_weight_int4pack_mm_for_cpu(in(at::kBFloat16), r.t[0], 32, r.t[1]));
+      case Kernel::Amx:
+        return r.int8 ? q8_amx_matmul(in(dtype), r.t[0], r.out, r.group, r.has_zero)
+                      : int4_amx_matmul(in(dtype), r.t[0], r.out);
+      case Kernel::Dpbf16:
+        return r.int8 ? q8_dpbf16_matmul(in(dtype), r.t[0], r.out, r.group, r.has_zero)
+                      : int4_dpbf16_matmul(in(dtype), r.t[0], r.out);
+      case Kernel::Small: {
+        const bool fits = x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16;
+        const Tensor xs = fits ? x : x.to(dtype);
+        return as_dtype(r.int8 ? q8_small_matmul(xs, r.t[0], r.out, r.group, r.has_zero)
+                               : int4_small_matmul(xs, r.t[0], r.out));
+      }
+      case Kernel::QMatmul:
+        return q_matmul(in(at::kFloat), r.t[0], r.t[1], r.t.size() > 2 ? Opt(r.t[2]) : Opt(), r.bits, r.out);
+      case Kernel::Dense:
+        break;
     }
-    if (r.kernel == "q_matmul")
-      return q_matmul(in(at::kFloat), r.t[0], r.t[1], r.t.size() > 2 ? Opt(r.t[2]) : Opt(), r.bits, r.out);
-    TORCH_CHECK(r.kernel == "dense", "DecodeLayers: no route ", r.kernel);
     return r.t[0].is_mkldnn() ? prepacked_linear(in(dtype), r.t[0]) : at::linear(in(dtype), r.t[0]);
   }
 
@@ -105,9 +121,9 @@ Linear make_linear(const py::object& w) {
     lin.dtype = parts[0].cast<bool>() ? at::kBFloat16 : at::kFloat;
     for (const auto& r : parts[1].cast<py::list>()) {
       auto f = r.cast<py::tuple>();
-      lin.routes.push_back(Route{f[0].cast<int64_t>(), f[1].cast<std::string>(), f[2].cast<std::vector<Tensor>>(),
-                                 f[3].cast<int64_t>(), f[4].cast<int64_t>(), f[5].cast<int64_t>(), f[6].cast<bool>(),
-                                 f[7].cast<bool>()});
+      lin.routes.push_back(Route{f[0].cast<int64_t>(), kernel_of(f[1].cast<std::string>()),
+                                 f[2].cast<std::vector<Tensor>>(), f[3].cast<int64_t>(), f[4].cast<int64_t>(),
+                                 f[5].cast<int64_t>(), f[6].cast<bool>(), f[7].cast<bool>()});
     }
   } else {
     lin.plain = w.cast<Tensor>();
