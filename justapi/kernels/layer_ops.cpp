@@ -129,13 +129,14 @@ void rope_write_rows(const T* qkv, int64_t row_stride, const float* cos, const f
   const int64_t qk = (num_heads + num_kv_heads) * dim;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row_f32(int8 ? dim : 0);
-    std::vector<T> raw(norm.q ? qk : 0), normed(norm.q ? qk : 0);
+    std::vector<T> normed(norm.q ? qk : 0);
     for (int64_t r = begin; r < end; ++r) {
       const T* row = qkv + r * row_stride;
-      if (norm.q) {  // the row's Q and K heads normed into `normed`; its V is read from qkv as it is
-        std::memcpy(raw.data(), row, qk * sizeof(T));
-        add_rms_norm_rows<T>(raw.data(), nullptr, norm.q, normed.data(), num_heads, dim, norm.eps);
-        add_rms_norm_rows<T>(raw.data() + num_heads * dim, nullptr, norm.k, normed.data() + num_heads * dim,
+      if (norm.q) {  // the row's Q and K heads normed into `normed`; its V is read from qkv as it is. Without a
+        // residual add_rms_norm_rows only reads x, so the row goes in as it is
+        T* heads_in = const_cast<T*>(row);
+        add_rms_norm_rows<T>(heads_in, nullptr, norm.q, normed.data(), num_heads, dim, norm.eps);
+        add_rms_norm_rows<T>(heads_in + num_heads * dim, nullptr, norm.k, normed.data() + num_heads * dim,
                              num_kv_heads, dim, norm.eps);
       }
       const T* heads = norm.q ? normed.data() : row;

@@ -46,7 +46,7 @@ float kth_largest(const float* l, int64_t n, int64_t k) {
   return heap.top();
 }
 
-// top-p over w (step 4): zeroes what it drops
+// top-p over w (step 3): zeroes what it drops
 void keep_top_p(float* w, int64_t n, double top_p, double z) {
   const double target = top_p * z;
   std::vector<int32_t> cand;
