@@ -43,13 +43,11 @@ import subprocess
 import textwrap
 import threading
 import time
-from pathlib import Path
 
 from justapi import LLM, SamplingParams
 from justapi.model.gguf_loader import default_model_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKLOADS = dict(line.split(" ", 1) for line in (Path(__file__).parent / "workloads.txt").read_text().splitlines())
 
 
 # --- forward --------------------------------------------------------------------------------------------------------

@@ -70,7 +70,7 @@ def test_smollm2_and_gemma3_decode_natively_as_the_loop_does(real_model_path, ge
         llm = LLM(path, pool_blocks=128, show_progress=False)
         both_ways(llm, steps, max_tokens=1)
         assert steps and all(same for _, same in steps), (path, steps)
-        llm.engine.close() if hasattr(llm.engine, "close") else None
+        llm.engine.close()
 
 
 def test_parts_without_a_native_form_keep_the_loop(tmp_path):
