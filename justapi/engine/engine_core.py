@@ -42,6 +42,34 @@ def available_memory_bytes() -> int:
     return 4 << 30
 
 
+def scheduler_config(config: EngineConfig, num_blocks: int, max_model_len: int, role: str = "replica",
+                     encoder: bool = False, hybrid: bool = False, state_snapshots: int = 0) -> SchedulerConfig:
+    """The scheduler's settings from the engine's flags and what the loaded model and its pool decided (also what
+    the planner's simulation runs: plan.simulator)."""
+    return SchedulerConfig(
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+        max_seqs=config.max_seqs,
+        max_prefill=config.max_prefill,
+        max_decode=config.max_decode,
+        chunk_size=config.chunk_size,
+        max_model_len=max_model_len,
+        # an encoder's states depend on the tokens after them: no prefix of one prompt is another's
+        prefix_cache=config.prefix_cache and not encoder,
+        state_snapshots=state_snapshots,
+        whole_prompts=encoder,
+        hand_off_after_prefill=role == "prefill",
+        holds_states=hybrid,
+        spec_method=config.speculation,
+        gamma=config.gamma or DEFAULT_GAMMA,
+        branch=config.branch or DEFAULT_BRANCH,
+        spec_max_batch=config.spec_max_batch,
+        policy=config.scheduling_policy,
+        priority_aging_s=config.priority_aging,
+        user_weights=tuple(config.weights_by_user().items()),
+    )
+
+
 class EngineCore(ModelFront):
     """A loaded model with its scheduler and executor; ``step()`` runs one iteration of continuous batching."""
 
@@ -60,7 +88,9 @@ class EngineCore(ModelFront):
         num_blocks = self.executor.size_pool(self._num_blocks(), config.branch or DEFAULT_BRANCH)
         self.role = role
         self.store = open_disk_tier(config, self.model_config, self.model, self.runner)
-        self.scheduler = Scheduler(self._scheduler_config(num_blocks),
+        mc = self.model_config
+        self.scheduler = Scheduler(scheduler_config(config, num_blocks, self.max_model_len, role, mc.is_encoder,
+                                                    mc.is_hybrid, self.executor.rank.state_snapshots()),
                                    StaticBatching() if config.static_batching else None, self.store)
         self.outputs = OutputProcessor(self.tokenizer)
         self.last_step: StepWork | None = None  # what the latest step() computed and where its time went
@@ -85,31 +115,6 @@ class EngineCore(ModelFront):
     def runner(self):
         """Rank 0's runner (its KV cache)."""
         return self.executor.rank.runner
-
-    def _scheduler_config(self, num_blocks: int) -> SchedulerConfig:
-        config = self.config
-        return SchedulerConfig(
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            max_seqs=config.max_seqs,
-            max_prefill=config.max_prefill,
-            max_decode=config.max_decode,
-            chunk_size=config.chunk_size,
-            max_model_len=self.max_model_len,
-            # an encoder's states depend on the tokens after them: no prefix of one prompt is another's
-            prefix_cache=config.prefix_cache and not self.model_config.is_encoder,
-            state_snapshots=self.executor.rank.state_snapshots(),
-            whole_prompts=self.model_config.is_encoder,
-            hand_off_after_prefill=self.role == "prefill",
-            holds_states=self.model_config.is_hybrid,
-            spec_method=config.speculation,
-            gamma=config.gamma or DEFAULT_GAMMA,
-            branch=config.branch or DEFAULT_BRANCH,
-            spec_max_batch=config.spec_max_batch,
-            policy=config.scheduling_policy,
-            priority_aging_s=config.priority_aging,
-            user_weights=tuple(config.weights_by_user().items()),
-        )
 
     def _num_blocks(self) -> int:
         if self.config.pool_blocks is not None:

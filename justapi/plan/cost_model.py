@@ -1,0 +1,180 @@
+"""What one engine step costs, as a function of its shape: fitted to measured steps, stored per model and machine.
+
+A step's shape is read from its cells, the (request, kind, first position, tokens) entries the scheduler records
+for every step (core.step_record) and a server's step log returns (``/engine/steps``): the same function reads a
+real run and a simulated one. Its time is modelled as
+
+    base + products(rows) + per_context * decode context + per_pair * prompt attention pairs + per_seq * sequences
+
+``products`` is piecewise linear in the rows the step sends through the weights (all its tokens): one row reads
+every weight (memory-bound), more rows share that read until the products become compute-bound, and the kernel
+route changes with the row count (docs/quantization.md), so its slope changes at a few knots. Decode attention
+reads each decoding sequence's context; a prompt chunk's attention grows with the pairs of positions it relates.
+The coefficients are fitted by least squares on relative error (short decode steps count as much as long prefill
+steps), and the fit's error is measured on steps held out of it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+KNOTS = (4, 16, 64, 256, 1024)  # rows where the products' slope may change (routes switch near 4-5 rows)
+FORMAT = "justapi-plan-cost-model/1"
+FOLDS = 5  # cross-validation folds for the reported error
+MIN_STEPS = 40  # fewer measured steps than this cannot pin down the coefficients
+
+
+class CostModelError(ValueError):
+    """A cost model that cannot be fitted or read; the message says why."""
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a step computed: tokens through the products, decoding rows and the context they read, prompt tokens
+    and the attention pairs their chunks relate, sequences in the batch."""
+
+    rows: int
+    decodes: int
+    decode_context: int
+    prefill_tokens: int
+    prefill_pairs: int
+    seqs: int
+
+    @classmethod
+    def of_cells(cls, cells) -> StepShape:
+        """From a step's cells: (request id, "prefill" | "decode" | "spec", first position, tokens, accepted)."""
+        rows = decodes = context = prefill = pairs = 0
+        for cell in cells:
+            kind, start, n = cell[1], int(cell[2]), int(cell[3])
+            rows += n
+            if kind == "prefill":
+                prefill += n
+                pairs += n * start + n * (n + 1) // 2
+            else:
+                decodes += 1
+                context += start + n
+        return cls(rows, decodes, context, prefill, pairs, len(cells))
+
+    def features(self) -> list[float]:
+        r = float(self.rows)
+        return [1.0, r, *(max(0.0, r - k) for k in KNOTS), float(self.decode_context), float(self.prefill_pairs),
+                float(self.seqs)]
+
+
+FEATURES = ("base", "per_row", *(f"per_row_above_{k}" for k in KNOTS), "per_context", "per_pair", "per_seq")
+MIN_STEP_S = 1e-5  # a prediction is never below this (a fit's negative corner is noise, not a free step)
+
+
+@dataclass(frozen=True)
+class FitError:
+    """The fit's error on steps it did not see (k-fold): median and p90 of |predicted / measured - 1| per step, and
+    the error of the steps' total time."""
+
+    steps: int
+    median_rel: float
+    p90_rel: float
+    total_rel: float
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds of a step from its shape (``seconds``), with where it was measured and how well it fits."""
+
+    coefficients: tuple[float, ...]
+    model: str  # the model file's name
+    machine: str  # the CPU (or hardware description) it was measured on
+    threads: int
+    error: FitError | None = None
+    source: str = "measured"  # or "roofline: ..." for a hardware description's estimate
+    settings: dict | None = None  # the serving settings of the profiled server (chunk size, pool, ...)
+
+    def seconds(self, shape: StepShape) -> float:
+        return max(MIN_STEP_S, float(np.dot(self.coefficients, shape.features())))
+
+    def describe(self) -> str:
+        terms = ", ".join(f"{name} {c * 1e3:.4g} ms" for name, c in zip(FEATURES, self.coefficients) if c)
+        err = self.error
+        fit = (f"; held-out error: median {err.median_rel:.1%}, p90 {err.p90_rel:.1%} a step, total "
+               f"{err.total_rel:+.1%} over {err.steps} steps") if err else ""
+        return f"{self.model} on {self.machine} ({self.threads} threads, {self.source}): {terms}{fit}"
+
+    def save(self, path: str) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        body = {"format": FORMAT, "features": FEATURES, "knots": KNOTS, **asdict(self)}
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(body, f, indent=1)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str) -> CostModel:
+        try:
+            with open(path) as f:
+                body = json.load(f)
+        except OSError as e:
+            raise CostModelError(f"{path}: cannot read ({e.strerror})") from None
+        except json.JSONDecodeError as e:
+            raise CostModelError(f"{path}: not JSON ({e.msg})") from None
+        if not isinstance(body, dict) or body.get("format") != FORMAT or list(body.get("knots", ())) != list(KNOTS):
+            raise CostModelError(f"{path}: not a cost model of this version ({FORMAT}); run justapi plan profile")
+        coefficients = body.get("coefficients")
+        if not isinstance(coefficients, list) or len(coefficients) != len(FEATURES) or not all(
+                isinstance(c, (int, float)) and math.isfinite(c) for c in coefficients):
+            raise CostModelError(f"{path}: its coefficients are not {len(FEATURES)} finite numbers")
+        error = FitError(**body["error"]) if body.get("error") else None
+        return cls(tuple(float(c) for c in coefficients), str(body.get("model", "")), str(body.get("machine", "")),
+                   int(body.get("threads", 0)), error, str(body.get("source", "measured")), body.get("settings"))
+
+
+def solve(shapes: list[StepShape], seconds: list[float]) -> tuple[float, ...]:
+    """Least squares on relative error: each step's row divided by its time."""
+    x = np.array([s.features() for s in shapes])
+    y = np.array(seconds)
+    w = 1.0 / np.maximum(y, MIN_STEP_S)
+    coef, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
+    return tuple(float(c) for c in coef)
+
+
+def held_out_error(shapes: list[StepShape], seconds: list[float], folds: int = FOLDS) -> FitError:
+    """Each step predicted by a fit on the other folds (every folds-th step in one fold)."""
+    predicted = np.zeros(len(shapes))
+    for k in range(folds):
+        train = [i for i in range(len(shapes)) if i % folds != k]
+        coef = solve([shapes[i] for i in train], [seconds[i] for i in train])
+        for i in range(k, len(shapes), folds):
+            predicted[i] = max(MIN_STEP_S, float(np.dot(coef, shapes[i].features())))
+    y = np.array(seconds)
+    rel = np.abs(predicted / y - 1)
+    return FitError(len(shapes), float(np.median(rel)), float(np.percentile(rel, 90)),
+                    float(predicted.sum() / y.sum() - 1))
+
+
+def fit(shapes: list[StepShape], seconds: list[float], model: str, machine: str, threads: int,
+        settings: dict | None = None) -> CostModel:
+    """The cost model of these measured steps, with its held-out error."""
+    if len(shapes) != len(seconds):
+        raise CostModelError("one time per step shape")
+    if len(shapes) < MIN_STEPS:
+        raise CostModelError(f"{len(shapes)} measured steps are too few to fit a cost model (at least {MIN_STEPS})")
+    if any(not t > 0 for t in seconds):
+        raise CostModelError("every measured step takes a positive time")
+    return CostModel(solve(shapes, seconds), model, machine, threads, held_out_error(shapes, seconds),
+                     settings=settings)
+
+
+def this_machine() -> str:
+    """The CPU's model name, as /proc/cpuinfo says it (the platform's processor string elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -1,0 +1,149 @@
+"""The capacity planner: the cost model's fit, the simulator running the engine's own Scheduler on virtual time,
+and a recorded run of the real engine replayed to the same schedule."""
+
+from __future__ import annotations
+
+import inspect
+import random
+
+import pytest
+
+from justapi.config import SchedulerConfig
+from justapi.plan.cost_model import FEATURES, KNOTS, CostModel, CostModelError, StepShape, fit
+from justapi.plan.simulator import SimRequest, Simulation, SimulationError
+from justapi.sampling_params import SamplingParams
+
+
+def costs(base=0.0, per_row=0.0, per_context=0.0, per_seq=0.0) -> CostModel:
+    coef = [0.0] * len(FEATURES)
+    coef[FEATURES.index("base")], coef[FEATURES.index("per_row")] = base, per_row
+    coef[FEATURES.index("per_context")], coef[FEATURES.index("per_seq")] = per_context, per_seq
+    return CostModel(tuple(coef), "test", "test", 1)
+
+
+def test_shape_of_cells():
+    # a 64-token chunk starting at 0, a 36-token chunk starting at 64, two decodes at contexts 10 and 99
+    shape = StepShape.of_cells([("a", "prefill", 0, 64, 0), ("b", "prefill", 64, 36, 0),
+                                ("c", "decode", 9, 1, 0), ("d", "spec", 95, 4, 2)])
+    assert shape == StepShape(rows=105, decodes=2, decode_context=10 + 99, prefill_tokens=100,
+                              prefill_pairs=64 * 65 // 2 + 36 * 64 + 36 * 37 // 2, seqs=4)
+
+
+def test_fit_recovers_a_model_of_its_own_form_and_round_trips(tmp_path):
+    rng = random.Random(0)
+    truth = [0.004, 2e-4, -1e-4, 3e-5, 0.0, -2e-5, 0.0, 1e-7, 2e-9, 5e-5]
+    assert len(truth) == len(FEATURES)
+    shapes = []
+    for _ in range(200):
+        decodes = rng.randint(0, 64)
+        prefill = rng.choice([0, 0, rng.randint(1, 512)])
+        shapes.append(StepShape(decodes + prefill, decodes, decodes * rng.randint(1, 900), prefill,
+                                prefill * rng.randint(0, 600) + prefill * (prefill + 1) // 2,
+                                decodes + (prefill > 0)))
+    seconds = [sum(c * f for c, f in zip(truth, s.features())) for s in shapes]
+    assert min(seconds) > 0
+    model = fit(shapes, seconds, "m.gguf", "cpu", 2)
+    assert model.coefficients == pytest.approx(truth, rel=1e-6, abs=1e-12)
+    assert model.error.median_rel < 1e-9 and abs(model.error.total_rel) < 1e-9
+    path = str(tmp_path / "plan" / "m.json")
+    model.save(path)
+    assert CostModel.load(path) == model
+
+
+def test_fit_and_load_refuse_what_they_cannot_use(tmp_path):
+    shape = StepShape(1, 1, 10, 0, 0, 1)
+    with pytest.raises(CostModelError, match="too few"):
+        fit([shape] * 10, [0.01] * 10, "m", "cpu", 1)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "something else"}')
+    with pytest.raises(CostModelError, match="not a cost model"):
+        CostModel.load(str(bad))
+    with pytest.raises(CostModelError, match="cannot read"):
+        CostModel.load(str(tmp_path / "missing.json"))
+    assert len(KNOTS) + 5 == len(FEATURES)
+
+
+def test_simulation_runs_the_engines_scheduler():
+    from justapi.core.scheduler import Scheduler
+    from justapi.engine.engine_core import EngineCore
+
+    sim = Simulation(SchedulerConfig(num_blocks=64), costs(base=0.01))
+    assert type(sim.scheduler) is Scheduler
+    assert inspect.getmodule(type(sim.scheduler).schedule).__name__ == "justapi.core.scheduler"
+    # the engine builds the same class (no copy of the scheduler lives in plan/)
+    assert "Scheduler(" in inspect.getsource(EngineCore.__init__)
+    import justapi.plan.simulator as simulator
+
+    assert simulator.Scheduler is Scheduler
+
+
+def test_one_request_costs_what_the_model_says():
+    # chunk 64: a 100-token prompt takes steps of 64 and 36 rows, then 9 decode steps of one row
+    sim = Simulation(SchedulerConfig(num_blocks=64, chunk_size=64, max_prefill=64), costs(base=0.01, per_row=0.001))
+    run = sim.run([SimRequest(list(range(2, 102)), max_tokens=10)])
+    res = run.results[0]
+    assert res.ok and res.output_tokens == 10
+    assert res.ttft == pytest.approx(0.074 + 0.046)
+    assert res.e2e == pytest.approx(0.12 + 9 * 0.011)
+    assert [len(s.cells) for s in run.steps] == [1] * 11
+
+
+def test_the_client_holds_max_concurrency_slots():
+    sim = Simulation(SchedulerConfig(num_blocks=64), costs(base=0.01))
+    reqs = [SimRequest([2 + i, 3, 4], max_tokens=5, at=0.0) for i in range(3)]
+    run = sim.run(reqs, max_concurrency=1)
+    starts = [r.start for r in run.results]
+    assert starts == pytest.approx([0.0, 0.05, 0.10])  # each sent when the one before ends (5 steps of 10 ms)
+    assert all(r.ttft == pytest.approx(0.01) for r in run.results)
+
+
+def test_a_request_that_can_never_fit_is_refused_and_the_rest_run():
+    sim = Simulation(SchedulerConfig(num_blocks=4, block_size=16, max_model_len=64), costs(base=0.01))
+    run = sim.run([SimRequest(list(range(100)), 4), SimRequest([5, 6], 4)], max_concurrency=1)
+    assert not run.results[0].ok and "prompt" in run.results[0].error.lower()
+    assert run.results[1].ok
+
+
+def test_speculation_is_refused():
+    with pytest.raises(SimulationError, match="speculative"):
+        Simulation(SchedulerConfig(num_blocks=64, spec_method="ngram"), costs(base=0.01))
+
+
+def _recorded_run(tiny_model):
+    """A real engine (the tiny model) over requests arriving at given steps, in a pool small enough to preempt,
+    some prompts sharing a prefix: each step's cells, and the requests with the step each arrived before."""
+    from justapi import LLM
+
+    llm = LLM(tiny_model, pool_blocks=14, block_size=16, max_seqs=4, chunk_size=48, show_progress=False)
+    engine = llm.engine
+    rng = random.Random(3)
+    prefix = [rng.randrange(3, 250) for _ in range(40)]
+    arrivals: dict[int, list[SimRequest]] = {}
+    for i in range(10):
+        own = [rng.randrange(3, 250) for _ in range(rng.randint(5, 60))]
+        prompt = (prefix + own) if i % 3 == 0 else own
+        at = 0 if i < 3 else rng.randint(1, 30)
+        arrivals.setdefault(at, []).append(SimRequest(prompt, rng.randint(3, 40), at=float(at)))
+    cells, k, added = [], 0, 0
+    total = sum(len(v) for v in arrivals.values())
+    while added < total or engine.has_unfinished:
+        for req in arrivals.get(k, []):
+            engine.add_request(f"sim-{added}", req.prompt, SamplingParams(max_tokens=req.max_tokens,
+                                                                          ignore_eos=True, temperature=0.0))
+            added += 1
+        engine.step()
+        assert engine.last_step.cells, "the recorded run must never idle (the replay's steps are its clock)"
+        cells.append(tuple(engine.last_step.cells))
+        k += 1
+    requests = [r for at in sorted(arrivals) for r in arrivals[at]]
+    return engine.scheduler, cells, requests
+
+
+def test_a_recorded_run_replays_to_the_same_schedule(tiny_model):
+    scheduler, recorded, requests = _recorded_run(tiny_model)
+    assert scheduler.stats.num_preemptions > 0 and scheduler.cache.hits > 0  # the run exercises both
+    sim = Simulation(scheduler.config, costs(base=1.0))  # every step one second: step k starts at k
+    run = sim.run(requests)
+    assert [s.cells for s in run.steps] == recorded
+    assert run.preemptions == scheduler.stats.num_preemptions
+    assert all(r.ok for r in run.results)
