@@ -36,10 +36,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from justapi.plan.hardware import ModelShape
+
 WORKLOADS = dict(line.split(" ", 1) for line in (Path(__file__).parent / "workloads.txt").read_text().splitlines())
-KV_BYTES = 2  # the default KV cache holds bf16
-
-
 @dataclass(frozen=True)
 class Machine:
     read_gbps: float
@@ -58,32 +57,11 @@ class Shape:
     rate: float | None = None
 
 
-def best_seconds(f, reps: int = 5) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        f()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def measure_machine(given: argparse.Namespace) -> Machine:
-    import torch
+    from justapi.plan.hardware import measure_gflops, measure_read_gbps
 
-    def gflops(dtype) -> float:
-        rate = 0.0
-        for n in (1024, 2048, 3072, 4096):
-            a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-            a @ b
-            rate = max(rate, 2 * n ** 3 / best_seconds(lambda: a @ b) / 1e9)
-        return rate
-
-    def read() -> float:
-        t = torch.ones(1 << 28)
-        return t.nbytes / best_seconds(t.sum) / 1e9
-
-    return Machine(given.read_gbps or read(), given.gflops_bf16 or gflops(torch.bfloat16),
-                   given.gflops_fp32 or gflops(torch.float32))
+    return Machine(given.read_gbps or measure_read_gbps(), given.gflops_bf16 or measure_gflops("bfloat16"),
+                   given.gflops_fp32 or measure_gflops("float32"))
 
 
 def span(text: str) -> range:
@@ -107,62 +85,23 @@ def shape_of(name: str) -> Shape:
     return Shape(w.num_requests, w.input_len, w.output_len, 0, w.request_rate)
 
 
-class Model:
-    """What the arithmetic and the bytes of a token need of a GGUF: its shape and each tensor's stored size."""
-
-    def __init__(self, path: str) -> None:
-        from justapi.model.gguf_loader import open_gguf, read_model_config
-
-        reader = open_gguf(path)
-        self.path, self.cfg = path, read_model_config(reader, path)
-        sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
-        head = "output.weight" if "output.weight" in sizes else "token_embd.weight"
-        # every layer tensor and the head are read for each token; the embedding only one row (tied or not)
-        self.token_bytes = sum(n for name, n in sizes.items() if name.startswith("blk.")) + sizes[head]
-        cfg = self.cfg
-        h, d = cfg.hidden_size, cfg.head_dim
-        self.layer_weights = cfg.num_layers * (h * cfg.num_heads * d * 2 + h * cfg.num_kv_heads * d * 2
-                                               + 3 * h * cfg.intermediate_size)
-        self.head_weights = cfg.vocab_size * h
-        self.attn_flop = 4 * cfg.num_heads * d  # per layer and (query, key) pair
-
-    def kv_bytes(self, context: float) -> float:
-        """K and V a decode token reads over ``context`` tokens, every attention layer (windows where they apply)."""
-        cfg = self.cfg
-        row = 2 * cfg.num_kv_heads * cfg.head_dim * KV_BYTES
-        return sum(row * min(context, cfg.window(i) or context) for i in range(cfg.num_layers)
-                   if not cfg.is_recurrent(i))
-
-    def attention(self, start: int, queries: int) -> float:
-        """FLOP of the queries at positions start .. start + queries - 1: each sees its position + 1 keys (at most
-        its layer's window)."""
-        cfg = self.cfg
-
-        def seen(n: int, w: int | None) -> float:  # keys seen by the queries at positions 0 .. n - 1
-            if w is None or n <= w:
-                return n * (n + 1) / 2
-            return w * (w + 1) / 2 + (n - w) * w
-
-        windows = [cfg.window(i) for i in range(cfg.num_layers) if not cfg.is_recurrent(i)]
-        return self.attn_flop * sum(seen(start + queries, w) - seen(start, w) for w in windows)
-
-    def request_flop(self, prefix: int, prompt: int, output: int) -> float:
-        """FLOP of one request after a shared ``prefix`` already computed: its prompt and its decode."""
-        fed = prompt + output - 1
-        return 2 * self.layer_weights * fed + 2 * self.head_weights * output + self.attention(prefix, fed)
+def request_flop(model: ModelShape, prefix: int, prompt: int, output: int) -> float:
+    """FLOP of one request after a shared ``prefix`` already computed: its prompt and its decode."""
+    fed = prompt + output - 1
+    return 2 * model.layer_weights * fed + 2 * model.head_weights * output + model.attention(prefix, fed)
 
 
-def s1_bound(model: Model, shape: Shape, machine: Machine) -> dict:
+def s1_bound(model: ModelShape, shape: Shape, machine: Machine) -> dict:
     prompt, output = sum(shape.prompt) / len(shape.prompt), sum(shape.output) / len(shape.output)
     context = prompt + output / 2  # the mean context a decode step reads
-    token = model.token_bytes + model.kv_bytes(context)
+    token = model.weight_bytes + model.kv_bytes(context)
     return dict(figure="decode tok/s", bytes_per_token=token, bound=machine.read_gbps * 1e9 / token,
                 limit=f"{token / 1e6:.1f} MB a token at {machine.read_gbps:.1f} GB/s read")
 
 
-def loaded_bound(model: Model, shape: Shape, machine: Machine) -> dict:
+def loaded_bound(model: ModelShape, shape: Shape, machine: Machine) -> dict:
     pairs = [(p, o) for p in shape.prompt for o in shape.output]
-    flop = sum(model.request_flop(shape.prefix, p, o) for p, o in pairs) / len(pairs) * shape.requests
+    flop = sum(request_flop(model, shape.prefix, p, o) for p, o in pairs) / len(pairs) * shape.requests
     if shape.prefix:
         flop += 2 * model.layer_weights * shape.prefix + model.attention(0, shape.prefix)
     out_tokens = shape.requests * sum(shape.output) / len(shape.output)
@@ -177,7 +116,7 @@ def loaded_bound(model: Model, shape: Shape, machine: Machine) -> dict:
                       + (f", arrivals over {arrivals:.0f} s" if arrivals else ""))
 
 
-def bounds(model: Model, machine: Machine) -> dict:
+def bounds(model: ModelShape, machine: Machine) -> dict:
     out = {}
     for name in WORKLOADS:  # S1 one stream, the others loaded
         out[name] = (s1_bound if name == "S1" else loaded_bound)(model, shape_of(name), machine)
@@ -228,18 +167,18 @@ def main() -> None:
         return report(args)
     from justapi.model.gguf_loader import default_model_path
 
-    model = Model(args.model or default_model_path())
+    model = ModelShape.from_gguf(args.model or default_model_path())
     machine = measure_machine(args)
     found = bounds(model, machine)
-    print(f"model {model.path}: {model.layer_weights / 1e6:.1f} M layer weights, head {model.head_weights / 1e6:.1f} M,"
-          f" {model.token_bytes / 1e6:.1f} MB of weights read a token")
+    print(f"model {model.name}: {model.layer_weights / 1e6:.1f} M layer weights, head {model.head_weights / 1e6:.1f} M,"
+          f" {model.weight_bytes / 1e6:.1f} MB of weights read a token")
     print(f"machine: read {machine.read_gbps:.1f} GB/s, matmul bf16 {machine.gflops_bf16:.0f} GFLOP/s, fp32 "
           f"{machine.gflops_fp32:.0f} GFLOP/s")
     for name, b in found.items():
         fp32 = f" (fp32: {b['bound_fp32']:.0f})" if "bound_fp32" in b else ""
         print(f"{name}: at most {b['bound']:.0f} {b['figure']}{fp32}: {b['limit']}")
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(model=model.path, machine=asdict(machine), bounds=found,
+        Path(args.json).write_text(json.dumps(dict(model=model.name, machine=asdict(machine), bounds=found,
                                                    measured=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())),
                                               indent=1))
 

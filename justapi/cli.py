@@ -102,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
             from .bench.cli import main as bench_main
 
             return bench_main(args, engine_config)
+        if args.command == "plan":
+            from .plan.cli import main as plan_main
+
+            return plan_main(args, engine_config)
         return {"serve": cmd_serve, "generate": cmd_generate}[args.command](args)
     except (CliError, ModelLoadError, ChatTemplateError, HubError) as e:
         print(f"justapi: error: {e}", file=sys.stderr)

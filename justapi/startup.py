@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.cli import add_parser as add_bench_parser
 
     add_bench_parser(sub, add_engine_flags)
+    from .plan.cli import add_parser as add_plan_parser
+
+    add_plan_parser(sub, add_engine_flags)
     return parser
 
 

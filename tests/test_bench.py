@@ -347,22 +347,24 @@ def test_bounds_count_a_token_s_bytes_and_a_workload_s_products(tiny_model, tmp_
     b = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "bounds", b)  # its dataclasses look their module up
     spec.loader.exec_module(b)
-    model = b.Model(tiny_model)
-    cfg = model.cfg
+    from justapi.model.gguf_loader import read_model_config
+    from justapi.plan.hardware import ModelShape
+
+    model = ModelShape.from_gguf(tiny_model)
+    cfg = read_model_config(open_gguf(tiny_model), tiny_model)
     stored = {t.name: int(t.n_bytes) for t in open_gguf(tiny_model).tensors}
     head = stored.get("output.weight", stored["token_embd.weight"])
-    assert model.token_bytes == sum(n for k, n in stored.items() if k.startswith("blk.")) + head
+    assert model.weight_bytes == sum(n for k, n in stored.items() if k.startswith("blk.")) + head
     keys = sum(p + 1 for p in range(5, 5 + 7))  # queries at positions 5..11
     assert model.attention(5, 7) == 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers * keys
-    model.cfg = dataclasses.replace(cfg, layer_windows=(4,) + (None,) * (cfg.num_layers - 1))  # layer 0 windowed
+    windowed = dataclasses.replace(model, windows=(4,) + (None,) * (cfg.num_layers - 1))  # layer 0 windowed
     window_keys = sum(min(p + 1, 4) for p in range(5, 12))
     per_layer = 4 * cfg.num_heads * cfg.head_dim
-    assert model.attention(5, 7) == per_layer * (window_keys + (cfg.num_layers - 1) * keys)
-    assert model.kv_bytes(10) == 2 * cfg.num_kv_heads * cfg.head_dim * 2 * (4 + 10 * (cfg.num_layers - 1))
-    model.cfg = cfg
+    assert windowed.attention(5, 7) == per_layer * (window_keys + (cfg.num_layers - 1) * keys)
+    assert windowed.kv_bytes(10) == 2 * cfg.num_kv_heads * cfg.head_dim * 2 * (4 + 10 * (cfg.num_layers - 1))
     machine = b.Machine(read_gbps=10.0, gflops_bf16=100.0, gflops_fp32=50.0)
     s1 = b.s1_bound(model, b.Shape(1, range(128, 129), range(128, 129)), machine)
-    assert s1["bytes_per_token"] == model.token_bytes + model.kv_bytes(128 + 64)
+    assert s1["bytes_per_token"] == model.weight_bytes + model.kv_bytes(128 + 64)
     assert s1["bound"] == pytest.approx(10e9 / s1["bytes_per_token"])
     shared = b.loaded_bound(model, b.Shape(4, range(8, 9), range(2, 3), prefix=100), machine)
     alone = b.loaded_bound(model, b.Shape(4, range(8, 9), range(2, 3)), machine)

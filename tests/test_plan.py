@@ -147,3 +147,91 @@ def test_a_recorded_run_replays_to_the_same_schedule(tiny_model):
     assert [s.cells for s in run.steps] == recorded
     assert run.preemptions == scheduler.stats.num_preemptions
     assert all(r.ok for r in run.results)
+
+
+def test_replicas_share_the_load_and_the_router_keeps_a_prefix_together():
+    rng = random.Random(1)
+    prefixes = [[rng.randrange(3, 250) for _ in range(64)] for _ in range(2)]
+    reqs = [SimRequest(prefixes[i // 2 % 2] + [rng.randrange(3, 250) for _ in range(8)], 16, at=0.01 * i)
+            for i in range(16)]
+    config = SchedulerConfig(num_blocks=256, max_seqs=4)
+    model = costs(base=0.005, per_row=0.0005)
+    one = Simulation(config, model).run(reqs)
+    two = Simulation(config, model, replicas=2).run(reqs)
+    assert all(r.ok for r in one.results + two.results)
+    assert two.elapsed < 0.75 * one.elapsed
+    routed = Simulation(config, model, replicas=2)
+    routed.run(reqs)
+    # each replica computed one prefix once: the other prefix's requests went elsewhere (round robin sends
+    # each prefix to both)
+    for replica in routed.replicas:
+        assert replica.scheduler.cache.hits >= 6 * 4  # 7 later requests of its prefix hit its 4 blocks
+    spread = Simulation(config, model, replicas=2, router="round-robin")
+    spread.run(reqs)
+    assert sum(r.scheduler.cache.hits for r in spread.replicas) < sum(r.scheduler.cache.hits for r in routed.replicas)
+
+
+def test_static_batching_waits_for_the_whole_batch():
+    reqs = [SimRequest([2 + i, 3, 4], max_tokens=4 if i % 2 else 20, at=0.0) for i in range(8)]
+    config = SchedulerConfig(num_blocks=64, max_seqs=4)
+    cont = Simulation(config, costs(base=0.01)).run(reqs)
+    static_sim = Simulation(config, costs(base=0.01), static_batching=True)
+    static = static_sim.run(reqs)
+    assert static.elapsed > cont.elapsed
+    assert static_sim.scheduler.stats.batch_utilizations == pytest.approx([(4 + 20) * 2 / (4 * 20)] * 2)
+
+
+def test_the_roofline_of_a_step():
+    from justapi.plan.hardware import HARDWARE, RooflineCosts, model_shape
+
+    shape, h200 = model_shape("llama-3.1-8b"), HARDWARE["h200"]
+    assert shape.weight_bytes == pytest.approx(2 * (6.98e9 + 0.525e9), rel=0.01)  # 8.0 B weights, bf16
+    one = RooflineCosts(shape, h200)
+    decode = StepShape(rows=1, decodes=1, decode_context=100, prefill_tokens=0, prefill_pairs=0, seqs=1)
+    read = shape.weight_bytes + shape.kv_bytes_per_token() * 100
+    assert one.seconds(decode) == pytest.approx(read / (4800e9 * 0.8) + 0.002)  # memory-bound
+    prefill = StepShape(rows=8192, decodes=0, decode_context=0, prefill_tokens=8192, prefill_pairs=8192 * 8193 // 2,
+                        seqs=1)
+    flop = 2 * shape.layer_weights * 8192 + 2 * shape.head_weights + shape.attn_flop * 32 * 8192 * 8193 // 2
+    assert one.seconds(prefill) == pytest.approx(flop / (989e12 * 0.6) + 0.002)  # compute-bound
+    two = RooflineCosts(shape, h200, tp=2)
+    ring = 2 * 32 * (8e-6 + 2 * 1 / 2 * 4096 * 2 / 450e9)
+    assert two.seconds(decode) == pytest.approx(read / 2 / (4800e9 * 0.8) + 0.002 + ring)
+    with pytest.raises(ValueError, match="no room"):
+        RooflineCosts(model_shape("llama-3.1-70b"), HARDWARE["h100"]).kv_pool_blocks(16)
+    assert RooflineCosts(model_shape("llama-3.1-70b"), HARDWARE["h100"], tp=4).kv_pool_blocks(16) > 10_000
+
+
+def test_the_search_finds_the_fewest_replicas_that_meet_the_slo():
+    from dataclasses import replace
+
+    from justapi.plan.search import Candidate, SloTargets, Space, fewest_replicas, simulate
+
+    rng = random.Random(5)
+    reqs = [SimRequest([rng.randrange(3, 250) for _ in range(64)], 32, at=0.02 * i) for i in range(60)]
+    space = Space(lambda tp: costs(base=0.004, per_row=0.0004), lambda tp: 512,
+                  lambda rate: [replace(r, at=r.at * 50 / rate) for r in reqs], SchedulerConfig(num_blocks=512),
+                  max_seqs=(8,), max_replicas=16)
+    slo = SloTargets.parse("ttft_p99=100,tpot_p99=20")
+    best = fewest_replicas(space, Candidate(1, 512, 8), 50.0, slo)
+    assert best is not None and best.meets and best.candidate.replicas > 1
+    fewer = simulate(space, replace(best.candidate, replicas=best.candidate.replicas - 1), 50.0, slo)
+    assert not fewer.meets
+    with pytest.raises(ValueError, match="ttft_p99"):
+        SloTargets.parse("ttft=5")
+
+
+def test_justapi_plan_answers_for_a_described_device(tmp_path, capsys):
+    from justapi.cli import main
+
+    out = tmp_path / "curve.png"
+    code = main(["plan", "--model", "llama-3.1-8b", "--hardware", "h200", "--rate", "4", "--slo",
+                 "ttft_p99=2000,tpot_p99=100", "--tp", "1", "--chunk-sizes", "512", "--max-seqs", "32",
+                 "--num-requests", "40", "--out", str(out)])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    assert "cheapest: 1 replica x TP 1" in printed.out and "static batching there" in printed.out
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    assert main(["plan", "--model", "llama-3.1-8b", "--hardware", "tpu9", "--rate", "4", "--slo",
+                 "ttft_p99=2000"]) == 2
+    assert "unknown hardware 'tpu9'" in capsys.readouterr().err

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import platform
+import re
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -168,13 +169,32 @@ def fit(shapes: list[StepShape], seconds: list[float], model: str, machine: str,
                      settings=settings)
 
 
+ISA_NAMES = (("amx_tile", "AMX"), ("avx512_bf16", "AVX-512 BF16"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))
+
+
 def this_machine() -> str:
-    """The CPU's model name, as /proc/cpuinfo says it (the platform's processor string elsewhere)."""
+    """The CPU as /proc/cpuinfo names it, with its model number and widest instruction set (a virtual machine's
+    name is often only "Intel Xeon Processor"), e.g. "Intel(R) Xeon(R) Processor, model 167, AMX"."""
+    info: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())
+                if not line.strip():
+                    break
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return platform.processor() or platform.machine()
+    flags = set(info.get("flags", "").split())
+    isa = next((name for flag, name in ISA_NAMES if flag in flags), "")
+    parts = [info.get("model name", platform.machine()), f"model {info['model']}" if "model" in info else "", isa]
+    return ", ".join(p for p in parts if p)
+
+
+def default_path(model_path: str, machine: str) -> str:
+    """Where ``justapi plan profile`` keeps the cost model of ``model_path`` on ``machine`` by default."""
+    from ..config import cache_dir
+
+    stem = os.path.splitext(os.path.basename(model_path))[0]
+    slug = re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-")
+    return os.path.join(cache_dir(), "plan", f"{stem}--{slug}.json")

@@ -12,15 +12,18 @@ frees, first come first served; its time to first token counts from the moment i
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ..bench.client import RequestResult
 from ..config import SchedulerConfig
-from ..core.batching import Batching
-from ..core.outputs import RunnerOutput, SchedulerOutput
+from ..core.batching import StaticBatching
+from ..core.outputs import RunnerOutput
+from ..core.router import PrefixRouter
 from ..core.scheduler import Scheduler
 from ..sampling_params import SamplingParams
-from .cost_model import CostModel, StepShape
+from .cost_model import StepShape
 
 SIM_TOKEN = 1  # the token every simulated step samples (never a stop token: requests ignore EOS)
 
@@ -60,72 +63,64 @@ class SimRun:
     preemptions: int = 0
 
 
-class Simulation:
-    """One scheduler on virtual time, driven by ``run``."""
+class StepCosts(Protocol):
+    """What the simulation asks of a cost model (plan.cost_model's fitted one, plan.hardware's roofline)."""
 
-    def __init__(self, config: SchedulerConfig, costs: CostModel, batching: Batching | None = None) -> None:
-        if config.spec_method is not None:
-            raise SimulationError("speculative decoding is not simulated (its acceptance is the text's): plan "
-                                  "without --speculation")
+    def seconds(self, shape: StepShape) -> float: ...
+
+    def describe(self) -> str: ...
+
+
+class Replica:
+    """One engine's scheduler and its virtual clock: a step starts when the one before ends (or work arrives),
+    and what it produced reaches its clients when it ends."""
+
+    def __init__(self, config: SchedulerConfig, costs: StepCosts, static_batching: bool = False) -> None:
         self.costs = costs
-        self.now = 0.0
-        self.scheduler = Scheduler(config, batching)
-        self.scheduler.clock = lambda: self.now  # arrivals, aging and deadlines in virtual time
+        self.now = 0.0  # the engine's clock: arrivals, aging and deadlines are read on it
+        self.scheduler = Scheduler(config, StaticBatching() if static_batching else None)
+        self.scheduler.clock = lambda: self.now
+        self.busy_until = math.inf  # the running step's end; inf while idle
+        self.live: dict[str, int] = {}  # request id -> its index in the run, until its client hears it ended
+        self._outputs: list = []
 
-    def run(self, requests: list[SimRequest], max_concurrency: int | None = None,
-            time_limit: float = float("inf")) -> SimRun:
-        """Every request to its end (or until ``time_limit`` virtual seconds); their results in request order."""
-        results = [RequestResult(ok=False, kind=r.kind, prompt_tokens=len(r.prompt), usage_reported=True)
-                   for r in requests]
-        client = _Client(requests, max_concurrency)
-        run = SimRun(results)
-        live: dict[str, int] = {}
-        while len(live) or client.pending:
-            for i in client.send_due(self.now):
-                if not self._add(i, requests[i], results[i], live):
-                    client.done(self.now)
-            sched = self.scheduler.schedule()
-            if sched.empty:
-                if not client.pending_at(self.now):
-                    raise SimulationError(self._stuck(live))
-                self.now = max(self.now, client.next_arrival())
-                continue
-            self._step(sched, run, live, client)
-            if self.now > time_limit:
-                break
-        for i in live.values():
-            results[i].error, results[i].end = "time limit", self.now
-        run.elapsed = self.now
-        run.preemptions = self.scheduler.stats.num_preemptions
-        return run
-
-    def _add(self, i: int, req: SimRequest, res: RequestResult, live: dict[str, int]) -> bool:
-        """Queue request ``i``; False where the scheduler refuses it (it could never fit), as the server would."""
+    def add(self, i: int, req: SimRequest, now: float) -> str | None:
+        """Queue request ``i`` at ``now``; the scheduler's refusal (it could never fit), else None."""
+        self.now = max(self.now, now)
         params = SamplingParams(max_tokens=req.max_tokens, ignore_eos=True, priority=req.priority, user=req.user)
-        rid = f"sim-{i}"
-        res.start = self.now
         try:
-            self.scheduler.add_request(rid, req.prompt, params, (), seed=i)
+            self.scheduler.add_request(f"sim-{i}", req.prompt, params, (), seed=i)
         except ValueError as e:
-            res.error, res.end = str(e), self.now
-            return False
-        live[rid] = i
-        return True
+            return str(e)
+        self.live[f"sim-{i}"] = i
+        return None
 
-    def _step(self, sched: SchedulerOutput, run: SimRun, live: dict[str, int], client: _Client) -> None:
+    def start_step(self, now: float, run: SimRun) -> bool:
+        """Schedule and run a step at ``now`` (its tokens are the runner's effect); False if there is nothing to
+        schedule. Its outputs wait for ``finish_step`` at ``busy_until``."""
+        self.now = max(self.now, now)
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return False
         sampled = {}
         for rid, n in sched.num_scheduled_tokens.items():
             req = self.scheduler.requests[rid]
             if req.num_computed_tokens + n >= req.num_tokens:
                 sampled[rid] = [SIM_TOKEN]
-        outs = self.scheduler.update(sched, RunnerOutput(sampled_token_ids=sampled))
+        self._outputs = self.scheduler.update(sched, RunnerOutput(sampled_token_ids=sampled))
         cells = tuple(self.scheduler.record.cells)
         seconds = self.costs.seconds(StepShape.of_cells(cells))
         run.steps.append(SimStep(self.now, seconds, cells))
-        self.now += seconds
-        for out in outs:
-            i = live[out.request_id]
-            res = run.results[i]
+        self.busy_until = self.now + seconds
+        return True
+
+    def finish_step(self, run: SimRun) -> int:
+        """The running step ends: its tokens reach their clients; the requests that ended (their slots free)."""
+        assert self.busy_until < math.inf
+        self.now, self.busy_until = self.busy_until, math.inf
+        ended = 0
+        for out in self._outputs:
+            res = run.results[self.live[out.request_id]]
             if out.new_token_ids:
                 if res.ttft is None:
                     res.ttft = self.now - res.start
@@ -135,14 +130,83 @@ class Simulation:
                 res.ok, res.end = out.finish_reason in ("length", "stop"), self.now
                 if not res.ok:
                     res.error = f"finished: {out.finish_reason}"
-                del live[out.request_id]
-                client.done(self.now)
+                del self.live[out.request_id]
+                ended += 1
+        self._outputs = []
+        return ended
 
-    def _stuck(self, live: dict[str, int]) -> str:
+    def stuck(self) -> str:
         sched = self.scheduler
-        return (f"the scheduler schedules nothing with {len(live)} requests unfinished ({len(sched.waiting)} "
+        return (f"the scheduler schedules nothing with {len(self.live)} requests unfinished ({len(sched.waiting)} "
                 f"waiting, {len(sched.running)} running, {sched.pool.num_free} of {sched.pool.num_blocks} blocks "
                 "free)")
+
+
+class Simulation:
+    """``replicas`` engines of one configuration behind the router (core.router, as ``--data-parallel`` routes),
+    and bench serve's client, on one virtual clock, driven by ``run``."""
+
+    def __init__(self, config: SchedulerConfig, costs: StepCosts, static_batching: bool = False,
+                 replicas: int = 1, router: str = "prefix") -> None:
+        if config.spec_method is not None:
+            raise SimulationError("speculative decoding is not simulated (its acceptance is the text's): plan "
+                                  "without --speculation")
+        if replicas < 1:
+            raise SimulationError(f"replicas must be at least 1, not {replicas}")
+        self.costs = costs
+        self.replicas = [Replica(config, costs, static_batching) for _ in range(replicas)]
+        self.router = PrefixRouter(router, block_size=config.block_size)
+        for k in range(replicas):
+            self.router.add(k, config.num_blocks)
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The first replica's scheduler (the only one, with one replica)."""
+        return self.replicas[0].scheduler
+
+    def run(self, requests: list[SimRequest], max_concurrency: int | None = None,
+            time_limit: float = float("inf")) -> SimRun:
+        """Every request to its end (or until ``time_limit`` virtual seconds); their results in request order."""
+        run = SimRun([RequestResult(ok=False, kind=r.kind, prompt_tokens=len(r.prompt), usage_reported=True)
+                      for r in requests])
+        client = _Client(requests, max_concurrency)
+        now = 0.0
+        while client.pending or any(r.live for r in self.replicas):
+            first = min(self.replicas, key=lambda r: r.busy_until)  # the step that ends first, if any runs
+            step_end = first.busy_until
+            arrival = client.next_send(now)
+            if arrival <= step_end and arrival < math.inf:
+                now = max(now, arrival)
+                for i in client.send_due(now):
+                    self._send(i, requests[i], run, now, client)
+            elif step_end < math.inf:
+                now = step_end
+                for _ in range(first.finish_step(run)):
+                    client.done()
+            else:
+                raise SimulationError(next(r.stuck() for r in self.replicas if r.live))
+            for replica in self.replicas:
+                if replica.busy_until == math.inf and replica.live and not replica.start_step(now, run) \
+                        and not client.pending:
+                    raise SimulationError(replica.stuck())
+            if now > time_limit:
+                break
+        for replica in self.replicas:
+            for i in replica.live.values():
+                run.results[i].error, run.results[i].end = "time limit", now
+        run.elapsed = now
+        run.preemptions = sum(r.scheduler.stats.num_preemptions for r in self.replicas)
+        return run
+
+    def _send(self, i: int, req: SimRequest, run: SimRun, now: float, client: _Client) -> None:
+        res = run.results[i]
+        res.start = now
+        loads = {k: len(r.live) for k, r in enumerate(self.replicas)}
+        k = self.router.choose(req.prompt, loads) if len(self.replicas) > 1 else 0
+        refused = self.replicas[k].add(i, req, now)
+        if refused is not None:
+            res.error, res.end = refused, now
+            client.done()
 
 
 class _Client:
@@ -169,12 +233,15 @@ class _Client:
             self.free -= 1
         return sent
 
-    def pending_at(self, now: float) -> bool:
-        """Whether a request is still to be sent (it may wait for a slot that a running request frees)."""
-        return bool(self.arrivals) or (bool(self.queued) and self.free > 0)
+    def next_send(self, now: float) -> float:
+        """When the next request can be sent: now where one waits for a free slot, else the next arrival (inf:
+        none, or every slot taken)."""
+        if self.queued and self.free > 0:
+            return now
+        if self.free > 0 and self.arrivals:
+            return self.arrivals[0][0]
+        return math.inf
 
-    def next_arrival(self) -> float:
-        return self.arrivals[0][0] if self.arrivals else self.queued[0][0]
-
-    def done(self, now: float) -> None:
+    def done(self) -> None:
+        """A request ended: its slot is free."""
         self.free += 1

@@ -1,0 +1,172 @@
+"""``justapi plan``: ``profile`` fits this machine's cost model of a model on a real server; ``simulate`` runs a
+``bench serve`` workload through the engine's scheduler on that cost model and prints the figures bench prints."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import sys
+
+from ..bench.cli import _range, _rate, _spec, _tokenizer, _workload_flags, _write_json
+from ..bench import report
+from ..bench.workloads import WorkloadError, arrival_times, build
+from .cost_model import CostModel, CostModelError, default_path, this_machine
+from .hardware import HARDWARE, MODELS
+from .search import SloTargets
+from .simulator import SimRequest, Simulation, SimulationError
+
+
+class PlanError(Exception):
+    """A planning command that cannot run; the message says why."""
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be at least 1")
+    return values
+
+
+def _search_flags(plan: argparse.ArgumentParser) -> None:
+    """``justapi plan``'s own flags (their dests apart from the subcommands' flags of the same names)."""
+    plan.add_argument("--model", dest="plan_model", default=None,
+                      help="a GGUF file (its shape; on this machine its cost model), or a named shape: "
+                           + ", ".join(MODELS))
+    plan.add_argument("--hardware", default="this", help="this (the fitted cost model) or " + ", ".join(HARDWARE))
+    plan.add_argument("--rate", type=_rate, default=None, help="requests per second to serve")
+    plan.add_argument("--slo", type=SloTargets.parse, default=None, help="ttft_p99=MS,tpot_p99=MS")
+    plan.add_argument("--costs", dest="plan_costs", default=None, help="this machine's cost model (default: the "
+                                                                       "cache's for --model)")
+    plan.add_argument("--tp", dest="plan_tp", type=_ints, default=(1, 2, 4, 8), help="TP degrees to try")
+    plan.add_argument("--chunk-sizes", type=_ints, default=(256, 512, 1024, 2048))
+    plan.add_argument("--max-seqs", dest="plan_max_seqs", type=_ints, default=(16, 32, 64, 128, 256))
+    plan.add_argument("--max-replicas", type=int, default=64)
+    plan.add_argument("--weight-bytes", type=float, default=2.0, help="a named shape's bytes per weight (fp8: 1)")
+    plan.add_argument("--max-model-len", dest="plan_max_model_len", type=int, default=32768)
+    plan.add_argument("--out", dest="plan_out", default="plan.png", help="the goodput curve's PNG")
+    g = plan.add_argument_group("workload (bench serve's, in token ids, Poisson arrivals at each rate tried)")
+    g.add_argument("--workload", dest="plan_workload", default="random", choices=["random", "shared-prefix"])
+    g.add_argument("--num-requests", dest="plan_requests", type=int, default=300)
+    g.add_argument("--input-len", dest="plan_input", type=_range, default=(64, 512))
+    g.add_argument("--output-len", dest="plan_output", type=_range, default=(16, 256))
+    g.add_argument("--num-prefixes", dest="plan_prefixes", type=int, default=4)
+    g.add_argument("--prefix-len", dest="plan_prefix_len", type=int, default=256)
+    g.add_argument("--seed", dest="plan_seed", type=int, default=0)
+    g.add_argument("--max-concurrency", dest="plan_concurrency", type=int, default=None)
+
+
+def add_parser(sub, engine_flags) -> None:
+    plan = sub.add_parser("plan", help="the capacity planner: the cheapest configuration meeting an SLO; fit a cost "
+                                       "model; simulate the scheduler on it",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _search_flags(plan)
+    psub = plan.add_subparsers(dest="plan_command")
+    prof = psub.add_parser("profile", help="fit this machine's step cost model of a model on a real justapi serve",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    prof.add_argument("--out", default=None, help="the cost model's JSON (default: in the cache, by model and CPU)")
+    prof.add_argument("--scale", type=float, default=1.0, help="more (>1) or fewer profiling requests")
+    prof.add_argument("--records", default=None, help="also write the server's step records to this JSON file")
+    prof.add_argument("serve_flags", nargs=argparse.REMAINDER, metavar="-- SERVE FLAGS",
+                      help="justapi serve's flags for the profiled server (its --model, --max-seqs, ...)")
+    sim = psub.add_parser("simulate", help="a bench serve workload through the scheduler on a fitted cost model",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    engine_flags(sim)
+    _workload_flags(sim, seed=False)
+    sim.add_argument("--costs", default=None, help="the cost model (default: justapi plan profile's for --model "
+                                                   "on this CPU)")
+    sim.add_argument("--request-rate", type=_rate, default=math.inf, help="requests per second (default: all at "
+                                                                          "once)")
+    sim.add_argument("--arrival", default="poisson", choices=["poisson", "fixed"])
+    sim.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    sim.add_argument("--goodput", nargs="*", default=None, metavar="KEY:MS", help="SLO targets, e.g. ttft:2000")
+    sim.add_argument("--json", default=None, help="write the figures to this JSON file")
+
+
+def cmd_profile(args) -> int:
+    from ..startup import build_parser, engine_config
+    from .profile import profile
+
+    flags = [f for f in args.serve_flags if f != "--"]
+    config = engine_config(build_parser().parse_args(["serve", *flags]))
+    if config.worker_processes or config.tp > 1:
+        raise PlanError("profile one engine (no --tp, --data-parallel or --disaggregate): the simulation scales it")
+    model, records = asyncio.run(profile(flags, config, _tokenizer(config.model), args.scale))
+    out = args.out or default_path(config.model, model.machine)
+    model.save(out)
+    if args.records:
+        _write_json(args.records, records)
+    print(model.describe())
+    print(f"wrote {out}")
+    return 0
+
+
+def sim_requests(jobs, tokenizer, starts: list[float]) -> list[SimRequest]:
+    """A workload's jobs as the simulation's requests (a completion prompt each, tokenized as the server does)."""
+    out = []
+    for job, at in zip(jobs, starts):
+        if len(job.turns) != 1 or job.turns[0].prompt is None:
+            raise PlanError("the simulation takes completion prompts, one a request (random, shared-prefix, burst, "
+                            "--class, or jsonl prompts), not chat turns")
+        turn = job.turns[0]
+        priority = job.fields.get("priority", 0)
+        out.append(SimRequest(tokenizer.encode(turn.prompt), turn.max_tokens, at, job.kind,
+                              int(priority) if isinstance(priority, (int, float)) else 0, job.fields.get("user")))
+    return out
+
+
+def load_costs(path: str | None, model: str) -> CostModel:
+    path = path or default_path(model, this_machine())
+    try:
+        return CostModel.load(path)
+    except CostModelError as e:
+        raise PlanError(f"{e} (justapi plan profile -- --model {model} fits one)") from None
+
+
+def cmd_simulate(args, engine_config) -> int:
+    from ..engine.engine_core import scheduler_config
+
+    config = engine_config(args)
+    costs = load_costs(args.costs, config.model)
+    settings = costs.settings or {}
+    num_blocks = config.pool_blocks or settings.get("num_blocks")
+    if not num_blocks:
+        raise PlanError("give --pool-blocks: the cost model does not say how many blocks its server's pool had")
+    sched = scheduler_config(config, num_blocks, settings.get("max_model_len") or 8192)
+    tokenizer = _tokenizer(config.model)
+    jobs = build(_spec(args), tokenizer)
+    requests = sim_requests(jobs, tokenizer, arrival_times(jobs, args.request_rate, args.arrival, args.seed))
+    run = Simulation(sched, costs).run(requests, args.max_concurrency, args.time_limit)
+    figures = report.summarize(run.results, run.elapsed, report.Slo.parse(args.goodput))
+    figures.update(steps=len(run.steps), preemptions=run.preemptions, cost_model=costs.describe())
+    print(report.table(["simulated"], [figures]))
+    print(f"{len(run.steps)} steps, {run.preemptions} preemptions, {run.elapsed:.2f} s of engine time; "
+          f"cost model: {costs.describe()}")
+    if args.json:
+        _write_json(args.json, figures)
+    return 0
+
+
+def cmd_search(args) -> int:
+    from .answer import answer
+
+    if args.plan_model is None or args.rate is None or args.slo is None:
+        raise PlanError("justapi plan needs --model, --rate and --slo (or a subcommand: profile, simulate)")
+    print(answer(args))
+    return 0
+
+
+def main(args, engine_config) -> int:
+    try:
+        if args.plan_command == "profile":
+            return cmd_profile(args)
+        if args.plan_command == "simulate":
+            return cmd_simulate(args, engine_config)
+        return cmd_search(args)
+    except (PlanError, CostModelError, SimulationError, WorkloadError, ValueError, RuntimeError) as e:
+        print(f"justapi plan: error: {e}", file=sys.stderr)
+        return 2
+

@@ -1,0 +1,115 @@
+"""``justapi plan profile``: a short run of a real ``justapi serve`` (a child process on loopback, the flags given)
+under workloads chosen to cover the step shapes serving meets, its step log read back (``/engine/steps``) and a
+cost model fitted to it (plan.cost_model).
+
+A step's cost is what the engine thread spent on it: the commands taken in before it (requests added), the step
+itself and the delivery of its outputs; the idle wait for work is not a step's. Each phase is ``bench serve``'s
+random workload at one concurrency: one request at a time (a single stream over contexts up to a long prompt's,
+prompts in chunks of every size), then batches of 4, 16 and the server's ``--max-seqs`` (prefill mixed with
+decodes, the kernel routes of every row count).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from dataclasses import dataclass
+
+import httpx
+
+from ..bench.cli import _step_log_position
+from ..bench.client import read_step_log, run_workload
+from ..bench.workloads import WorkloadSpec, arrival_times, build
+from ..config import EngineConfig, usable_cores
+from .cost_model import CostModel, StepShape, fit, this_machine
+
+SERVER_START_S = 600.0  # a large model's load
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One profiling run: requests at a concurrency, prompt and output lengths in tokens."""
+
+    requests: int
+    concurrency: int
+    input_len: tuple[int, int]
+    output_len: tuple[int, int]
+
+
+def phases(max_seqs: int, max_model_len: int, scale: float = 1.0) -> list[Phase]:
+    """The profile's runs for a server of ``max_seqs`` sequences (``scale`` makes each longer or shorter)."""
+    longest = max(64, min(2048, max_model_len // 2))
+    out = [Phase(6, 1, (16, longest), (24, 48)), Phase(12, 4, (32, 512), (16, 96)),
+           Phase(32, min(16, max_seqs), (32, 512), (16, 128))]
+    if max_seqs > 16:
+        out.append(Phase(2 * max_seqs, max_seqs, (64, 512), (16, 192)))
+    return [Phase(max(1, round(p.requests * scale)), p.concurrency, p.input_len, p.output_len) for p in out]
+
+
+def step_samples(records: list[dict]) -> tuple[list[StepShape], list[float]]:
+    """The shape and engine-thread seconds (commands + step + delivery) of each record that computed something."""
+    shapes, seconds = [], []
+    for rec in records:
+        work = rec.get("work")
+        if not work or not work.get("cells"):
+            continue
+        shapes.append(StepShape.of_cells(work["cells"]))
+        seconds.append(rec["commands"] + rec["step"] + rec["deliver"])
+    return shapes, seconds
+
+
+def server_settings(url: str, config: EngineConfig) -> dict:
+    """What the simulation of this server needs besides the flags: its pool's blocks and longest context."""
+    metrics = httpx.get(url + "/metrics", timeout=30).text
+    found = re.search(r"^justapi_kv_blocks_total\s+([0-9.e+]+)$", metrics, re.M)
+    if found is None:
+        raise RuntimeError("the server's /metrics has no justapi_kv_blocks_total")
+    limits = httpx.post(url + "/tokenize", json={"prompt": "a"}, timeout=30).json()
+    return dict(num_blocks=int(float(found.group(1))), max_model_len=int(limits["max_model_len"]),
+                block_size=config.block_size, max_seqs=config.max_seqs, chunk_size=config.chunk_size,
+                max_prefill=config.max_prefill, max_decode=config.max_decode, prefix_cache=config.prefix_cache)
+
+
+async def _run_phases(url: str, config: EngineConfig, tokenizer, settings: dict, scale: float, seed: int) -> None:
+    for k, phase in enumerate(phases(config.max_seqs, settings["max_model_len"], scale)):
+        spec = WorkloadSpec("random", phase.requests, phase.input_len, phase.output_len, seed=seed + k)
+        jobs = build(spec, tokenizer)
+        results, _, _ = await run_workload(url, jobs, arrival_times(jobs, float("inf"), "poisson", seed),
+                                           max_concurrency=phase.concurrency, request_timeout=600.0,
+                                           time_limit=3600.0)
+        failed = [r.error for r in results if not r.ok]
+        if failed:
+            raise RuntimeError(f"{len(failed)} profiling requests failed, e.g. {failed[0]}")
+
+
+async def measure(url: str, config: EngineConfig, tokenizer, scale: float = 1.0,
+                  seed: int = 0) -> tuple[list[dict], dict]:
+    """Run the phases against the server at ``url`` (serving ``config``): its step records of them, and its
+    settings (``server_settings``)."""
+    settings = await asyncio.to_thread(server_settings, url, config)
+    first = await asyncio.to_thread(_step_log_position, url)
+    await _run_phases(url, config, tokenizer, settings, scale, seed)
+    return await asyncio.to_thread(read_step_log, url, first), settings
+
+
+def fit_records(records: list[dict], config: EngineConfig, settings: dict) -> CostModel:
+    """The cost model of a server's step records (this machine's, ``config``'s threads)."""
+    shapes, seconds = step_samples(records)
+    return fit(shapes, seconds, os.path.basename(config.model), this_machine(), config.num_threads or usable_cores(),
+               settings)
+
+
+async def profile(serve_argv: list[str], config: EngineConfig, tokenizer, scale: float = 1.0,
+                  seed: int = 0) -> tuple[CostModel, list[dict]]:
+    """Start ``justapi serve`` with ``serve_argv``, run the phases, fit; the model and the step records."""
+    from ..engine.model_process import ModelProcess
+
+    name = "plan-profile"
+    server = ModelProcess(name, [*serve_argv, "--served-model-name", name])
+    await server.start(SERVER_START_S)
+    try:
+        records, settings = await measure(server.url, config, tokenizer, scale, seed)
+    finally:
+        await server.stop()
+    return fit_records(records, config, settings), records
