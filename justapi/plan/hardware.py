@@ -2,17 +2,20 @@
 computes a second (``Hardware``: named descriptions, or this machine measured), and the roofline cost of a step
 shape from the two (``RooflineCosts``), for machines this project cannot run on.
 
-A step of R rows (tokens through the products) over a model of W weight bytes costs at least
+A step of R rows (tokens through the products) costs at least the roofline of its products plus that of its
+attention (separate kernels, run one after the other), the step's fixed overhead and tensor parallelism's
+all-reduces:
 
-    max(bytes read / bandwidth, FLOP / matmul rate) + the step's fixed overhead + tensor parallelism's all-reduces
+    max(weight bytes / bandwidth, products' FLOP / rate) + max(K/V bytes / bandwidth, attention FLOP / rate) + ...
 
-bytes read: every weight once (sharded over TP ranks), and the K/V of every decoding row's context; FLOP: 2 per
-weight for each row through the layers, 2 per head weight for each sequence sampled, 4 * heads * head_dim for each
-(query, key) pair of each attention layer (QK^T and PV). Bandwidth and rate are each the peak times an efficiency
-(what a tuned engine reaches of it: an assumption, stated beside each estimate). The all-reduces: two a layer (after
-attention and after the MLP) of R x hidden bf16 values, each a latency plus 2 (tp - 1) / tp of its bytes over the
-link (a ring). Left out: windows in the roofline's K/V reads are counted (``kv_bytes``), MoE experts are not (a
-dense model's arithmetic), nor prefill attention's K/V reads (tiles keep them on chip).
+weight bytes: every weight once (sharded over TP ranks); products' FLOP: 2 per weight for each row through the
+layers, 2 per head weight for each sequence sampled; K/V bytes: every decoding row's context; attention FLOP:
+4 * heads * head_dim for each (query, key) pair of each attention layer (QK^T and PV). Bandwidth and rate are each
+the peak times an efficiency (what a tuned engine reaches of it: an assumption, stated beside each estimate). The
+all-reduces: two a layer (after attention and after the MLP) of R x hidden bf16 values, each a latency plus
+2 (tp - 1) / tp of its bytes over the link (a ring). Left out: sliding windows in a step's K/V reads (its decode
+context is a sum over rows), MoE experts (a dense model's arithmetic), prefill attention's K/V reads (tiles keep
+them on chip), and any per-sequence cost on the host (scheduling, sampling, detokenizing).
 """
 
 from __future__ import annotations
@@ -211,14 +214,16 @@ class RooflineCosts:
     tp: int = 1
 
     def seconds(self, shape: StepShape) -> float:
+        """The products' roofline plus attention's (separate kernels, one after the other), the step's overhead
+        and the all-reduces."""
         m, hw, tp = self.model, self.hardware, self.tp
-        row_kv = m.kv_bytes_per_token()  # windows aside: a decoding row's reads grow with its context
-        read = (m.weight_bytes + row_kv * shape.decode_context) / tp
-        flop = (2 * m.layer_weights * shape.rows + 2 * m.head_weights * shape.seqs
-                + m.attn_flop * m.attention_layers * (shape.decode_context + shape.prefill_pairs)) / tp
-        t = max(read / (hw.read_gbps * 1e9 * hw.bandwidth_efficiency),
-                flop / (hw.tflops * 1e12 * hw.flop_efficiency))
-        return t + hw.step_overhead_us * 1e-6 + self.all_reduce_seconds(shape.rows)
+        bandwidth, rate = hw.read_gbps * 1e9 * hw.bandwidth_efficiency, hw.tflops * 1e12 * hw.flop_efficiency
+        products = max(m.weight_bytes / tp / bandwidth,
+                       (2 * m.layer_weights * shape.rows + 2 * m.head_weights * shape.seqs) / tp / rate)
+        # windows aside: a decoding row's reads grow with its whole context
+        attention = max(m.kv_bytes_per_token() * shape.decode_context / tp / bandwidth,
+                        m.attn_flop * m.attention_layers * (shape.decode_context + shape.prefill_pairs) / tp / rate)
+        return products + attention + hw.step_overhead_us * 1e-6 + self.all_reduce_seconds(shape.rows)
 
     def all_reduce_seconds(self, rows: int) -> float:
         """Two ring all-reduces a layer of ``rows`` x hidden bf16 values."""
