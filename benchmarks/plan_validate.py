@@ -28,7 +28,7 @@ from justapi.bench.workloads import arrival_times, build  # noqa: E402
 from justapi.engine.engine_core import scheduler_config  # noqa: E402
 from justapi.engine.model_process import ModelProcess  # noqa: E402
 from justapi.plan.cli import sim_requests  # noqa: E402
-from justapi.plan.profile import fit_records, measure, step_samples  # noqa: E402
+from justapi.plan.profile import fit_records, measure, settled, step_samples  # noqa: E402
 from justapi.plan.simulator import Simulation  # noqa: E402
 from justapi.startup import build_parser, engine_config  # noqa: E402
 
@@ -66,13 +66,14 @@ async def run_one(url: str, name: str, line: str, config, settings: dict, costs,
     records = await asyncio.to_thread(read_step_log, url, since)
     measured = report.summarize(results, elapsed)
     sched = scheduler_config(config, settings["num_blocks"], settings["max_model_len"])
-    run = Simulation(sched, costs).run(sim_requests(jobs, tokenizer, starts), args.max_concurrency)
+    run = Simulation(sched, costs, front_s=costs.front_s, tail_s=costs.tail_s).run(
+        sim_requests(jobs, tokenizer, starts), args.max_concurrency)
     simulated = report.summarize(run.results, run.elapsed)
     shapes, seconds = step_samples(records)
     engine = dict(measured_steps=len(shapes), simulated_steps=len(run.steps), measured_engine_s=sum(seconds),
                   predicted_engine_s=sum(costs.seconds(s) for s in shapes),
                   simulated_engine_s=sum(s.seconds for s in run.steps))
-    return dict(name=name, line=line, measured=measured, simulated=simulated, engine=engine)
+    return dict(name=name, line=line, measured=measured, simulated=simulated, engine=engine, records=records)
 
 
 def table(rows: list[dict]) -> str:
@@ -105,9 +106,10 @@ async def main(argv: list[str]) -> int:
     server = ModelProcess("plan-validate", [*flags, "--served-model-name", "plan-validate"])
     await server.start(600)
     try:
+        await settled(server.proc.pid)
         records, settings = await measure(server.url, config, tokenizer, args.scale)
         costs = fit_records(records, config, settings)
-        print(costs.describe(), flush=True)
+        print(costs.describe(), f"; front {costs.front_s * 1e3:.1f} ms, tail {costs.tail_s * 1e3:.1f} ms", flush=True)
         rows = []
         for name in args.workloads:
             rows.append(await run_one(server.url, name, lines[name], config, settings, costs, tokenizer))
@@ -117,7 +119,8 @@ async def main(argv: list[str]) -> int:
     print(table(rows))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(costs=costs.describe(), settings=settings, rows=rows), f, indent=1, default=str)
+            json.dump(dict(costs=costs.describe(), settings=settings, rows=rows, profile_records=records), f,
+                      default=str)
     return 0
 
 

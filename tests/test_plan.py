@@ -235,3 +235,16 @@ def test_justapi_plan_answers_for_a_described_device(tmp_path, capsys):
     assert main(["plan", "--model", "llama-3.1-8b", "--hardware", "tpu9", "--rate", "4", "--slo",
                  "ttft_p99=2000"]) == 2
     assert "unknown hardware 'tpu9'" in capsys.readouterr().err
+
+
+def test_the_front_serves_one_request_after_another_and_the_tail_delays_what_clients_see():
+    sim = Simulation(SchedulerConfig(num_blocks=64), costs(base=0.01), front_s=0.005, tail_s=0.002)
+    run = sim.run([SimRequest([2, 3, 4], 3), SimRequest([5, 6, 7], 3)], max_concurrency=1)
+    first, second = run.results
+    assert first.ttft == pytest.approx(0.005 + 0.01 + 0.002)
+    assert first.e2e == pytest.approx(0.005 + 3 * 0.01 + 0.002)
+    assert second.start == pytest.approx(first.end)  # its slot came back when the client heard the end
+    both = Simulation(SchedulerConfig(num_blocks=64), costs(base=0.01), front_s=0.005).run(
+        [SimRequest([2, 3, 4], 3), SimRequest([5, 6, 7], 3)])
+    # sent together: the second waits for the front, reaches the engine during the first's prompt step
+    assert [r.ttft for r in both.results] == pytest.approx([0.015, 0.025])

@@ -154,7 +154,8 @@ def answer(args) -> str:
         args.plan_max_model_len
     space = Space(target.costs, target.blocks, workload(spec, vocab), base_config(16, max_len, True),  # type: ignore[arg-type]
                   tuple(t for t in args.plan_tp if t in target.tps), args.chunk_sizes, args.plan_max_seqs,
-                  args.max_replicas, args.plan_concurrency)
+                  args.max_replicas, args.plan_concurrency, fitted.front_s if fitted else 0.0,
+                  fitted.tail_s if fitted else 0.0)
     best, tried = search(space, args.rate, args.slo, target.price)
     lines = [f"plan for {args.rate:g} req/s of {spec.name} ({spec.input_len[0]}-{spec.input_len[1]} in, "
              f"{spec.output_len[0]}-{spec.output_len[1]} out) with {args.slo.describe()}", f"costs: {target.note}"]

@@ -139,7 +139,8 @@ def cmd_simulate(args, engine_config) -> int:
     tokenizer = _tokenizer(config.model)
     jobs = build(_spec(args), tokenizer)
     requests = sim_requests(jobs, tokenizer, arrival_times(jobs, args.request_rate, args.arrival, args.seed))
-    run = Simulation(sched, costs).run(requests, args.max_concurrency, args.time_limit)
+    run = Simulation(sched, costs, front_s=costs.front_s, tail_s=costs.tail_s).run(requests, args.max_concurrency,
+                                                                                 args.time_limit)
     figures = report.summarize(run.results, run.elapsed, report.Slo.parse(args.goodput))
     figures.update(steps=len(run.steps), preemptions=run.preemptions, cost_model=costs.describe())
     print(report.table(["simulated"], [figures]))

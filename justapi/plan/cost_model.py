@@ -98,6 +98,16 @@ class CostModel:
     def seconds(self, shape: StepShape) -> float:
         return max(MIN_STEP_S, float(np.dot(self.coefficients, shape.features())))
 
+    @property
+    def front_s(self) -> float:
+        """The profiled server's HTTP front: seconds before a request reached its engine."""
+        return float((self.settings or {}).get("front_s", 0.0))
+
+    @property
+    def tail_s(self) -> float:
+        """Seconds from a step's end until the client had its tokens."""
+        return float((self.settings or {}).get("tail_s", 0.0))
+
     def describe(self) -> str:
         terms = ", ".join(f"{name} {c * 1e3:.4g} ms" for name, c in zip(FEATURES, self.coefficients) if c)
         err = self.error

@@ -14,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import statistics
 from dataclasses import dataclass
 
 import httpx
 
 from ..bench.cli import _step_log_position
-from ..bench.client import read_step_log, run_workload
+from ..bench.client import RequestResult, read_step_log, run_workload
 from ..bench.workloads import WorkloadSpec, arrival_times, build
 from ..config import EngineConfig, usable_cores
 from .cost_model import CostModel, StepShape, fit, this_machine
@@ -29,22 +30,29 @@ SERVER_START_S = 600.0  # a large model's load
 
 @dataclass(frozen=True)
 class Phase:
-    """One profiling run: requests at a concurrency, prompt and output lengths in tokens."""
+    """One profiling run: requests at a concurrency, prompt and output lengths in tokens; with ``prefix_len``, the
+    prompts share prefixes (prompt chunks that start after a prefix-cache hit)."""
 
     requests: int
     concurrency: int
     input_len: tuple[int, int]
     output_len: tuple[int, int]
+    prefix_len: int = 0
 
 
 def phases(max_seqs: int, max_model_len: int, scale: float = 1.0) -> list[Phase]:
-    """The profile's runs for a server of ``max_seqs`` sequences (``scale`` makes each longer or shorter)."""
+    """The profile's runs for a server of ``max_seqs`` sequences (``scale`` makes each longer or shorter): a single
+    stream over short and long contexts, batches of every size over short and long contexts, and prompts after a
+    cached prefix (so that a chunk's rows, its attention pairs and the decodes' contexts vary apart)."""
     longest = max(64, min(2048, max_model_len // 2))
+    half = min(16, max_seqs)
     out = [Phase(6, 1, (16, longest), (24, 48)), Phase(12, 4, (32, 512), (16, 96)),
-           Phase(32, min(16, max_seqs), (32, 512), (16, 128))]
+           Phase(32, half, (32, 512), (16, 128)), Phase(2 * half, half, (longest // 2, longest), (32, 64)),
+           Phase(24, 4, (16, 256), (8, 32), prefix_len=min(1024, longest // 2))]
     if max_seqs > 16:
         out.append(Phase(2 * max_seqs, max_seqs, (64, 512), (16, 192)))
-    return [Phase(max(1, round(p.requests * scale)), p.concurrency, p.input_len, p.output_len) for p in out]
+    return [Phase(max(1, round(p.requests * scale)), p.concurrency, p.input_len, p.output_len, p.prefix_len)
+            for p in out]
 
 
 def step_samples(records: list[dict]) -> tuple[list[StepShape], list[float]]:
@@ -71,9 +79,17 @@ def server_settings(url: str, config: EngineConfig) -> dict:
                 max_prefill=config.max_prefill, max_decode=config.max_decode, prefix_cache=config.prefix_cache)
 
 
-async def _run_phases(url: str, config: EngineConfig, tokenizer, settings: dict, scale: float, seed: int) -> None:
+async def _run_phases(url: str, config: EngineConfig, tokenizer, settings: dict, scale: float,
+                      seed: int) -> list[list[RequestResult]]:
+    """Each phase's requests' results (the first phase's: one request at a time)."""
+    out = []
     for k, phase in enumerate(phases(config.max_seqs, settings["max_model_len"], scale)):
-        spec = WorkloadSpec("random", phase.requests, phase.input_len, phase.output_len, seed=seed + k)
+        if phase.prefix_len:
+            spec = WorkloadSpec("shared-prefix", input_len=phase.input_len, output_len=phase.output_len,
+                                num_prefixes=2, prefix_len=phase.prefix_len,
+                                suffixes_per_prefix=max(1, phase.requests // 2), seed=seed + k)
+        else:
+            spec = WorkloadSpec("random", phase.requests, phase.input_len, phase.output_len, seed=seed + k)
         jobs = build(spec, tokenizer)
         results, _, _ = await run_workload(url, jobs, arrival_times(jobs, float("inf"), "poisson", seed),
                                            max_concurrency=phase.concurrency, request_timeout=600.0,
@@ -81,16 +97,58 @@ async def _run_phases(url: str, config: EngineConfig, tokenizer, settings: dict,
         failed = [r.error for r in results if not r.ok]
         if failed:
             raise RuntimeError(f"{len(failed)} profiling requests failed, e.g. {failed[0]}")
+        out.append(results)
+    return out
+
+
+def front_and_tail(results: list[RequestResult], records: list[dict]) -> tuple[float, float]:
+    """The HTTP front's seconds before a request reaches the engine, and after its first token leaves a step until
+    the client has it: medians over requests sent one at a time (the engine idle when each arrives), each placed in
+    the step log by its id (client and server read the same monotonic clock)."""
+    first_step: dict[str, dict] = {}
+    for rec in records:
+        for cell in (rec.get("work") or {}).get("cells") or ():
+            first_step.setdefault(cell[0], rec)
+    fronts, tails = [], []
+    for res in results:
+        step = first_step.get(f"{res.response_id}-0")
+        if step is None or res.ttft is None:
+            continue
+        fronts.append(step["start"] - res.start)  # the engine loop woke for its command
+        tails.append(res.start + res.ttft - (step["start"] + step["commands"] + step["step"] + step["deliver"]))
+    if not fronts:
+        return 0.0, 0.0
+    return max(0.0, statistics.median(fronts)), max(0.0, statistics.median(tails))
+
+
+async def settled(pid: int, still_s: float = 1.0, poll_s: float = 0.25, limit_s: float = 300.0) -> None:
+    """Wait until the server's memory stops growing: the KV pool's prefault (model.hugepages) takes a core for
+    seconds after a start, and steps measured meanwhile are the start's, not the engine's."""
+    last, since, waited = -1, 0.0, 0.0
+    while since < still_s and waited < limit_s:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        except (OSError, StopIteration):
+            return  # not Linux, or the process is gone (the phases will say so)
+        since = since + poll_s if abs(rss - last) < 1024 else 0.0
+        last = rss
+        await asyncio.sleep(poll_s)
+        waited += poll_s
 
 
 async def measure(url: str, config: EngineConfig, tokenizer, scale: float = 1.0,
                   seed: int = 0) -> tuple[list[dict], dict]:
-    """Run the phases against the server at ``url`` (serving ``config``): its step records of them, and its
-    settings (``server_settings``)."""
+    """Run the phases against the server at ``url`` (serving ``config``, settled): its step records of them, and
+    its settings (``server_settings``). A first pass of the phases at a quarter of their size, unrecorded, pays the
+    first-use costs (kernels made for each new row count)."""
     settings = await asyncio.to_thread(server_settings, url, config)
+    await _run_phases(url, config, tokenizer, settings, scale / 4, seed + 100)
     first = await asyncio.to_thread(_step_log_position, url)
-    await _run_phases(url, config, tokenizer, settings, scale, seed)
-    return await asyncio.to_thread(read_step_log, url, first), settings
+    results = await _run_phases(url, config, tokenizer, settings, scale, seed)
+    records = await asyncio.to_thread(read_step_log, url, first)
+    settings["front_s"], settings["tail_s"] = front_and_tail(results[0], records)
+    return records, settings
 
 
 def fit_records(records: list[dict], config: EngineConfig, settings: dict) -> CostModel:
@@ -109,6 +167,8 @@ async def profile(serve_argv: list[str], config: EngineConfig, tokenizer, scale:
     server = ModelProcess(name, [*serve_argv, "--served-model-name", name])
     await server.start(SERVER_START_S)
     try:
+        assert server.proc is not None
+        await settled(server.proc.pid)
         records, settings = await measure(server.url, config, tokenizer, scale, seed)
     finally:
         await server.stop()

@@ -94,13 +94,16 @@ class Space:
     max_seqs: tuple[int, ...] = (32,)
     max_replicas: int = 64
     max_concurrency: int | None = None
+    front_s: float = 0.0  # the HTTP front (plan.profile's, on this machine; none assumed for a described device)
+    tail_s: float = 0.0
 
 
 def simulate(space: Space, cand: Candidate, rate: float, slo: SloTargets, static: bool = False) -> Outcome:
     config = replace(space.base, num_blocks=space.pool_blocks(cand.tp), chunk_size=cand.chunk_size,
                      max_prefill=max(space.base.max_prefill, 1), max_seqs=cand.max_seqs,
                      max_decode=max(space.base.max_decode, cand.max_seqs))
-    sim = Simulation(config, space.costs(cand.tp), static, cand.replicas)
+    sim = Simulation(config, space.costs(cand.tp), static, cand.replicas, front_s=space.front_s,
+                     tail_s=space.tail_s)
     run = sim.run(space.requests(rate), space.max_concurrency)
     figures = report.summarize(run.results, run.elapsed, slo.per_request())
     figures["preemptions"] = run.preemptions

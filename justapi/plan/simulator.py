@@ -114,24 +114,25 @@ class Replica:
         self.busy_until = self.now + seconds
         return True
 
-    def finish_step(self, run: SimRun) -> int:
-        """The running step ends: its tokens reach their clients; the requests that ended (their slots free)."""
+    def finish_step(self, run: SimRun, tail_s: float = 0.0) -> list[int]:
+        """The running step ends: its tokens reach their clients ``tail_s`` later; the requests that ended."""
         assert self.busy_until < math.inf
         self.now, self.busy_until = self.busy_until, math.inf
-        ended = 0
+        seen, ended = self.now + tail_s, []
         for out in self._outputs:
-            res = run.results[self.live[out.request_id]]
+            i = self.live[out.request_id]
+            res = run.results[i]
             if out.new_token_ids:
                 if res.ttft is None:
-                    res.ttft = self.now - res.start
-                res.chunk_times.append(self.now)
+                    res.ttft = seen - res.start
+                res.chunk_times.append(seen)
                 res.output_tokens += len(out.new_token_ids)
             if out.finish_reason is not None:
-                res.ok, res.end = out.finish_reason in ("length", "stop"), self.now
+                res.ok, res.end = out.finish_reason in ("length", "stop"), seen
                 if not res.ok:
                     res.error = f"finished: {out.finish_reason}"
                 del self.live[out.request_id]
-                ended += 1
+                ended.append(i)
         self._outputs = []
         return ended
 
@@ -147,13 +148,15 @@ class Simulation:
     and bench serve's client, on one virtual clock, driven by ``run``."""
 
     def __init__(self, config: SchedulerConfig, costs: StepCosts, static_batching: bool = False,
-                 replicas: int = 1, router: str = "prefix") -> None:
+                 replicas: int = 1, router: str = "prefix", front_s: float = 0.0, tail_s: float = 0.0) -> None:
+        """``front_s``: the HTTP front's seconds before a request reaches the engines (one request after another);
+        ``tail_s``: from a step's end until its client has the tokens (plan.profile measures both)."""
         if config.spec_method is not None:
             raise SimulationError("speculative decoding is not simulated (its acceptance is the text's): plan "
                                   "without --speculation")
         if replicas < 1:
             raise SimulationError(f"replicas must be at least 1, not {replicas}")
-        self.costs = costs
+        self.costs, self.front_s, self.tail_s = costs, front_s, tail_s
         self.replicas = [Replica(config, costs, static_batching) for _ in range(replicas)]
         self.router = PrefixRouter(router, block_size=config.block_size)
         for k in range(replicas):
@@ -166,29 +169,32 @@ class Simulation:
 
     def run(self, requests: list[SimRequest], max_concurrency: int | None = None,
             time_limit: float = float("inf")) -> SimRun:
-        """Every request to its end (or until ``time_limit`` virtual seconds); their results in request order."""
+        """Every request to its end (or until ``time_limit`` virtual seconds); their results in request order.
+        Events in time order: a client sends, a request reaches the engines past the front, a step ends."""
         run = SimRun([RequestResult(ok=False, kind=r.kind, prompt_tokens=len(r.prompt), usage_reported=True)
                       for r in requests])
         client = _Client(requests, max_concurrency)
+        self._inbound: list[tuple[float, int]] = []  # (when it reaches the engines, request index)
+        self._front_free = 0.0
         now = 0.0
-        while client.pending or any(r.live for r in self.replicas):
+        while client.pending or self._inbound or any(r.live for r in self.replicas):
             first = min(self.replicas, key=lambda r: r.busy_until)  # the step that ends first, if any runs
-            step_end = first.busy_until
-            arrival = client.next_send(now)
-            if arrival <= step_end and arrival < math.inf:
-                now = max(now, arrival)
+            t_send, t_in = client.next_send(now), self._inbound[0][0] if self._inbound else math.inf
+            t = min(t_send, t_in, first.busy_until)
+            if t == math.inf:
+                raise SimulationError(next((r.stuck() for r in self.replicas if r.live), "nothing can run"))
+            now = max(now, t)
+            if t == t_send:
                 for i in client.send_due(now):
-                    self._send(i, requests[i], run, now, client)
-            elif step_end < math.inf:
-                now = step_end
-                for _ in range(first.finish_step(run)):
-                    client.done()
-            else:
-                raise SimulationError(next(r.stuck() for r in self.replicas if r.live))
+                    self._send(i, run, now)
+            elif t == first.busy_until and t < t_in:
+                for i in first.finish_step(run, self.tail_s):
+                    client.done(now + self.tail_s)
+            while self._inbound and self._inbound[0][0] <= now:  # reached the engines
+                self._route(heapq.heappop(self._inbound)[1], requests, run, now, client)
             for replica in self.replicas:
-                if replica.busy_until == math.inf and replica.live and not replica.start_step(now, run) \
-                        and not client.pending:
-                    raise SimulationError(replica.stuck())
+                if replica.busy_until == math.inf and replica.live:
+                    replica.start_step(now, run)
             if now > time_limit:
                 break
         for replica in self.replicas:
@@ -198,25 +204,31 @@ class Simulation:
         run.preemptions = sum(r.scheduler.stats.num_preemptions for r in self.replicas)
         return run
 
-    def _send(self, i: int, req: SimRequest, run: SimRun, now: float, client: _Client) -> None:
-        res = run.results[i]
-        res.start = now
+    def _send(self, i: int, run: SimRun, now: float) -> None:
+        """The client sends request ``i``: the front takes ``front_s`` of it, one request after another."""
+        run.results[i].start = now
+        self._front_free = max(now, self._front_free) + self.front_s
+        heapq.heappush(self._inbound, (self._front_free, i))
+
+    def _route(self, i: int, requests: list[SimRequest], run: SimRun, now: float, client: _Client) -> None:
+        req, res = requests[i], run.results[i]
         loads = {k: len(r.live) for k, r in enumerate(self.replicas)}
         k = self.router.choose(req.prompt, loads) if len(self.replicas) > 1 else 0
         refused = self.replicas[k].add(i, req, now)
         if refused is not None:
             res.error, res.end = refused, now
-            client.done()
+            client.done(now)
 
 
 class _Client:
     """bench serve's sender: each request at its arrival time, holding one of ``max_concurrency`` slots until it
-    ends; requests waiting for a slot take them in arrival order."""
+    hears the request ended; requests waiting for a slot take them in arrival order."""
 
     def __init__(self, requests: list[SimRequest], max_concurrency: int | None) -> None:
         self.arrivals = [(r.at, i) for i, r in enumerate(requests)]
         heapq.heapify(self.arrivals)
         self.free = max_concurrency if max_concurrency else len(requests)
+        self.freeing: list[float] = []  # when taken slots come back
         self.queued: list[tuple[float, int]] = []  # arrived, waiting for a slot
 
     @property
@@ -225,6 +237,9 @@ class _Client:
 
     def send_due(self, now: float) -> list[int]:
         """Requests sent at ``now``: those arrived that have a slot."""
+        while self.freeing and self.freeing[0] <= now:
+            heapq.heappop(self.freeing)
+            self.free += 1
         while self.arrivals and self.arrivals[0][0] <= now:
             heapq.heappush(self.queued, heapq.heappop(self.arrivals))
         sent = []
@@ -234,14 +249,14 @@ class _Client:
         return sent
 
     def next_send(self, now: float) -> float:
-        """When the next request can be sent: now where one waits for a free slot, else the next arrival (inf:
-        none, or every slot taken)."""
-        if self.queued and self.free > 0:
-            return now
-        if self.free > 0 and self.arrivals:
-            return self.arrivals[0][0]
-        return math.inf
+        """When the next request can be sent: once one has arrived and a slot is free (inf: not before a request
+        ends)."""
+        if not self.queued and not self.arrivals:
+            return math.inf
+        slot = now if self.free > 0 else (self.freeing[0] if self.freeing else math.inf)
+        request = now if self.queued else self.arrivals[0][0]
+        return max(slot, request)
 
-    def done(self) -> None:
-        """A request ended: its slot is free."""
-        self.free += 1
+    def done(self, at: float) -> None:
+        """A request's end reaches the client at ``at``: its slot is free from then."""
+        heapq.heappush(self.freeing, at)
