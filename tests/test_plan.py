@@ -248,3 +248,18 @@ def test_the_front_serves_one_request_after_another_and_the_tail_delays_what_cli
         [SimRequest([2, 3, 4], 3), SimRequest([5, 6, 7], 3)])
     # sent together: the second waits for the front, reaches the engine during the first's prompt step
     assert [r.ttft for r in both.results] == pytest.approx([0.015, 0.025])
+
+
+def test_disaggregated_requests_move_to_a_decode_worker_after_their_first_token():
+    config = SchedulerConfig(num_blocks=64, chunk_size=64, max_prefill=64)
+    sim = Simulation(config, costs(base=0.01), decoders=1, transfer_s=lambda tokens: 0.001 * tokens)
+    run = sim.run([SimRequest(list(range(2, 42)), max_tokens=5)])
+    res = run.results[0]
+    assert res.ok and res.output_tokens == 5
+    assert res.ttft == pytest.approx(0.01)  # the prefill worker's one step
+    assert res.e2e == pytest.approx(0.01 + 0.040 + 4 * 0.01)  # the KV of 40 tokens moved, then 4 decode steps
+    prefill, decode = sim.replicas[0].scheduler, sim.decoders[0].scheduler
+    assert [c[1] for s in run.steps for c in s.cells] == ["prefill"] + ["decode"] * 4
+    assert prefill.stats.num_preemptions == 0 and not prefill.handoffs and not prefill.running
+    assert prefill.pool.num_used == prefill.num_cached_blocks  # its prompt's blocks went to its prefix cache
+    assert not decode.running and sim.pd.requests == {}

@@ -9,13 +9,14 @@ and shared prefixes share ids) with Poisson arrivals at each rate tried.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from ..bench.workloads import WorkloadSpec, arrival_times, build
 from ..config import SchedulerConfig
 from .cost_model import CostModel
 from .hardware import HARDWARE, Hardware, ModelShape, RooflineCosts
 from .search import Candidate, Outcome, SloTargets, Space, goodput_curve, search, simulate
-from .simulator import SimRequest
+from .simulator import SimRequest, StepCosts
 
 CURVE = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)  # the goodput curve's rates, times the asked rate
 SATURATED = 0.5  # the curve stops past the rate whose goodput falls below this share of the offered rate
@@ -57,11 +58,12 @@ class Target:
     """What the plan runs on: a step cost per TP degree, pool blocks per TP degree, the TP degrees allowed."""
 
     name: str
-    costs: object
-    blocks: object
+    costs: Callable[[int], StepCosts]
+    blocks: Callable[[int], int]
     tps: tuple[int, ...]
     price: float
     note: str
+    transfer: Callable[[int], Callable[[int], float]] | None = None  # per TP degree: a KV transfer by its tokens
 
 
 def target_for(model: str, hardware: str, fitted: CostModel | None, block_size: int, bytes_per_weight: float,
@@ -87,7 +89,8 @@ def target_for(model: str, hardware: str, fitted: CostModel | None, block_size: 
                 shape.kv_heads % t == 0)
     return Target(hw.name, lambda tp: RooflineCosts(shape, hw, tp),
                   lambda tp: RooflineCosts(shape, hw, tp).kv_pool_blocks(block_size), tps, hw.price_hour,
-                  RooflineCosts(shape, hw, 1).describe()), shape
+                  RooflineCosts(shape, hw, 1).describe(),
+                  lambda tp: RooflineCosts(shape, hw, tp).transfer_seconds), shape
 
 
 def baseline(space: Space, best: Outcome, rate: float, slo: SloTargets) -> Outcome:
@@ -145,6 +148,9 @@ def answer(args) -> str:
     from .cli import load_costs
 
     fitted = load_costs(args.plan_costs, args.plan_model) if args.hardware == "this" else None
+    if args.disaggregate and fitted is not None:
+        raise ValueError("--disaggregate is planned on described devices: on this machine its workers split the "
+                         "cores, which the fitted cost model (all cores) does not describe")
     target, shape = target_for(args.plan_model, args.hardware, fitted, 16, args.weight_bytes, max(args.plan_tp))
     vocab = shape.vocab if shape is not None else 32000
     spec = WorkloadSpec(args.plan_workload, args.plan_requests, args.plan_input, args.plan_output,
@@ -152,10 +158,10 @@ def answer(args) -> str:
                         suffixes_per_prefix=max(1, args.plan_requests // args.plan_prefixes), seed=args.plan_seed)
     max_len = (fitted.settings or {}).get("max_model_len", args.plan_max_model_len) if fitted else \
         args.plan_max_model_len
-    space = Space(target.costs, target.blocks, workload(spec, vocab), base_config(16, max_len, True),  # type: ignore[arg-type]
+    space = Space(target.costs, target.blocks, workload(spec, vocab), base_config(16, max_len, True),
                   tuple(t for t in args.plan_tp if t in target.tps), args.chunk_sizes, args.plan_max_seqs,
                   args.max_replicas, args.plan_concurrency, fitted.front_s if fitted else 0.0,
-                  fitted.tail_s if fitted else 0.0)
+                  fitted.tail_s if fitted else 0.0, target.transfer if args.disaggregate else None)
     best, tried = search(space, args.rate, args.slo, target.price)
     lines = [f"plan for {args.rate:g} req/s of {spec.name} ({spec.input_len[0]}-{spec.input_len[1]} in, "
              f"{spec.output_len[0]}-{spec.output_len[1]} out) with {args.slo.describe()}", f"costs: {target.note}"]
@@ -166,7 +172,7 @@ def answer(args) -> str:
     u = static.figures.get("static_u")
     lines += [f"cheapest: {best.candidate.describe()}: {fmt(best.figures)}",
               f"  static batching there: {fmt(static.figures)}" + (f", U = {u:.2f}" if u is not None else ""),
-              "every candidate's fewest replicas:"]
+              "every candidate at its fewest engines:"]
     lines += [f"  {o.candidate.describe()}: {fmt(o.figures)}" for o in sorted(tried, key=lambda o: o.candidate.devices)]
     points = curve(space, best.candidate, args.rate, args.slo)
     static_points = [(r, simulate(space, best.candidate, r, args.slo, static=True).figures) for r, _ in points]

@@ -44,7 +44,9 @@ def _search_flags(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--tp", dest="plan_tp", type=_ints, default=(1, 2, 4, 8), help="TP degrees to try")
     plan.add_argument("--chunk-sizes", type=_ints, default=(256, 512, 1024, 2048))
     plan.add_argument("--max-seqs", dest="plan_max_seqs", type=_ints, default=(16, 32, 64, 128, 256))
-    plan.add_argument("--max-replicas", type=int, default=64)
+    plan.add_argument("--max-replicas", type=int, default=64, help="engines per candidate at most")
+    plan.add_argument("--disaggregate", action="store_true",
+                      help="also try prefill/decode disaggregation (every split of prefill and decode workers)")
     plan.add_argument("--weight-bytes", type=float, default=2.0, help="a named shape's bytes per weight (fp8: 1)")
     plan.add_argument("--max-model-len", dest="plan_max_model_len", type=int, default=32768)
     plan.add_argument("--out", dest="plan_out", default="plan.png", help="the goodput curve's PNG")

@@ -234,6 +234,12 @@ class RooflineCosts:
         one = hw.link_latency_us * 1e-6 + 2 * (self.tp - 1) / self.tp * nbytes / (hw.link_gbps * 1e9)
         return 2 * self.model.layers * one
 
+    def transfer_seconds(self, tokens: int) -> float:
+        """A disaggregated request's prompt KV from a prefill worker to a decode worker: each of the ``tp`` ranks
+        sends its heads' share over its own link (the same link figures as the all-reduces)."""
+        hw = self.hardware
+        return hw.link_latency_us * 1e-6 + tokens * self.model.kv_bytes_per_token() / self.tp / (hw.link_gbps * 1e9)
+
     def describe(self) -> str:
         return f"roofline of {self.model.name} on {self.tp} x {self.hardware.describe()}"
 

@@ -105,17 +105,20 @@ def front_and_tail(results: list[RequestResult], records: list[dict]) -> tuple[f
     """The HTTP front's seconds before a request reaches the engine, and after its first token leaves a step until
     the client has it: medians over requests sent one at a time (the engine idle when each arrives), each placed in
     the step log by its id (client and server read the same monotonic clock)."""
-    first_step: dict[str, dict] = {}
+    first_step: dict[str, dict] = {}  # request id -> the step it was first scheduled in
+    token_step: dict[tuple[str, int], dict] = {}  # (request id, tokens computed) -> the step that computed them
     for rec in records:
-        for cell in (rec.get("work") or {}).get("cells") or ():
-            first_step.setdefault(cell[0], rec)
+        for rid, _, start, n, *_ in (rec.get("work") or {}).get("cells") or ():
+            first_step.setdefault(rid, rec)
+            token_step.setdefault((rid, start + n), rec)
     fronts, tails = [], []
     for res in results:
-        step = first_step.get(f"{res.response_id}-0")
-        if step is None or res.ttft is None:
+        rid = f"{res.response_id}-0"
+        first, last = first_step.get(rid), token_step.get((rid, res.prompt_tokens))
+        if first is None or last is None or res.ttft is None:
             continue
-        fronts.append(step["start"] - res.start)  # the engine loop woke for its command
-        tails.append(res.start + res.ttft - (step["start"] + step["commands"] + step["step"] + step["deliver"]))
+        fronts.append(first["start"] - res.start)  # the engine loop woke for its command
+        tails.append(res.start + res.ttft - (last["start"] + last["commands"] + last["step"] + last["deliver"]))
     if not fronts:
         return 0.0, 0.0
     return max(0.0, statistics.median(fronts)), max(0.0, statistics.median(tails))

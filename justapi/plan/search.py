@@ -3,7 +3,8 @@ configuration whose simulation meets it, and the curve of goodput against rate f
 
 Each candidate is a tensor-parallel degree, a chunk size and a ``--max-seqs``; for each, the fewest data-parallel
 replicas (behind the prefix router) that meet the SLO at the rate is found by simulation: doubling until it is met,
-then halving the interval. The cheapest candidate is the one with the fewest devices (replicas x TP, times the
+then halving the interval; where disaggregation is searched too, the fewest prefill + decode workers (every split of
+each total tried). The cheapest candidate is the one with the fewest devices (replicas x TP, times the
 device's price), ties broken by goodput. Every simulation runs the engine's Scheduler (plan.simulator).
 """
 
@@ -62,15 +63,18 @@ class Candidate:
     tp: int
     chunk_size: int
     max_seqs: int
-    replicas: int = 1
+    replicas: int = 1  # with decoders: the prefill workers
+    decoders: int = 0  # decode workers (--disaggregate); 0: colocated replicas
 
     @property
     def devices(self) -> int:
-        return self.tp * self.replicas
+        return self.tp * (self.replicas + self.decoders)
 
     def describe(self) -> str:
-        return (f"{self.replicas} replica{'s' * (self.replicas > 1)} x TP {self.tp} ({self.devices} devices), "
-                f"--chunk-size {self.chunk_size} --max-seqs {self.max_seqs}")
+        engines = (f"{self.replicas} prefill + {self.decoders} decode workers" if self.decoders else
+                   f"{self.replicas} replica{'s' * (self.replicas > 1)}")
+        return (f"{engines} x TP {self.tp} ({self.devices} devices), --chunk-size {self.chunk_size} --max-seqs "
+                f"{self.max_seqs}")
 
 
 @dataclass
@@ -96,14 +100,17 @@ class Space:
     max_concurrency: int | None = None
     front_s: float = 0.0  # the HTTP front (plan.profile's, on this machine; none assumed for a described device)
     tail_s: float = 0.0
+    # per TP degree, a disaggregated request's KV transfer by its prompt tokens; None: no disaggregated candidates
+    transfer: Callable[[int], Callable[[int], float]] | None = None
 
 
 def simulate(space: Space, cand: Candidate, rate: float, slo: SloTargets, static: bool = False) -> Outcome:
     config = replace(space.base, num_blocks=space.pool_blocks(cand.tp), chunk_size=cand.chunk_size,
                      max_prefill=max(space.base.max_prefill, 1), max_seqs=cand.max_seqs,
                      max_decode=max(space.base.max_decode, cand.max_seqs))
+    transfer = space.transfer(cand.tp) if space.transfer is not None and cand.decoders else None
     sim = Simulation(config, space.costs(cand.tp), static, cand.replicas, front_s=space.front_s,
-                     tail_s=space.tail_s)
+                     tail_s=space.tail_s, decoders=cand.decoders, transfer_s=transfer)
     run = sim.run(space.requests(rate), space.max_concurrency)
     figures = report.summarize(run.results, run.elapsed, slo.per_request())
     figures["preemptions"] = run.preemptions
@@ -134,18 +141,31 @@ def fewest_replicas(space: Space, cand: Candidate, rate: float, slo: SloTargets)
     return best
 
 
+def fewest_split(space: Space, cand: Candidate, rate: float, slo: SloTargets) -> Outcome | None:
+    """Disaggregated: the fewest workers (prefill + decode, each at least one) meeting ``slo``, the best goodput
+    among the splits of that many."""
+    for total in range(2, space.max_replicas + 1):
+        met = [o for o in (simulate(space, replace(cand, replicas=p, decoders=total - p), rate, slo)
+                           for p in range(1, total)) if o.meets]
+        if met:
+            return max(met, key=lambda o: o.figures.get("goodput", 0.0))
+    return None
+
+
 def search(space: Space, rate: float, slo: SloTargets, price: float = 1.0) -> tuple[Outcome | None, list[Outcome]]:
     """The cheapest outcome meeting ``slo`` at ``rate``, and every candidate's best."""
     tried = []
     for tp in space.tps:
         for chunk in space.chunk_sizes:
             for seqs in space.max_seqs:
-                try:
-                    out = fewest_replicas(space, Candidate(tp, chunk, seqs), rate, slo)
-                except (SimulationError, ValueError):
-                    continue  # this TP degree cannot hold the model, or a request can never fit
-                if out is not None:
-                    tried.append(out)
+                ways = [fewest_replicas] + ([fewest_split] if space.transfer is not None else [])
+                for way in ways:
+                    try:
+                        out = way(space, Candidate(tp, chunk, seqs), rate, slo)
+                    except (SimulationError, ValueError):
+                        continue  # this TP degree cannot hold the model, or a request can never fit
+                    if out is not None:
+                        tried.append(out)
     if not tried:
         return None, tried
     best = min(tried, key=lambda o: (o.candidate.devices * price, -o.figures.get("goodput", 0.0)))

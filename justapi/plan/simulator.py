@@ -1,223 +1,142 @@
-"""The engine's own ``Scheduler`` on virtual time: requests arrive from a workload, each step costs what a cost model
-says, and the results are the figures ``justapi bench serve`` reports (bench.report), in seconds of compute.
+"""A deployment on virtual time: engines (plan.replica: the engine's own ``Scheduler`` each, on a cost model), the
+``PdScheduler`` routing among them as ``--data-parallel`` and ``--disaggregate`` do (core.pd_scheduler, with the
+prefix router), the HTTP front, and ``bench serve``'s client. The results are the figures ``justapi bench serve``
+reports (bench.report), in seconds of compute.
 
-Nothing here decides what runs: ``Scheduler.schedule`` and ``Scheduler.update`` are the engine's (core.scheduler),
-with their policy, prefix cache, preemption and batching; the scheduler's clock is the simulation's. The runner is
-replaced by its effect: every request whose computed tokens catch up with its tokens gets one new token (a fixed
-id that is no stop token, as a benchmark's ``ignore_eos`` requests run), and the clock moves by the step's cost.
-The client is ``bench serve``'s: each request is sent at its arrival time, or when one of ``max_concurrency`` slots
-frees, first come first served; its time to first token counts from the moment it is sent.
+Nothing here decides what runs: the schedulers batch, page, preempt and cache prefixes as the engine's do; the
+PdScheduler picks each request's replica (or prefill worker, then decode worker) as the worker pool's does. A
+disaggregated request is handed off by its prefill worker after its first token, its KV moves for
+``transfer_s(prompt tokens)`` seconds, then a decode worker admits it with its prompt computed. The client sends each
+request at its arrival time, or when one of ``max_concurrency`` slots frees, first come first served; its time to
+first token counts from the moment it is sent.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import replace
+from typing import Callable
 
 from ..bench.client import RequestResult
 from ..config import SchedulerConfig
-from ..core.batching import StaticBatching
-from ..core.outputs import RunnerOutput
+from ..core.pd_scheduler import PdScheduler, WorkerInfo
 from ..core.router import PrefixRouter
 from ..core.scheduler import Scheduler
-from ..sampling_params import SamplingParams
-from .cost_model import StepShape
+from .replica import SIM_TOKEN, Replica, SimRequest, SimRun, SimStep, StepCosts
 
-SIM_TOKEN = 1  # the token every simulated step samples (never a stop token: requests ignore EOS)
+__all__ = ["Simulation", "SimulationError", "SimRequest", "SimRun", "SimStep", "StepCosts"]
 
 
 class SimulationError(RuntimeError):
     """A workload the simulated scheduler can never finish (it says why)."""
 
 
-@dataclass
-class SimRequest:
-    """A request of the workload: its prompt's token ids, output length, arrival (seconds) and class."""
-
-    prompt: list[int]
-    max_tokens: int
-    at: float = 0.0
-    kind: str = ""
-    priority: int = 0
-    user: str | None = None
-
-
-@dataclass
-class SimStep:
-    """One simulated step: when it started, what it cost, its cells (as the step log records them)."""
-
-    start: float
-    seconds: float
-    cells: tuple[tuple, ...]
-
-
-@dataclass
-class SimRun:
-    """What a simulation produced: per-request results (bench.client's), the steps, the virtual time it spanned."""
-
-    results: list[RequestResult]
-    steps: list[SimStep] = field(default_factory=list)
-    elapsed: float = 0.0
-    preemptions: int = 0
-
-
-class StepCosts(Protocol):
-    """What the simulation asks of a cost model (plan.cost_model's fitted one, plan.hardware's roofline)."""
-
-    def seconds(self, shape: StepShape) -> float: ...
-
-    def describe(self) -> str: ...
-
-
-class Replica:
-    """One engine's scheduler and its virtual clock: a step starts when the one before ends (or work arrives),
-    and what it produced reaches its clients when it ends."""
-
-    def __init__(self, config: SchedulerConfig, costs: StepCosts, static_batching: bool = False) -> None:
-        self.costs = costs
-        self.now = 0.0  # the engine's clock: arrivals, aging and deadlines are read on it
-        self.scheduler = Scheduler(config, StaticBatching() if static_batching else None)
-        self.scheduler.clock = lambda: self.now
-        self.busy_until = math.inf  # the running step's end; inf while idle
-        self.live: dict[str, int] = {}  # request id -> its index in the run, until its client hears it ended
-        self._outputs: list = []
-
-    def add(self, i: int, req: SimRequest, now: float) -> str | None:
-        """Queue request ``i`` at ``now``; the scheduler's refusal (it could never fit), else None."""
-        self.now = max(self.now, now)
-        params = SamplingParams(max_tokens=req.max_tokens, ignore_eos=True, priority=req.priority, user=req.user)
-        try:
-            self.scheduler.add_request(f"sim-{i}", req.prompt, params, (), seed=i)
-        except ValueError as e:
-            return str(e)
-        self.live[f"sim-{i}"] = i
-        return None
-
-    def start_step(self, now: float, run: SimRun) -> bool:
-        """Schedule and run a step at ``now`` (its tokens are the runner's effect); False if there is nothing to
-        schedule. Its outputs wait for ``finish_step`` at ``busy_until``."""
-        self.now = max(self.now, now)
-        sched = self.scheduler.schedule()
-        if sched.empty:
-            return False
-        sampled = {}
-        for rid, n in sched.num_scheduled_tokens.items():
-            req = self.scheduler.requests[rid]
-            if req.num_computed_tokens + n >= req.num_tokens:
-                sampled[rid] = [SIM_TOKEN]
-        self._outputs = self.scheduler.update(sched, RunnerOutput(sampled_token_ids=sampled))
-        cells = tuple(self.scheduler.record.cells)
-        seconds = self.costs.seconds(StepShape.of_cells(cells))
-        run.steps.append(SimStep(self.now, seconds, cells))
-        self.busy_until = self.now + seconds
-        return True
-
-    def finish_step(self, run: SimRun, tail_s: float = 0.0) -> list[int]:
-        """The running step ends: its tokens reach their clients ``tail_s`` later; the requests that ended."""
-        assert self.busy_until < math.inf
-        self.now, self.busy_until = self.busy_until, math.inf
-        seen, ended = self.now + tail_s, []
-        for out in self._outputs:
-            i = self.live[out.request_id]
-            res = run.results[i]
-            if out.new_token_ids:
-                if res.ttft is None:
-                    res.ttft = seen - res.start
-                res.chunk_times.append(seen)
-                res.output_tokens += len(out.new_token_ids)
-            if out.finish_reason is not None:
-                res.ok, res.end = out.finish_reason in ("length", "stop"), seen
-                if not res.ok:
-                    res.error = f"finished: {out.finish_reason}"
-                del self.live[out.request_id]
-                ended.append(i)
-        self._outputs = []
-        return ended
-
-    def stuck(self) -> str:
-        sched = self.scheduler
-        return (f"the scheduler schedules nothing with {len(self.live)} requests unfinished ({len(sched.waiting)} "
-                f"waiting, {len(sched.running)} running, {sched.pool.num_free} of {sched.pool.num_blocks} blocks "
-                "free)")
-
-
 class Simulation:
-    """``replicas`` engines of one configuration behind the router (core.router, as ``--data-parallel`` routes),
-    and bench serve's client, on one virtual clock, driven by ``run``."""
+    """``replicas`` engines of one configuration behind the router, or with ``decoders`` > 0 that many prefill
+    workers and ``decoders`` decode workers; and bench serve's client, on one virtual clock, driven by ``run``."""
 
     def __init__(self, config: SchedulerConfig, costs: StepCosts, static_batching: bool = False,
-                 replicas: int = 1, router: str = "prefix", front_s: float = 0.0, tail_s: float = 0.0) -> None:
+                 replicas: int = 1, router: str = "prefix", front_s: float = 0.0, tail_s: float = 0.0,
+                 decoders: int = 0, transfer_s: Callable[[int], float] | None = None) -> None:
         """``front_s``: the HTTP front's seconds before a request reaches the engines (one request after another);
-        ``tail_s``: from a step's end until its client has the tokens (plan.profile measures both)."""
+        ``tail_s``: from a step's end until its client has the tokens (plan.profile measures both);
+        ``transfer_s``: a disaggregated request's KV transfer, by its prompt tokens."""
         if config.spec_method is not None:
             raise SimulationError("speculative decoding is not simulated (its acceptance is the text's): plan "
                                   "without --speculation")
-        if replicas < 1:
-            raise SimulationError(f"replicas must be at least 1, not {replicas}")
+        if replicas < 1 or decoders < 0:
+            raise SimulationError(f"engines must be at least 1 (and decode workers 0 or more), not {replicas}")
         self.costs, self.front_s, self.tail_s = costs, front_s, tail_s
-        self.replicas = [Replica(config, costs, static_batching) for _ in range(replicas)]
-        self.router = PrefixRouter(router, block_size=config.block_size)
-        for k in range(replicas):
-            self.router.add(k, config.num_blocks)
+        self.transfer_s = transfer_s or (lambda tokens: 0.0)
+        entry = replace(config, hand_off_after_prefill=decoders > 0)
+        self.replicas = [Replica(entry, costs, static_batching) for _ in range(replicas)]
+        self.decoders = [Replica(config, costs) for _ in range(decoders)]
+        role = "prefill" if decoders else "replica"
+        workers = [WorkerInfo(k, role, config.num_blocks, config.block_size) for k in range(replicas)]
+        workers += [WorkerInfo(replicas + k, "decode", config.num_blocks, config.block_size) for k in range(decoders)]
+        self.pd = PdScheduler(workers, PrefixRouter(router, block_size=config.block_size))
+        self.engines = self.replicas + self.decoders  # by rank
 
     @property
     def scheduler(self) -> Scheduler:
-        """The first replica's scheduler (the only one, with one replica)."""
+        """The first engine's scheduler (the only one, with one replica)."""
         return self.replicas[0].scheduler
 
     def run(self, requests: list[SimRequest], max_concurrency: int | None = None,
             time_limit: float = float("inf")) -> SimRun:
         """Every request to its end (or until ``time_limit`` virtual seconds); their results in request order.
-        Events in time order: a client sends, a request reaches the engines past the front, a step ends."""
-        run = SimRun([RequestResult(ok=False, kind=r.kind, prompt_tokens=len(r.prompt), usage_reported=True)
-                      for r in requests])
-        client = _Client(requests, max_concurrency)
+        Events in time order: a client sends, a request reaches the engines past the front, a KV transfer ends, a
+        step ends."""
+        self.requests = requests
+        self.out = SimRun([RequestResult(ok=False, kind=r.kind, prompt_tokens=len(r.prompt), usage_reported=True)
+                           for r in requests])
+        self.client = _Client(requests, max_concurrency)
         self._inbound: list[tuple[float, int]] = []  # (when it reaches the engines, request index)
-        self._front_free = 0.0
-        now = 0.0
-        while client.pending or self._inbound or any(r.live for r in self.replicas):
-            first = min(self.replicas, key=lambda r: r.busy_until)  # the step that ends first, if any runs
-            t_send, t_in = client.next_send(now), self._inbound[0][0] if self._inbound else math.inf
-            t = min(t_send, t_in, first.busy_until)
+        self._moving: list[tuple[float, int, int, int]] = []  # KV transfers: (end, request index, from, to)
+        self._front_free = now = 0.0
+        while self.client.pending or self._inbound or self._moving or any(e.live for e in self.engines):
+            first = min(self.engines, key=lambda e: e.busy_until)  # the step that ends first, if any runs
+            t_send = self.client.next_send(now)
+            t_in, t_move = (q[0][0] if q else math.inf for q in (self._inbound, self._moving))
+            t = min(t_send, t_in, t_move, first.busy_until)
             if t == math.inf:
-                raise SimulationError(next((r.stuck() for r in self.replicas if r.live), "nothing can run"))
+                raise SimulationError(next((e.stuck() for e in self.engines if e.live), "nothing can run"))
             now = max(now, t)
             if t == t_send:
-                for i in client.send_due(now):
-                    self._send(i, run, now)
-            elif t == first.busy_until and t < t_in:
-                for i in first.finish_step(run, self.tail_s):
-                    client.done(now + self.tail_s)
-            while self._inbound and self._inbound[0][0] <= now:  # reached the engines
-                self._route(heapq.heappop(self._inbound)[1], requests, run, now, client)
-            for replica in self.replicas:
-                if replica.busy_until == math.inf and replica.live:
-                    replica.start_step(now, run)
+                for i in self.client.send_due(now):
+                    self._send(i, now)
+            elif t == first.busy_until and t < min(t_in, t_move):
+                self._step_ended(first, now)
+            self._arrivals(now)
+            for engine in self.engines:
+                if engine.busy_until == math.inf and engine.live:
+                    engine.start_step(now, self.out)
             if now > time_limit:
                 break
-        for replica in self.replicas:
-            for i in replica.live.values():
-                run.results[i].error, run.results[i].end = "time limit", now
-        run.elapsed = now
-        run.preemptions = sum(r.scheduler.stats.num_preemptions for r in self.replicas)
-        return run
+        for engine in self.engines:
+            for i in engine.live.values():
+                self.out.results[i].error, self.out.results[i].end = "time limit", now
+        self.out.elapsed = now
+        self.out.preemptions = sum(e.scheduler.stats.num_preemptions for e in self.engines)
+        return self.out
 
-    def _send(self, i: int, run: SimRun, now: float) -> None:
+    def _send(self, i: int, now: float) -> None:
         """The client sends request ``i``: the front takes ``front_s`` of it, one request after another."""
-        run.results[i].start = now
+        self.out.results[i].start = now
         self._front_free = max(now, self._front_free) + self.front_s
         heapq.heappush(self._inbound, (self._front_free, i))
 
-    def _route(self, i: int, requests: list[SimRequest], run: SimRun, now: float, client: _Client) -> None:
-        req, res = requests[i], run.results[i]
-        loads = {k: len(r.live) for k, r in enumerate(self.replicas)}
-        k = self.router.choose(req.prompt, loads) if len(self.replicas) > 1 else 0
-        refused = self.replicas[k].add(i, req, now)
-        if refused is not None:
-            res.error, res.end = refused, now
-            client.done(now)
+    def _arrivals(self, now: float) -> None:
+        """Requests past the front go to the engine the PdScheduler picks; transfers ended join their decoder."""
+        while self._inbound and self._inbound[0][0] <= now:
+            i = heapq.heappop(self._inbound)[1]
+            req, res = self.requests[i], self.out.results[i]
+            refused = self.engines[self.pd.route(f"sim-{i}", req.prompt)].add(i, req, now)
+            if refused is not None:
+                res.error, res.end = refused, now
+                self.pd.finished(f"sim-{i}")
+                self.client.done(now)
+        while self._moving and self._moving[0][0] <= now:
+            _, i, src, dst = heapq.heappop(self._moving)
+            self.engines[src].scheduler.release_handoff(f"sim-{i}")
+            self.pd.transferred(f"sim-{i}", 0, 0, 0.0)
+            self.engines[dst].add(i, self.requests[i], now, first_token=SIM_TOKEN)
+
+    def _step_ended(self, engine: Replica, now: float) -> None:
+        for i in engine.finish_step(self.out, self.tail_s):
+            self.pd.finished(f"sim-{i}")
+            self.client.done(now + self.tail_s)
+        for rid in list(engine.scheduler.handoffs):
+            if rid not in engine.live:
+                continue  # already moving
+            i = engine.live.pop(rid)
+            for w in self.pd.pool("decode"):  # the decode workers' room, as their reports would say
+                sched = self.engines[w.rank].scheduler
+                w.free_blocks = sched.pool.num_free + sched.num_cached_blocks
+            dst = self.pd.route_decode(rid, len(self.requests[i].prompt) + 1)
+            heapq.heappush(self._moving, (now + self.transfer_s(len(self.requests[i].prompt)), i,
+                                          self.engines.index(engine), dst))
 
 
 class _Client:
