@@ -28,7 +28,7 @@ from justapi.bench.workloads import arrival_times, build  # noqa: E402
 from justapi.engine.engine_core import scheduler_config  # noqa: E402
 from justapi.engine.model_process import ModelProcess  # noqa: E402
 from justapi.plan.cli import sim_requests  # noqa: E402
-from justapi.plan.profile import fit_records, measure, settled, step_samples  # noqa: E402
+from justapi.plan.profile import fit_records, measure, prompt_blocks, settled, step_samples  # noqa: E402
 from justapi.plan.simulator import Simulation  # noqa: E402
 from justapi.startup import build_parser, engine_config  # noqa: E402
 
@@ -69,7 +69,7 @@ async def run_one(url: str, name: str, line: str, config, settings: dict, costs,
     run = Simulation(sched, costs, front_s=costs.front_s, tail_s=costs.tail_s).run(
         sim_requests(jobs, tokenizer, starts), args.max_concurrency)
     simulated = report.summarize(run.results, run.elapsed)
-    shapes, seconds = step_samples(records)
+    shapes, seconds = step_samples(records, prompt_blocks(results, tokenizer, config.block_size), config.block_size)
     engine = dict(measured_steps=len(shapes), simulated_steps=len(run.steps), measured_engine_s=sum(seconds),
                   predicted_engine_s=sum(costs.seconds(s) for s in shapes),
                   simulated_engine_s=sum(s.seconds for s in run.steps))
@@ -107,8 +107,8 @@ async def main(argv: list[str]) -> int:
     await server.start(600)
     try:
         await settled(server.proc.pid)
-        records, settings = await measure(server.url, config, tokenizer, args.scale)
-        costs = fit_records(records, config, settings)
+        records, settings, blocks = await measure(server.url, config, tokenizer, args.scale)
+        costs = fit_records(records, config, settings, blocks)
         print(costs.describe(), f"; front {costs.front_s * 1e3:.1f} ms, tail {costs.tail_s * 1e3:.1f} ms", flush=True)
         rows = []
         for name in args.workloads:

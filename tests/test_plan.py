@@ -29,6 +29,18 @@ def test_shape_of_cells():
                               prefill_pairs=64 * 65 // 2 + 36 * 64 + 36 * 37 // 2, seqs=4)
 
 
+def test_rows_sharing_a_prompt_prefix_read_its_blocks_once():
+    from justapi.plan.cost_model import block_keys
+
+    prefix = list(range(100, 132))  # two blocks of 16
+    blocks = {"a": block_keys(prefix + [1] * 20), "b": block_keys(prefix + [2] * 20), "c": block_keys([3] * 52)}
+    cells = [("a", "decode", 60, 1, 0), ("b", "decode", 55, 1, 0), ("c", "decode", 70, 1, 0)]
+    assert StepShape.of_cells(cells).decode_context == 61 + 56 + 71
+    # b's first two blocks are a's; b's third (its own tokens) and c's blocks are read apart
+    assert StepShape.of_cells(cells, blocks).decode_context == 61 + (56 - 32) + 71
+    assert StepShape.of_cells(cells[:1] + [("b", "decode", 20, 1, 0)], blocks).decode_context == 61 + (21 - 16)
+
+
 def test_fit_recovers_a_model_of_its_own_form_and_round_trips(tmp_path):
     rng = random.Random(0)
     truth = [0.004, 2e-4, -1e-4, 3e-5, 0.0, -2e-5, 0.0, 1e-7, 2e-9, 5e-5]

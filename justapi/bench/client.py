@@ -32,6 +32,7 @@ class RequestResult:
     prompt_tokens: int = 0  # the server's usage.prompt_tokens, 0 if it reports none
     usage_reported: bool = False
     text: str = ""
+    prompt: str = ""  # a completion's prompt as sent (the planner places its KV blocks: plan.profile)
 
     @property
     def e2e(self) -> float:
@@ -74,6 +75,7 @@ async def _send(client: httpx.AsyncClient, base_url: str, model: str, turn: Turn
               "stream_options": {"include_usage": True}, "ignore_eos": True, **(extra_body or {})}
     if turn.prompt is not None:
         url, body, chat = base_url + "/v1/completions", {**common, "prompt": turn.prompt}, False
+        res.prompt = turn.prompt
     else:
         messages = turn.messages if turn.messages is not None else history + [{"role": "user", "content": turn.user}]
         url, body, chat = base_url + "/v1/chat/completions", {**common, "messages": messages}, True

@@ -21,6 +21,7 @@ import math
 import os
 import platform
 import re
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -48,24 +49,45 @@ class StepShape:
     seqs: int
 
     @classmethod
-    def of_cells(cls, cells) -> StepShape:
-        """From a step's cells: (request id, "prefill" | "decode" | "spec", first position, tokens, accepted)."""
+    def of_cells(cls, cells, prompt_blocks: Mapping[str, Sequence[Hashable]] | None = None,
+                 block_size: int = 16) -> StepShape:
+        """From a step's cells: (request id, "prefill" | "decode" | "spec", first position, tokens, accepted).
+        With ``prompt_blocks`` (request id -> its prompt's block keys, ``block_keys``), a prompt block that several
+        decoding rows share (a prefix-cache hit) counts once in their context: the step reads it from memory once
+        (measured: 32 rows sharing a 400-token prefix took 28 ms a step where 32 rows of 375 distinct tokens took
+        36)."""
         rows = decodes = context = prefill = pairs = 0
+        seen: set = set()
         for cell in cells:
-            kind, start, n = cell[1], int(cell[2]), int(cell[3])
+            rid, kind, start, n = cell[0], cell[1], int(cell[2]), int(cell[3])
             rows += n
             if kind == "prefill":
                 prefill += n
                 pairs += n * start + n * (n + 1) // 2
-            else:
-                decodes += 1
-                context += start + n
+                continue
+            decodes += 1
+            keys = prompt_blocks.get(rid, ()) if prompt_blocks is not None else ()
+            full = min(len(keys), (start + n) // block_size)
+            fresh = [k for k in keys[:full] if k not in seen]
+            seen.update(fresh)
+            context += (start + n) - (full - len(fresh)) * block_size
         return cls(rows, decodes, context, prefill, pairs, len(cells))
 
     def features(self) -> list[float]:
         r = float(self.rows)
         return [1.0, r, *(max(0.0, r - k) for k in KNOTS), float(self.decode_context), float(self.prefill_pairs),
                 float(self.seqs)]
+
+
+def block_keys(token_ids: Sequence[int], block_size: int = 16) -> list[Hashable]:
+    """One key per full block of a prompt, each covering every block before it (as the radix cache keys blocks):
+    two prompts share a block's key exactly when they share everything up to its end."""
+    keys: list[Hashable] = []
+    key: Hashable = None
+    for i in range(len(token_ids) // block_size):
+        key = hash((key, tuple(token_ids[i * block_size : (i + 1) * block_size])))
+        keys.append(key)
+    return keys
 
 
 FEATURES = ("base", "per_row", *(f"per_row_above_{k}" for k in KNOTS), "per_context", "per_pair", "per_seq")

@@ -23,7 +23,7 @@ from ..bench.cli import _step_log_position
 from ..bench.client import RequestResult, read_step_log, run_workload
 from ..bench.workloads import WorkloadSpec, arrival_times, build
 from ..config import EngineConfig, usable_cores
-from .cost_model import CostModel, StepShape, fit, this_machine
+from .cost_model import CostModel, StepShape, block_keys, fit, this_machine
 
 SERVER_START_S = 600.0  # a large model's load
 
@@ -55,14 +55,16 @@ def phases(max_seqs: int, max_model_len: int, scale: float = 1.0) -> list[Phase]
             for p in out]
 
 
-def step_samples(records: list[dict]) -> tuple[list[StepShape], list[float]]:
-    """The shape and engine-thread seconds (commands + step + delivery) of each record that computed something."""
+def step_samples(records: list[dict], blocks: dict | None = None,
+                 block_size: int = 16) -> tuple[list[StepShape], list[float]]:
+    """The shape and engine-thread seconds (commands + step + delivery) of each record that computed something;
+    ``blocks``: the requests' prompt block keys (``prompt_blocks``), for the context their rows share."""
     shapes, seconds = [], []
     for rec in records:
         work = rec.get("work")
         if not work or not work.get("cells"):
             continue
-        shapes.append(StepShape.of_cells(work["cells"]))
+        shapes.append(StepShape.of_cells(work["cells"], blocks, block_size))
         seconds.append(rec["commands"] + rec["step"] + rec["deliver"])
     return shapes, seconds
 
@@ -140,23 +142,30 @@ async def settled(pid: int, still_s: float = 1.0, poll_s: float = 0.25, limit_s:
         waited += poll_s
 
 
+def prompt_blocks(results: list[RequestResult], tokenizer, block_size: int) -> dict[str, list]:
+    """Each completion's prompt block keys (cost_model.block_keys), by the id its cells carry in the step log; the
+    prompt encoded as the server encodes it."""
+    return {f"{r.response_id}-0": block_keys(tokenizer.encode(r.prompt), block_size) for r in results if r.prompt}
+
+
 async def measure(url: str, config: EngineConfig, tokenizer, scale: float = 1.0,
-                  seed: int = 0) -> tuple[list[dict], dict]:
-    """Run the phases against the server at ``url`` (serving ``config``, settled): its step records of them, and
-    its settings (``server_settings``). A first pass of the phases at a quarter of their size, unrecorded, pays the
-    first-use costs (kernels made for each new row count)."""
+                  seed: int = 0) -> tuple[list[dict], dict, dict[str, list]]:
+    """Run the phases against the server at ``url`` (serving ``config``, settled): its step records of them, its
+    settings (``server_settings``) and the requests' prompt blocks. A first pass of the phases at a quarter of their
+    size, unrecorded, pays the first-use costs (kernels made for each new row count)."""
     settings = await asyncio.to_thread(server_settings, url, config)
     await _run_phases(url, config, tokenizer, settings, scale / 4, seed + 100)
     first = await asyncio.to_thread(_step_log_position, url)
     results = await _run_phases(url, config, tokenizer, settings, scale, seed)
     records = await asyncio.to_thread(read_step_log, url, first)
     settings["front_s"], settings["tail_s"] = front_and_tail(results[0], records)
-    return records, settings
+    blocks = prompt_blocks([r for phase in results for r in phase], tokenizer, config.block_size)
+    return records, settings, blocks
 
 
-def fit_records(records: list[dict], config: EngineConfig, settings: dict) -> CostModel:
+def fit_records(records: list[dict], config: EngineConfig, settings: dict, blocks: dict | None = None) -> CostModel:
     """The cost model of a server's step records (this machine's, ``config``'s threads)."""
-    shapes, seconds = step_samples(records)
+    shapes, seconds = step_samples(records, blocks, config.block_size)
     return fit(shapes, seconds, os.path.basename(config.model), this_machine(), config.num_threads or usable_cores(),
                settings)
 
@@ -172,7 +181,7 @@ async def profile(serve_argv: list[str], config: EngineConfig, tokenizer, scale:
     try:
         assert server.proc is not None
         await settled(server.proc.pid)
-        records, settings = await measure(server.url, config, tokenizer, scale, seed)
+        records, settings, blocks = await measure(server.url, config, tokenizer, scale, seed)
     finally:
         await server.stop()
-    return fit_records(records, config, settings), records
+    return fit_records(records, config, settings, blocks), records

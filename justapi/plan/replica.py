@@ -15,7 +15,7 @@ from ..core.batching import StaticBatching
 from ..core.outputs import RunnerOutput
 from ..core.scheduler import Scheduler
 from ..sampling_params import SamplingParams
-from .cost_model import StepShape
+from .cost_model import StepShape, block_keys
 
 SIM_TOKEN = 1  # the token every simulated step samples (never a stop token: requests ignore EOS)
 
@@ -74,6 +74,7 @@ class Replica:
         self.scheduler.clock = lambda: self.now
         self.busy_until = math.inf  # the running step's end; inf while idle
         self.live: dict[str, int] = {}  # request id -> its index in the run, until its client hears it ended
+        self.blocks: dict[str, list] = {}  # request id -> its prompt's block keys (shared context counts once)
         self._outputs: list = []
 
     def add(self, i: int, req: SimRequest, now: float, first_token: int | None = None) -> str | None:
@@ -89,6 +90,7 @@ class Replica:
         except ValueError as e:
             return str(e)
         self.live[f"sim-{i}"] = i
+        self.blocks[f"sim-{i}"] = block_keys(req.prompt, self.scheduler.block_size)
         return None
 
     def start_step(self, now: float, run: SimRun) -> bool:
@@ -105,7 +107,7 @@ class Replica:
                 sampled[rid] = [SIM_TOKEN]
         self._outputs = self.scheduler.update(sched, RunnerOutput(sampled_token_ids=sampled))
         cells = tuple(self.scheduler.record.cells)
-        seconds = self.costs.seconds(StepShape.of_cells(cells))
+        seconds = self.costs.seconds(StepShape.of_cells(cells, self.blocks, self.scheduler.block_size))
         run.steps.append(SimStep(self.now, seconds, cells))
         self.busy_until = self.now + seconds
         return True
@@ -128,6 +130,7 @@ class Replica:
                 if not res.ok:
                     res.error = f"finished: {out.finish_reason}"
                 del self.live[out.request_id]
+                self.blocks.pop(out.request_id, None)
                 ended.append(i)
         self._outputs = []
         return ended

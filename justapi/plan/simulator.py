@@ -131,6 +131,7 @@ class Simulation:
             if rid not in engine.live:
                 continue  # already moving
             i = engine.live.pop(rid)
+            engine.blocks.pop(rid, None)
             for w in self.pd.pool("decode"):  # the decode workers' room, as their reports would say
                 sched = self.engines[w.rank].scheduler
                 w.free_blocks = sched.pool.num_free + sched.num_cached_blocks
