@@ -37,13 +37,14 @@ def test_rows_sharing_a_prompt_prefix_read_its_blocks_once():
     cells = [("a", "decode", 60, 1, 0), ("b", "decode", 55, 1, 0), ("c", "decode", 70, 1, 0)]
     assert StepShape.of_cells(cells).decode_context == 61 + 56 + 71
     # b's first two blocks are a's; b's third (its own tokens) and c's blocks are read apart
-    assert StepShape.of_cells(cells, blocks).decode_context == 61 + (56 - 32) + 71
+    shared = StepShape.of_cells(cells, blocks)
+    assert (shared.decode_context, shared.shared_context) == (61 + (56 - 32) + 71, 32)
     assert StepShape.of_cells(cells[:1] + [("b", "decode", 20, 1, 0)], blocks).decode_context == 61 + (21 - 16)
 
 
 def test_fit_recovers_a_model_of_its_own_form_and_round_trips(tmp_path):
     rng = random.Random(0)
-    truth = [0.004, 2e-4, -1e-4, 3e-5, 0.0, -2e-5, 0.0, 1e-7, 2e-9, 5e-5]
+    truth = [0.004, 2e-4, -1e-4, 3e-5, 0.0, -2e-5, 0.0, 1e-7, 2e-9, 5e-5, 3e-8]
     assert len(truth) == len(FEATURES)
     shapes = []
     for _ in range(200):
@@ -51,7 +52,7 @@ def test_fit_recovers_a_model_of_its_own_form_and_round_trips(tmp_path):
         prefill = rng.choice([0, 0, rng.randint(1, 512)])
         shapes.append(StepShape(decodes + prefill, decodes, decodes * rng.randint(1, 900), prefill,
                                 prefill * rng.randint(0, 600) + prefill * (prefill + 1) // 2,
-                                decodes + (prefill > 0)))
+                                decodes + (prefill > 0), decodes * rng.randint(0, 400)))
     seconds = [sum(c * f for c, f in zip(truth, s.features())) for s in shapes]
     assert min(seconds) > 0
     model = fit(shapes, seconds, "m.gguf", "cpu", 2)
@@ -72,7 +73,7 @@ def test_fit_and_load_refuse_what_they_cannot_use(tmp_path):
         CostModel.load(str(bad))
     with pytest.raises(CostModelError, match="cannot read"):
         CostModel.load(str(tmp_path / "missing.json"))
-    assert len(KNOTS) + 5 == len(FEATURES)
+    assert len(KNOTS) + 6 == len(FEATURES)
 
 
 def test_simulation_runs_the_engines_scheduler():

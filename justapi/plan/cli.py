@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import random
 import math
 import sys
 
@@ -85,6 +87,9 @@ def add_parser(sub, engine_flags) -> None:
     sim.add_argument("--arrival", default="poisson", choices=["poisson", "fixed"])
     sim.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     sim.add_argument("--goodput", nargs="*", default=None, metavar="KEY:MS", help="SLO targets, e.g. ttft:2000")
+    sim.add_argument("--trace", default=None, help="replay the requests of a recorded run instead of a workload: "
+                                                   "`justapi bench serve --json`'s file (their send times, prompt and "
+                                                   "output lengths; the first server's)")
     sim.add_argument("--json", default=None, help="write the figures to this JSON file")
 
 
@@ -120,6 +125,22 @@ def sim_requests(jobs, tokenizer, starts: list[float]) -> list[SimRequest]:
     return out
 
 
+def trace_requests(path: str, vocab_size: int, seed: int = 0) -> list[SimRequest]:
+    """The requests of a recorded ``bench serve --json`` run: each sent when it was (from the first), with its
+    prompt's length (random ids: a trace keeps no text) and the tokens it generated."""
+    try:
+        with open(path) as f:
+            timings = json.load(f)["servers"][0]["figures"]["requests"]
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+        raise PlanError(f"--trace {path}: not a bench serve --json file with request timings ({e})") from None
+    done = [t for t in timings if t.get("ok") and t.get("prompt_tokens") and t.get("output_tokens")]
+    if not done:
+        raise PlanError(f"--trace {path}: no completed request with its token counts")
+    rng, first = random.Random(seed), min(t["start"] for t in done)
+    return [SimRequest([rng.randrange(vocab_size) for _ in range(t["prompt_tokens"])], t["output_tokens"],
+                       t["start"] - first) for t in sorted(done, key=lambda t: t["start"])]
+
+
 def load_costs(path: str | None, model: str) -> CostModel:
     path = path or default_path(model, this_machine())
     try:
@@ -139,10 +160,13 @@ def cmd_simulate(args, engine_config) -> int:
         raise PlanError("give --pool-blocks: the cost model does not say how many blocks its server's pool had")
     sched = scheduler_config(config, num_blocks, settings.get("max_model_len") or 8192)
     tokenizer = _tokenizer(config.model)
-    jobs = build(_spec(args), tokenizer)
-    requests = sim_requests(jobs, tokenizer, arrival_times(jobs, args.request_rate, args.arrival, args.seed))
-    run = Simulation(sched, costs, front_s=costs.front_s, tail_s=costs.tail_s).run(requests, args.max_concurrency,
-                                                                                 args.time_limit)
+    if args.trace:  # sent as they were: no client limit of its own
+        requests, limit = trace_requests(args.trace, tokenizer.vocab_size, args.seed), None
+    else:
+        jobs = build(_spec(args), tokenizer)
+        requests = sim_requests(jobs, tokenizer, arrival_times(jobs, args.request_rate, args.arrival, args.seed))
+        limit = args.max_concurrency
+    run = Simulation(sched, costs, front_s=costs.front_s, tail_s=costs.tail_s).run(requests, limit, args.time_limit)
     figures = report.summarize(run.results, run.elapsed, report.Slo.parse(args.goodput))
     figures.update(steps=len(run.steps), preemptions=run.preemptions, cost_model=costs.describe())
     print(report.table(["simulated"], [figures]))

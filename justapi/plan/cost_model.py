@@ -5,6 +5,7 @@ for every step (core.step_record) and a server's step log returns (``/engine/ste
 real run and a simulated one. Its time is modelled as
 
     base + products(rows) + per_context * decode context + per_pair * prompt attention pairs + per_seq * sequences
+         + per_shared_context * reads of prompt blocks that decoding rows share
 
 ``products`` is piecewise linear in the rows the step sends through the weights (all its tokens): one row reads
 every weight (memory-bound), more rows share that read until the products become compute-bound, and the kernel
@@ -27,7 +28,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 KNOTS = (4, 16, 64, 256, 1024)  # rows where the products' slope may change (routes switch near 4-5 rows)
-FORMAT = "justapi-plan-cost-model/1"
+FORMAT = "justapi-plan-cost-model/2"
 FOLDS = 5  # cross-validation folds for the reported error
 MIN_STEPS = 40  # fewer measured steps than this cannot pin down the coefficients
 
@@ -43,20 +44,21 @@ class StepShape:
 
     rows: int
     decodes: int
-    decode_context: int
+    decode_context: int  # context tokens the decoding rows read, a block several of them share counted once
     prefill_tokens: int
     prefill_pairs: int
     seqs: int
+    shared_context: int = 0  # the other reads of those shared blocks (from cache rather than memory)
 
     @classmethod
     def of_cells(cls, cells, prompt_blocks: Mapping[str, Sequence[Hashable]] | None = None,
                  block_size: int = 16) -> StepShape:
         """From a step's cells: (request id, "prefill" | "decode" | "spec", first position, tokens, accepted).
         With ``prompt_blocks`` (request id -> its prompt's block keys, ``block_keys``), a prompt block that several
-        decoding rows share (a prefix-cache hit) counts once in their context: the step reads it from memory once
-        (measured: 32 rows sharing a 400-token prefix took 28 ms a step where 32 rows of 375 distinct tokens took
-        36)."""
-        rows = decodes = context = prefill = pairs = 0
+        decoding rows share (a prefix-cache hit) counts once in their context and its other reads apart: the step
+        reads it from memory once, then from cache (measured: 32 rows sharing a 400-token prefix took 28-31 ms a
+        step where 32 rows of 375 distinct tokens took 36)."""
+        rows = decodes = context = prefill = pairs = shared = 0
         seen: set = set()
         for cell in cells:
             rid, kind, start, n = cell[0], cell[1], int(cell[2]), int(cell[3])
@@ -70,13 +72,15 @@ class StepShape:
             full = min(len(keys), (start + n) // block_size)
             fresh = [k for k in keys[:full] if k not in seen]
             seen.update(fresh)
-            context += (start + n) - (full - len(fresh)) * block_size
-        return cls(rows, decodes, context, prefill, pairs, len(cells))
+            again = (full - len(fresh)) * block_size
+            context += (start + n) - again
+            shared += again
+        return cls(rows, decodes, context, prefill, pairs, len(cells), shared)
 
     def features(self) -> list[float]:
         r = float(self.rows)
         return [1.0, r, *(max(0.0, r - k) for k in KNOTS), float(self.decode_context), float(self.prefill_pairs),
-                float(self.seqs)]
+                float(self.seqs), float(self.shared_context)]
 
 
 def block_keys(token_ids: Sequence[int], block_size: int = 16) -> list[Hashable]:
@@ -90,7 +94,8 @@ def block_keys(token_ids: Sequence[int], block_size: int = 16) -> list[Hashable]
     return keys
 
 
-FEATURES = ("base", "per_row", *(f"per_row_above_{k}" for k in KNOTS), "per_context", "per_pair", "per_seq")
+FEATURES = ("base", "per_row", *(f"per_row_above_{k}" for k in KNOTS), "per_context", "per_pair", "per_seq",
+            "per_shared_context")
 MIN_STEP_S = 1e-5  # a prediction is never below this (a fit's negative corner is noise, not a free step)
 
 

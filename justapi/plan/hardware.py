@@ -221,8 +221,9 @@ class RooflineCosts:
         products = max(m.weight_bytes / tp / bandwidth,
                        (2 * m.layer_weights * shape.rows + 2 * m.head_weights * shape.seqs) / tp / rate)
         # windows aside: a decoding row's reads grow with its whole context
-        attention = max(m.kv_bytes_per_token() * shape.decode_context / tp / bandwidth,
-                        m.attn_flop * m.attention_layers * (shape.decode_context + shape.prefill_pairs) / tp / rate)
+        context = shape.decode_context + shape.shared_context  # every row reads its whole context
+        attention = max(m.kv_bytes_per_token() * context / tp / bandwidth,
+                        m.attn_flop * m.attention_layers * (context + shape.prefill_pairs) / tp / rate)
         return products + attention + hw.step_overhead_us * 1e-6 + self.all_reduce_seconds(shape.rows)
 
     def all_reduce_seconds(self, rows: int) -> float:

@@ -48,7 +48,8 @@ def phases(max_seqs: int, max_model_len: int, scale: float = 1.0) -> list[Phase]
     half = min(16, max_seqs)
     out = [Phase(6, 1, (16, longest), (24, 48)), Phase(12, 4, (32, 512), (16, 96)),
            Phase(32, half, (32, 512), (16, 128)), Phase(2 * half, half, (longest // 2, longest), (32, 64)),
-           Phase(24, 4, (16, 256), (8, 32), prefix_len=min(1024, longest // 2))]
+           Phase(24, 4, (16, 256), (8, 32), prefix_len=min(1024, longest // 2)),
+           Phase(3 * half, half, (16, 64), (16, 64), prefix_len=min(512, longest // 2))]
     if max_seqs > 16:
         out.append(Phase(2 * max_seqs, max_seqs, (64, 512), (16, 192)))
     return [Phase(max(1, round(p.requests * scale)), p.concurrency, p.input_len, p.output_len, p.prefix_len)
