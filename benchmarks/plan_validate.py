@@ -37,7 +37,7 @@ EXTRA = {"P1": "--workload shared-prefix --num-prefixes 4 --suffixes-per-prefix 
                "--input-len 32:96 --output-len 32:128 --request-rate 2 --max-concurrency 32"}
 FIGURES = (("output tok/s", ("output_throughput",)), ("TTFT p50 ms", ("ttft_ms", "p50")),
            ("TTFT p99 ms", ("ttft_ms", "p99")), ("TPOT p50 ms", ("tpot_ms", "p50")),
-           ("TPOT p99 ms", ("tpot_ms", "p99")))
+           ("TPOT p99 ms", ("tpot_ms", "p99")), ("sent to first step p50 ms", ("first_step_wait_ms", "p50")))
 
 
 def workload_lines() -> dict[str, str]:
@@ -70,10 +70,27 @@ async def run_one(url: str, name: str, line: str, config, settings: dict, costs,
         sim_requests(jobs, tokenizer, starts), args.max_concurrency)
     simulated = report.summarize(run.results, run.elapsed)
     shapes, seconds = step_samples(records, prompt_blocks(results, tokenizer, config.block_size), config.block_size)
+    waits = dict(measured=first_step_waits({f"{r.response_id}-0": r.start for r in results if r.ok},
+                                           [(rec["start"] + rec["commands"], tuple((rec.get("work") or {}).get("cells")
+                                                                                   or ())) for rec in records]),
+                 simulated=first_step_waits({f"sim-{i}": r.start for i, r in enumerate(run.results)},
+                                            [(st.start, st.cells) for st in run.steps]))
     engine = dict(measured_steps=len(shapes), simulated_steps=len(run.steps), measured_engine_s=sum(seconds),
                   predicted_engine_s=sum(costs.seconds(s) for s in shapes),
                   simulated_engine_s=sum(s.seconds for s in run.steps))
+    measured["first_step_wait_ms"], simulated["first_step_wait_ms"] = waits["measured"], waits["simulated"]
     return dict(name=name, line=line, measured=measured, simulated=simulated, engine=engine, records=records)
+
+
+def first_step_waits(starts: dict[str, float], steps: list[tuple[float, tuple]]) -> dict:
+    """Each request's seconds from being sent to the start of the first step that computes it (the front and the
+    queue before the engine), p50 and p99 in ms: ``starts`` by request id as the cells name it; ``steps``: (start,
+    cells)."""
+    first: dict[str, float] = {}
+    for start, cells in steps:
+        for cell in cells:
+            first.setdefault(cell[0], start)
+    return report.percentiles_ms([first[rid] - sent for rid, sent in starts.items() if rid in first])
 
 
 def table(rows: list[dict]) -> str:

@@ -276,3 +276,29 @@ def test_disaggregated_requests_move_to_a_decode_worker_after_their_first_token(
     assert prefill.stats.num_preemptions == 0 and not prefill.handoffs and not prefill.running
     assert prefill.pool.num_used == prefill.num_cached_blocks  # its prompt's blocks went to its prefix cache
     assert not decode.running and sim.pd.requests == {}
+
+
+def test_plan_simulate_replays_a_recorded_bench_run(tiny_model, tmp_path, capsys):
+    import json
+
+    from justapi.cli import main
+
+    model = costs(base=0.01, per_row=0.001)
+    model = CostModel(model.coefficients, "tiny", "cpu", 1, settings={"num_blocks": 256, "max_model_len": 1024,
+                                                                      "front_s": 0.002, "tail_s": 0.001})
+    model.save(str(tmp_path / "costs.json"))
+    timings = [{"id": f"r{i}", "ok": True, "start": 100.0 + 0.5 * i, "ttft": 0.1, "end": 101.0 + i,
+                "prompt_tokens": 20 + i, "output_tokens": 5} for i in range(3)]
+    timings.append({"id": "failed", "ok": False, "start": 100.2, "ttft": None, "end": 100.3, "prompt_tokens": 0,
+                    "output_tokens": 0})
+    (tmp_path / "run.json").write_text(json.dumps({"servers": [{"figures": {"requests": timings}}]}))
+    argv = ["plan", "simulate", "--model", tiny_model, "--costs", str(tmp_path / "costs.json"), "--trace",
+            str(tmp_path / "run.json"), "--json", str(tmp_path / "out.json")]
+    assert main(argv) == 0, capsys.readouterr().err
+    figures = json.loads((tmp_path / "out.json").read_text())
+    assert figures["completed"] == 3 and figures["output_tokens"] == 15 and figures["prompt_tokens"] == 63
+    # the first request alone: the front, its prompt step (20 rows), the tail
+    assert figures["ttft_ms"]["p50"] == pytest.approx(2 + 10 + 21 + 1, abs=0.5)
+    (tmp_path / "bad.json").write_text("{}")
+    assert main(argv[:-4] + ["--trace", str(tmp_path / "bad.json")]) == 2
+    assert "not a bench serve --json file" in capsys.readouterr().err
