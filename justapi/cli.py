@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plan":
             from .plan.cli import main as plan_main
 
-            return plan_main(args, engine_config)
+            return plan_main(args, engine_config, build_parser)
         return {"serve": cmd_serve, "generate": cmd_generate}[args.command](args)
     except (CliError, ModelLoadError, ChatTemplateError, HubError) as e:
         print(f"justapi: error: {e}", file=sys.stderr)

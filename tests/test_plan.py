@@ -302,3 +302,53 @@ def test_plan_simulate_replays_a_recorded_bench_run(tiny_model, tmp_path, capsys
     (tmp_path / "bad.json").write_text("{}")
     assert main(argv[:-4] + ["--trace", str(tmp_path / "bad.json")]) == 2
     assert "not a bench serve --json file" in capsys.readouterr().err
+
+
+def test_justapi_plan_answers_on_this_machine_from_its_cost_model(tiny_model, tmp_path, capsys):
+    from justapi.cli import main
+
+    base = costs(base=0.01, per_row=0.0005)
+    CostModel(base.coefficients, "tiny", "cpu", 2, settings={"num_blocks": 400, "max_model_len": 1024,
+                                                            "front_s": 0.001}).save(str(tmp_path / "c.json"))
+    argv = ["plan", "--model", tiny_model, "--costs", str(tmp_path / "c.json"), "--rate", "20", "--slo",
+            "ttft_p99=300,tpot_p99=40", "--chunk-sizes", "256", "--max-seqs", "8", "--num-requests", "60",
+            "--input-len", "32:128", "--output-len", "8:32", "--out", str(tmp_path / "c.png")]
+    assert main(argv) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "x TP 1" in out and "TP 2" not in out  # tensor parallelism is not offered on this machine's cores
+    assert main(argv + ["--disaggregate"]) == 2
+    assert "described devices" in capsys.readouterr().err
+
+
+def test_the_search_weighs_disaggregation_on_a_described_device(tmp_path, capsys):
+    from justapi.cli import main
+
+    assert main(["plan", "--model", "llama-3.1-8b", "--hardware", "h100", "--rate", "8", "--slo",
+                 "ttft_p99=3000,tpot_p99=100", "--tp", "1", "--chunk-sizes", "2048", "--max-seqs", "64",
+                 "--num-requests", "40", "--disaggregate", "--max-replicas", "4",
+                 "--out", str(tmp_path / "d.png")]) == 0
+    out = capsys.readouterr().out
+    assert "1 prefill + 1 decode workers x TP 1 (2 devices)" in out  # the smallest split met the SLO too
+    assert "cheapest: 1 replica x TP 1 (1 devices)" in out  # and one colocated device is cheaper
+
+
+def test_plan_profile_fits_a_real_server_then_simulates_on_it(tiny_model, tmp_path, capsys):
+    """End to end: `justapi plan profile` starts `justapi serve` (a child on loopback), fits its step log, and
+    `justapi plan simulate` reads the saved model."""
+    import json
+
+    from justapi.cli import main
+
+    out = tmp_path / "tiny.json"
+    assert main(["plan", "profile", "--out", str(out), "--scale", "0.25", "--records", str(tmp_path / "r.json"),
+                 "--", "--model", tiny_model, "--pool-blocks", "512", "--max-seqs", "8"]) == 0, \
+        capsys.readouterr().err
+    model = CostModel.load(str(out))
+    assert model.settings["num_blocks"] == 512 and model.settings["max_seqs"] == 8
+    assert model.error.steps >= 40 and model.front_s > 0
+    records = json.loads((tmp_path / "r.json").read_text())
+    assert sum(1 for r in records if r["work"] and r["work"]["cells"]) == model.error.steps
+    capsys.readouterr()
+    assert main(["plan", "simulate", "--model", tiny_model, "--costs", str(out), "--num-requests", "12",
+                 "--input-len", "16:64", "--output-len", "4:16", "--max-concurrency", "4"]) == 0
+    assert "completed" in capsys.readouterr().out

@@ -13,7 +13,7 @@ from typing import Callable
 
 from ..bench.workloads import WorkloadSpec, arrival_times, build
 from ..config import SchedulerConfig
-from .cost_model import CostModel
+from .cost_model import CostModel, load_costs
 from .hardware import HARDWARE, Hardware, ModelShape, RooflineCosts
 from .search import Candidate, Outcome, SloTargets, Space, goodput_curve, search, simulate
 from .simulator import SimRequest, StepCosts
@@ -145,8 +145,6 @@ def fmt(figures: dict) -> str:
 
 def answer(args) -> str:
     """The plan for ``justapi plan``'s flags: the cheapest configuration, the baseline beside it, the curve."""
-    from .cli import load_costs
-
     fitted = load_costs(args.plan_costs, args.plan_model) if args.hardware == "this" else None
     if args.disaggregate and fitted is not None:
         raise ValueError("--disaggregate is planned on described devices: on this machine its workers split the "

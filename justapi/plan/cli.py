@@ -13,7 +13,7 @@ import sys
 from ..bench.cli import _range, _rate, _spec, _tokenizer, _workload_flags, _write_json
 from ..bench import report
 from ..bench.workloads import WorkloadError, arrival_times, build
-from .cost_model import CostModel, CostModelError, default_path, this_machine
+from .cost_model import CostModelError, default_path, load_costs
 from .hardware import HARDWARE, MODELS
 from .search import SloTargets
 from .simulator import SimRequest, Simulation, SimulationError
@@ -93,8 +93,7 @@ def add_parser(sub, engine_flags) -> None:
     sim.add_argument("--json", default=None, help="write the figures to this JSON file")
 
 
-def cmd_profile(args) -> int:
-    from ..startup import build_parser, engine_config
+def cmd_profile(args, engine_config, build_parser) -> int:
     from .profile import profile
 
     flags = [f for f in args.serve_flags if f != "--"]
@@ -141,14 +140,6 @@ def trace_requests(path: str, vocab_size: int, seed: int = 0) -> list[SimRequest
                        t["start"] - first) for t in sorted(done, key=lambda t: t["start"])]
 
 
-def load_costs(path: str | None, model: str) -> CostModel:
-    path = path or default_path(model, this_machine())
-    try:
-        return CostModel.load(path)
-    except CostModelError as e:
-        raise PlanError(f"{e} (justapi plan profile -- --model {model} fits one)") from None
-
-
 def cmd_simulate(args, engine_config) -> int:
     from ..engine.engine_core import scheduler_config
 
@@ -186,10 +177,11 @@ def cmd_search(args) -> int:
     return 0
 
 
-def main(args, engine_config) -> int:
+def main(args, engine_config, build_parser) -> int:
+    """``engine_config`` and ``build_parser``: justapi.startup's (the serve flags a profiled server takes)."""
     try:
         if args.plan_command == "profile":
-            return cmd_profile(args)
+            return cmd_profile(args, engine_config, build_parser)
         if args.plan_command == "simulate":
             return cmd_simulate(args, engine_config)
         return cmd_search(args)

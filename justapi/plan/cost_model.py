@@ -235,3 +235,12 @@ def default_path(model_path: str, machine: str) -> str:
     stem = os.path.splitext(os.path.basename(model_path))[0]
     slug = re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-")
     return os.path.join(cache_dir(), "plan", f"{stem}--{slug}.json")
+
+
+def load_costs(path: str | None, model: str) -> CostModel:
+    """The cost model at ``path``, or ``justapi plan profile``'s default one for ``model`` on this CPU."""
+    path = path or default_path(model, this_machine())
+    try:
+        return CostModel.load(path)
+    except CostModelError as e:
+        raise CostModelError(f"{e} (justapi plan profile -- --model {model} fits one)") from None
