@@ -71,8 +71,8 @@ async def run_one(url: str, name: str, line: str, config, settings: dict, costs,
     simulated = report.summarize(run.results, run.elapsed)
     shapes, seconds = step_samples(records, prompt_blocks(results, tokenizer, config.block_size), config.block_size)
     waits = dict(measured=first_step_waits({f"{r.response_id}-0": r.start for r in results if r.ok},
-                                           [(rec["start"] + rec["commands"], tuple((rec.get("work") or {}).get("cells")
-                                                                                   or ())) for rec in records]),
+                                           [(rec["start"], tuple((rec.get("work") or {}).get("cells") or ()))
+                                            for rec in records]),
                  simulated=first_step_waits({f"sim-{i}": r.start for i, r in enumerate(run.results)},
                                             [(st.start, st.cells) for st in run.steps]))
     engine = dict(measured_steps=len(shapes), simulated_steps=len(run.steps), measured_engine_s=sum(seconds),

@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from justapi.bench.workloads import WorkloadSpec
 from justapi.config import SchedulerConfig
 from justapi.plan.cost_model import FEATURES, KNOTS, CostModel, CostModelError, StepShape, fit
 from justapi.plan.simulator import SimRequest, Simulation, SimulationError
@@ -83,11 +84,14 @@ def test_simulation_runs_the_engines_scheduler():
     sim = Simulation(SchedulerConfig(num_blocks=64), costs(base=0.01))
     assert type(sim.scheduler) is Scheduler
     assert inspect.getmodule(type(sim.scheduler).schedule).__name__ == "justapi.core.scheduler"
-    # the engine builds the same class (no copy of the scheduler lives in plan/)
-    assert "Scheduler(" in inspect.getsource(EngineCore.__init__)
-    import justapi.plan.simulator as simulator
+    import justapi.plan as plan
 
-    assert simulator.Scheduler is Scheduler
+    # no class of plan/ is (or derives from) a scheduler of its own: the engine's is the only one
+    for name in ("replica", "simulator", "search"):
+        module = __import__(f"justapi.plan.{name}", fromlist=["_"])
+        own = [c for _, c in inspect.getmembers(module, inspect.isclass) if c.__module__ == module.__name__]
+        assert not [c for c in own if "schedule" in vars(c) or issubclass(c, Scheduler)], own
+    assert plan is not None and EngineCore is not None
 
 
 def test_one_request_costs_what_the_model_says():
@@ -322,14 +326,26 @@ def test_justapi_plan_answers_on_this_machine_from_its_cost_model(tiny_model, tm
 
 def test_the_search_weighs_disaggregation_on_a_described_device(tmp_path, capsys):
     from justapi.cli import main
+    from justapi.plan.answer import workload
+    from justapi.plan.hardware import HARDWARE, RooflineCosts, model_shape
+    from justapi.plan.search import Candidate, SloTargets, Space, fewest_split
 
+    shape, h100 = model_shape("llama-3.1-8b"), HARDWARE["h100"]
+    space = Space(lambda tp: RooflineCosts(shape, h100, tp),
+                  lambda tp: RooflineCosts(shape, h100, tp).kv_pool_blocks(16),
+                  workload(WorkloadSpec(num_requests=40), shape.vocab), SchedulerConfig(num_blocks=1),
+                  transfer=lambda cand: RooflineCosts(shape, h100, cand.tp).transfer_seconds)
+    slo = SloTargets.parse("ttft_p99=3000,tpot_p99=100")
+    split = fewest_split(space, Candidate(1, 2048, 64), 8.0, slo, at_most=4)
+    assert split is not None and split.meets
+    assert (split.candidate.replicas, split.candidate.decoders) == (1, 1)  # the fewest workers: one of each
+    assert split.figures["completed"] == 40
+    # one colocated device meets it too, and costs less: the answer is colocated, disaggregation not worth trying
     assert main(["plan", "--model", "llama-3.1-8b", "--hardware", "h100", "--rate", "8", "--slo",
                  "ttft_p99=3000,tpot_p99=100", "--tp", "1", "--chunk-sizes", "2048", "--max-seqs", "64",
                  "--num-requests", "40", "--disaggregate", "--max-replicas", "4",
                  "--out", str(tmp_path / "d.png")]) == 0
-    out = capsys.readouterr().out
-    assert "1 prefill + 1 decode workers x TP 1 (2 devices)" in out  # the smallest split met the SLO too
-    assert "cheapest: 1 replica x TP 1 (1 devices)" in out  # and one colocated device is cheaper
+    assert "cheapest: 1 replica x TP 1 (1 devices)" in capsys.readouterr().out
 
 
 def test_plan_profile_fits_a_real_server_then_simulates_on_it(tiny_model, tmp_path, capsys):
@@ -352,3 +368,44 @@ def test_plan_profile_fits_a_real_server_then_simulates_on_it(tiny_model, tmp_pa
     assert main(["plan", "simulate", "--model", tiny_model, "--costs", str(out), "--num-requests", "12",
                  "--input-len", "16:64", "--output-len", "4:16", "--max-concurrency", "4"]) == 0
     assert "completed" in capsys.readouterr().out
+
+
+
+def test_the_time_limit_ends_what_has_not_ended():
+    sim = Simulation(SchedulerConfig(num_blocks=64), costs(base=0.01), front_s=0.001)
+    reqs = [SimRequest([2, 3, 4], 50, at=0.0), SimRequest([5, 6, 7], 5, at=0.05), SimRequest([8, 9], 5, at=10.0)]
+    run = sim.run(reqs, max_concurrency=2, time_limit=0.2)
+    done, cut, unsent = run.results
+    assert run.elapsed == pytest.approx(0.2)
+    assert not cut.ok or cut.end <= 0.2
+    assert not done.ok and done.error == "time limit" and not unsent.ok and unsent.error == "time limit"
+    assert all(r.end <= 0.2 + 1e-9 for r in run.results)
+
+
+def test_shared_reads_are_those_of_shared_blocks():
+    prefix = list(range(100, 164))  # four blocks
+    reqs = [SimRequest(prefix + [i + 3] * 8, 12, at=0.02 * i) for i in range(4)]
+    config = SchedulerConfig(num_blocks=128)
+    # behind a decode worker each imported prompt has blocks of its own: nothing is shared there
+    split = Simulation(config, RecordingCosts(), decoders=1)
+    split.run(reqs)
+    assert split.costs.shapes and max(s.shared_context for s in split.costs.shapes) == 0
+    # on one engine the later requests hit the first one's prefix: their decode rows read its blocks
+    shared = Simulation(config, RecordingCosts())
+    shared.run(reqs)
+    assert max(s.decodes for s in shared.costs.shapes) == 4
+    assert max(s.shared_context for s in shared.costs.shapes) == 3 * 64
+
+
+class RecordingCosts:
+    """10 ms a step; keeps every shape it was asked about."""
+
+    def __init__(self) -> None:
+        self.shapes: list[StepShape] = []
+
+    def seconds(self, shape: StepShape) -> float:
+        self.shapes.append(shape)
+        return 0.01
+
+    def describe(self) -> str:
+        return "recording"

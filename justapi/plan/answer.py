@@ -8,7 +8,8 @@ and shared prefixes share ids) with Poisson arrivals at each rate tried.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Callable
 
 from ..bench.workloads import WorkloadSpec, arrival_times, build
@@ -63,7 +64,7 @@ class Target:
     tps: tuple[int, ...]
     price: float
     note: str
-    transfer: Callable[[int], Callable[[int], float]] | None = None  # per TP degree: a KV transfer by its tokens
+    transfer: Callable[[Candidate], Callable[[int], float]] | None = None  # per candidate: a KV transfer by tokens
 
 
 def target_for(model: str, hardware: str, fitted: CostModel | None, block_size: int, bytes_per_weight: float,
@@ -90,12 +91,18 @@ def target_for(model: str, hardware: str, fitted: CostModel | None, block_size: 
     return Target(hw.name, lambda tp: RooflineCosts(shape, hw, tp),
                   lambda tp: RooflineCosts(shape, hw, tp).kv_pool_blocks(block_size), tps, hw.price_hour,
                   RooflineCosts(shape, hw, 1).describe(),
-                  lambda tp: RooflineCosts(shape, hw, tp).transfer_seconds), shape
+                  lambda cand: partial(RooflineCosts(shape, hw, cand.tp).transfer_seconds,
+                                       across_nodes=cand.devices > hw.devices)), shape
 
 
 def baseline(space: Space, best: Outcome, rate: float, slo: SloTargets) -> Outcome:
-    """The chosen configuration with static batching instead of continuous (the documents' baseline, U)."""
-    return simulate(space, best.candidate, rate, slo, static=True)
+    """The chosen configuration with static batching instead of continuous (the documents' baseline, U); a
+    disaggregated one as colocated replicas on as many devices (a static batch is one engine's)."""
+    return simulate(space, static_twin(best.candidate), rate, slo, static=True)
+
+
+def static_twin(cand: Candidate) -> Candidate:
+    return replace(cand, replicas=cand.replicas + cand.decoders, decoders=0)
 
 
 def curve(space: Space, cand: Candidate, rate: float, slo: SloTargets) -> list[tuple[float, dict]]:
@@ -149,14 +156,17 @@ def answer(args) -> str:
     if args.disaggregate and fitted is not None:
         raise ValueError("--disaggregate is planned on described devices: on this machine its workers split the "
                          "cores, which the fitted cost model (all cores) does not describe")
-    target, shape = target_for(args.plan_model, args.hardware, fitted, 16, args.weight_bytes, max(args.plan_tp))
+    settings = (fitted.settings or {}) if fitted is not None else {}
+    block_size = int(settings.get("block_size", 16))
+    target, shape = target_for(args.plan_model, args.hardware, fitted, block_size, args.weight_bytes,
+                               max(args.plan_tp))
     vocab = shape.vocab if shape is not None else 32000
     spec = WorkloadSpec(args.plan_workload, args.plan_requests, args.plan_input, args.plan_output,
                         num_prefixes=args.plan_prefixes, prefix_len=args.plan_prefix_len,
                         suffixes_per_prefix=max(1, args.plan_requests // args.plan_prefixes), seed=args.plan_seed)
-    max_len = (fitted.settings or {}).get("max_model_len", args.plan_max_model_len) if fitted else \
-        args.plan_max_model_len
-    space = Space(target.costs, target.blocks, workload(spec, vocab), base_config(16, max_len, True),
+    max_len = settings.get("max_model_len", args.plan_max_model_len)
+    space = Space(target.costs, target.blocks, workload(spec, vocab),
+                  base_config(block_size, max_len, bool(settings.get("prefix_cache", True))),
                   tuple(t for t in args.plan_tp if t in target.tps), args.chunk_sizes, args.plan_max_seqs,
                   args.max_replicas, args.plan_concurrency, fitted.front_s if fitted else 0.0,
                   fitted.tail_s if fitted else 0.0, target.transfer if args.disaggregate else None)
@@ -172,8 +182,14 @@ def answer(args) -> str:
               f"  static batching there: {fmt(static.figures)}" + (f", U = {u:.2f}" if u is not None else ""),
               "every candidate at its fewest engines:"]
     lines += [f"  {o.candidate.describe()}: {fmt(o.figures)}" for o in sorted(tried, key=lambda o: o.candidate.devices)]
+    if settings.get("seen_rows") and (best.candidate.chunk_size + best.candidate.max_seqs > settings["seen_rows"]
+                                      or best.candidate.max_seqs > settings.get("seen_seqs", 0)):
+        lines.append(f"note: the cost model saw steps of at most {settings['seen_rows']} rows and "
+                     f"{settings.get('seen_seqs')} sequences; this configuration's larger steps are extrapolated "
+                     "(profile with its --chunk-size and --max-seqs to measure them)")
     points = curve(space, best.candidate, args.rate, args.slo)
-    static_points = [(r, simulate(space, best.candidate, r, args.slo, static=True).figures) for r, _ in points]
+    static_points = [(r, simulate(space, static_twin(best.candidate), r, args.slo, static=True).figures)
+                     for r, _ in points]
     draw_curve(points, static_points, f"{target.name}: {best.candidate.describe()}", args.plan_out)
     lines.append(f"goodput curve: {args.plan_out}")
     return "\n".join(lines)

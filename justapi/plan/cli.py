@@ -144,6 +144,9 @@ def cmd_simulate(args, engine_config) -> int:
     from ..engine.engine_core import scheduler_config
 
     config = engine_config(args)
+    if config.worker_processes or config.tp > 1:  # each worker would take a share of the cores profiled whole
+        raise PlanError("plan simulate runs one engine on this machine's cost model: no --data-parallel, "
+                        "--disaggregate or --tp (justapi plan searches those on described devices)")
     costs = load_costs(args.costs, config.model)
     settings = costs.settings or {}
     num_blocks = config.pool_blocks or settings.get("num_blocks")
@@ -157,7 +160,8 @@ def cmd_simulate(args, engine_config) -> int:
         jobs = build(_spec(args), tokenizer)
         requests = sim_requests(jobs, tokenizer, arrival_times(jobs, args.request_rate, args.arrival, args.seed))
         limit = args.max_concurrency
-    run = Simulation(sched, costs, front_s=costs.front_s, tail_s=costs.tail_s).run(requests, limit, args.time_limit)
+    run = Simulation(sched, costs, config.static_batching, front_s=costs.front_s, tail_s=costs.tail_s).run(
+        requests, limit, args.time_limit)
     figures = report.summarize(run.results, run.elapsed, report.Slo.parse(args.goodput))
     figures.update(steps=len(run.steps), preemptions=run.preemptions, cost_model=costs.describe())
     print(report.table(["simulated"], [figures]))

@@ -51,15 +51,18 @@ class StepShape:
     shared_context: int = 0  # the other reads of those shared blocks (from cache rather than memory)
 
     @classmethod
-    def of_cells(cls, cells, prompt_blocks: Mapping[str, Sequence[Hashable]] | None = None,
-                 block_size: int = 16) -> StepShape:
+    def of_cells(cls, cells, blocks: Mapping[str, Sequence[Hashable]] | None = None, block_size: int = 16,
+                 hits: Mapping[str, int] | None = None) -> StepShape:
         """From a step's cells: (request id, "prefill" | "decode" | "spec", first position, tokens, accepted).
-        With ``prompt_blocks`` (request id -> its prompt's block keys, ``block_keys``), a prompt block that several
-        decoding rows share (a prefix-cache hit) counts once in their context and its other reads apart: the step
-        reads it from memory once, then from cache (measured: 32 rows sharing a 400-token prefix took 28-31 ms a
-        step where 32 rows of 375 distinct tokens took 36)."""
+        With ``blocks`` (request id -> its blocks), a block that several decoding rows hold counts once in their
+        context and its other reads apart (``shared_context``): the step reads it from memory once, then from cache
+        (measured: 32 rows sharing a 400-token prefix took 28-31 ms a step where 32 rows of 375 distinct tokens took
+        36). The blocks are physical block ids (the simulation's), or without them the prompts' block keys
+        (``block_keys``) with ``hits``, each request's prefix-cache hit in tokens: a block below a request's hit is
+        the cache's copy, shared; above it the request computed its own, which later requests may hit."""
         rows = decodes = context = prefill = pairs = shared = 0
-        seen: set = set()
+        cached: set = set()  # blocks read so far in the step that others may share
+        own: set = set()  # blocks a request computed itself (prompt keys only): shared with later hits, not alike
         for cell in cells:
             rid, kind, start, n = cell[0], cell[1], int(cell[2]), int(cell[3])
             rows += n
@@ -68,13 +71,19 @@ class StepShape:
                 pairs += n * start + n * (n + 1) // 2
                 continue
             decodes += 1
-            keys = prompt_blocks.get(rid, ()) if prompt_blocks is not None else ()
+            keys = blocks.get(rid, ()) if blocks is not None else ()
             full = min(len(keys), (start + n) // block_size)
-            fresh = [k for k in keys[:full] if k not in seen]
-            seen.update(fresh)
-            again = (full - len(fresh)) * block_size
-            context += (start + n) - again
-            shared += again
+            hit = full if hits is None else min(full, hits.get(rid, 0) // block_size)
+            again = 0
+            for b, key in enumerate(keys[:full]):
+                if b < hit:  # the cache's copy (or, for physical ids, any block)
+                    again += key in cached or key in own
+                    cached.add(key)
+                else:
+                    again += key in cached
+                    own.add(key)
+            context += (start + n) - again * block_size
+            shared += again * block_size
         return cls(rows, decodes, context, prefill, pairs, len(cells), shared)
 
     def features(self) -> list[float]:
@@ -170,22 +179,39 @@ class CostModel:
                    int(body.get("threads", 0)), error, str(body.get("source", "measured")), body.get("settings"))
 
 
+PHYSICAL = tuple(FEATURES.index(f) for f in ("base", "per_context", "per_pair", "per_seq", "per_shared_context"))
+
+
 def solve(shapes: list[StepShape], seconds: list[float]) -> tuple[float, ...]:
-    """Least squares on relative error: each step's row divided by its time."""
+    """Least squares on relative error (each step's row divided by its time), the terms that are a cost in
+    themselves (base, context, pairs, sequences, shared reads) kept at zero or above (a negative one is dropped and
+    the rest refitted: a saving per sequence would turn into time gained past the profiled batch sizes), then
+    scaled so that the steps' total is matched (relative error alone fits the total low)."""
     x = np.array([s.features() for s in shapes])
     y = np.array(seconds)
     w = 1.0 / np.maximum(y, MIN_STEP_S)
-    coef, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
-    return tuple(float(c) for c in coef)
+    active = list(range(len(FEATURES)))
+    while True:
+        part, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
+        coef = np.zeros(len(FEATURES))
+        coef[active] = part
+        negative = [i for i in PHYSICAL if i in active and coef[i] < 0]
+        if not negative:
+            break
+        active.remove(min(negative, key=lambda i: coef[i]))
+    predicted = np.maximum(x @ coef, MIN_STEP_S)
+    return tuple(float(c) for c in coef * (y.sum() / predicted.sum()))
 
 
 def held_out_error(shapes: list[StepShape], seconds: list[float], folds: int = FOLDS) -> FitError:
-    """Each step predicted by a fit on the other folds (every folds-th step in one fold)."""
+    """Each step predicted by a fit on the other folds, each fold a contiguous run of steps (neighbouring steps are
+    alike: interleaved folds would leak them into the fit)."""
     predicted = np.zeros(len(shapes))
-    for k in range(folds):
-        train = [i for i in range(len(shapes)) if i % folds != k]
+    bounds = np.linspace(0, len(shapes), folds + 1).astype(int)
+    for lo, hi in zip(bounds, bounds[1:]):
+        train = [i for i in range(len(shapes)) if not lo <= i < hi]
         coef = solve([shapes[i] for i in train], [seconds[i] for i in train])
-        for i in range(k, len(shapes), folds):
+        for i in range(lo, hi):
             predicted[i] = max(MIN_STEP_S, float(np.dot(coef, shapes[i].features())))
     y = np.array(seconds)
     rel = np.abs(predicted / y - 1)
@@ -195,15 +221,17 @@ def held_out_error(shapes: list[StepShape], seconds: list[float], folds: int = F
 
 def fit(shapes: list[StepShape], seconds: list[float], model: str, machine: str, threads: int,
         settings: dict | None = None) -> CostModel:
-    """The cost model of these measured steps, with its held-out error."""
+    """The cost model of these measured steps, with its held-out error and the largest step it saw (rows and
+    sequences: past them it extrapolates)."""
     if len(shapes) != len(seconds):
         raise CostModelError("one time per step shape")
     if len(shapes) < MIN_STEPS:
         raise CostModelError(f"{len(shapes)} measured steps are too few to fit a cost model (at least {MIN_STEPS})")
     if any(not t > 0 for t in seconds):
         raise CostModelError("every measured step takes a positive time")
+    seen = dict(seen_rows=max(s.rows for s in shapes), seen_seqs=max(s.seqs for s in shapes))
     return CostModel(solve(shapes, seconds), model, machine, threads, held_out_error(shapes, seconds),
-                     settings=settings)
+                     settings={**(settings or {}), **seen})
 
 
 ISA_NAMES = (("amx_tile", "AMX"), ("avx512_bf16", "AVX-512 BF16"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))

@@ -139,8 +139,10 @@ class Hardware:
     read_gbps: float  # memory read bandwidth, peak
     tflops: float  # dense matmul rate in the compute dtype (bf16), peak
     memory_gib: float  # per device
-    link_gbps: float = 0.0  # device-to-device, one direction (NVLink), per device
+    link_gbps: float = 0.0  # device-to-device within a node, one direction (NVLink), per device
     link_latency_us: float = 0.0  # one all-reduce's fixed cost
+    network_gbps: float = 0.0  # between nodes, per device (its NIC)
+    network_latency_us: float = 0.0
     step_overhead_us: float = 0.0  # a step's fixed cost: launches, scheduling, sampling (an assumption)
     devices: int = 1  # per node: TP stays within one
     price_hour: float = 1.0  # per device, for "cheapest"; relative units unless stated
@@ -157,11 +159,14 @@ class Hardware:
 # Vendor peaks (dense bf16, no sparsity); efficiencies and overheads are assumptions, checked against an anchor
 # (docs/plan.md).
 HARDWARE = {
-    "h200": Hardware("h200", 4800, 989, 141, link_gbps=450, link_latency_us=8, step_overhead_us=2000, devices=8,
+    "h200": Hardware("h200", 4800, 989, 141, link_gbps=450, link_latency_us=8, network_gbps=50, network_latency_us=10,
+                     step_overhead_us=2000, devices=8,
                      bandwidth_efficiency=0.8, flop_efficiency=0.6,
                      note="H200 SXM peaks; 80% of HBM, 60% of dense bf16 reached; 2 ms a step outside the "
-                          "products (scheduling, sampling, launches between CUDA graphs)"),
-    "h100": Hardware("h100", 3350, 989, 80, link_gbps=450, link_latency_us=8, step_overhead_us=2000, devices=8,
+                          "products (scheduling, sampling, launches between CUDA graphs); 400 Gb/s a GPU between "
+                          "nodes"),
+    "h100": Hardware("h100", 3350, 989, 80, link_gbps=450, link_latency_us=8, network_gbps=50, network_latency_us=10,
+                     step_overhead_us=2000, devices=8,
                      bandwidth_efficiency=0.8, flop_efficiency=0.6,
                      note="H100 SXM peaks, the same assumptions as h200"),
 }
@@ -235,11 +240,13 @@ class RooflineCosts:
         one = hw.link_latency_us * 1e-6 + 2 * (self.tp - 1) / self.tp * nbytes / (hw.link_gbps * 1e9)
         return 2 * self.model.layers * one
 
-    def transfer_seconds(self, tokens: int) -> float:
+    def transfer_seconds(self, tokens: int, across_nodes: bool = False) -> float:
         """A disaggregated request's prompt KV from a prefill worker to a decode worker: each of the ``tp`` ranks
-        sends its heads' share over its own link (the same link figures as the all-reduces)."""
+        sends its heads' share over its own link within a node, or its own NIC between nodes."""
         hw = self.hardware
-        return hw.link_latency_us * 1e-6 + tokens * self.model.kv_bytes_per_token() / self.tp / (hw.link_gbps * 1e9)
+        latency, gbps = ((hw.network_latency_us, hw.network_gbps) if across_nodes else
+                         (hw.link_latency_us, hw.link_gbps))
+        return latency * 1e-6 + tokens * self.model.kv_bytes_per_token() / self.tp / (gbps * 1e9)
 
     def describe(self) -> str:
         return f"roofline of {self.model.name} on {self.tp} x {self.hardware.describe()}"

@@ -59,13 +59,18 @@ def phases(max_seqs: int, max_model_len: int, scale: float = 1.0) -> list[Phase]
 def step_samples(records: list[dict], blocks: dict | None = None,
                  block_size: int = 16) -> tuple[list[StepShape], list[float]]:
     """The shape and engine-thread seconds (commands + step + delivery) of each record that computed something;
-    ``blocks``: the requests' prompt block keys (``prompt_blocks``), for the context their rows share."""
+    ``blocks``: the requests' prompt block keys (``prompt_blocks``), for the context their rows share (each
+    request's prefix-cache hit read from where its first cell starts)."""
+    hits: dict[str, int] = {}
+    for rec in records:
+        for rid, _, start, *_ in (rec.get("work") or {}).get("cells") or ():
+            hits.setdefault(rid, start)
     shapes, seconds = [], []
     for rec in records:
         work = rec.get("work")
         if not work or not work.get("cells"):
             continue
-        shapes.append(StepShape.of_cells(work["cells"], blocks, block_size))
+        shapes.append(StepShape.of_cells(work["cells"], blocks, block_size, hits if blocks is not None else None))
         seconds.append(rec["commands"] + rec["step"] + rec["deliver"])
     return shapes, seconds
 

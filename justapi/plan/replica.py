@@ -15,13 +15,9 @@ from ..core.batching import StaticBatching
 from ..core.outputs import RunnerOutput
 from ..core.scheduler import Scheduler
 from ..sampling_params import SamplingParams
-from .cost_model import StepShape, block_keys
+from .cost_model import StepShape
 
 SIM_TOKEN = 1  # the token every simulated step samples (never a stop token: requests ignore EOS)
-
-
-class SimulationError(RuntimeError):
-    """A workload the simulated scheduler can never finish (it says why)."""
 
 
 @dataclass
@@ -74,7 +70,6 @@ class Replica:
         self.scheduler.clock = lambda: self.now
         self.busy_until = math.inf  # the running step's end; inf while idle
         self.live: dict[str, int] = {}  # request id -> its index in the run, until its client hears it ended
-        self.blocks: dict[str, list] = {}  # request id -> its prompt's block keys (shared context counts once)
         self._outputs: list = []
 
     def add(self, i: int, req: SimRequest, now: float, first_token: int | None = None) -> str | None:
@@ -90,7 +85,6 @@ class Replica:
         except ValueError as e:
             return str(e)
         self.live[f"sim-{i}"] = i
-        self.blocks[f"sim-{i}"] = block_keys(req.prompt, self.scheduler.block_size)
         return None
 
     def start_step(self, now: float, run: SimRun) -> bool:
@@ -100,14 +94,15 @@ class Replica:
         sched = self.scheduler.schedule()
         if sched.empty:
             return False
-        sampled = {}
+        sampled, blocks = {}, {}
         for rid, n in sched.num_scheduled_tokens.items():
             req = self.scheduler.requests[rid]
+            blocks[rid] = list(req.block_ids)  # a block two rows hold is one block: shared reads counted as such
             if req.num_computed_tokens + n >= req.num_tokens:
                 sampled[rid] = [SIM_TOKEN]
         self._outputs = self.scheduler.update(sched, RunnerOutput(sampled_token_ids=sampled))
         cells = tuple(self.scheduler.record.cells)
-        seconds = self.costs.seconds(StepShape.of_cells(cells, self.blocks, self.scheduler.block_size))
+        seconds = self.costs.seconds(StepShape.of_cells(cells, blocks, self.scheduler.block_size))
         run.steps.append(SimStep(self.now, seconds, cells))
         self.busy_until = self.now + seconds
         return True
@@ -130,7 +125,6 @@ class Replica:
                 if not res.ok:
                     res.error = f"finished: {out.finish_reason}"
                 del self.live[out.request_id]
-                self.blocks.pop(out.request_id, None)
                 ended.append(i)
         self._outputs = []
         return ended

@@ -3,9 +3,10 @@ configuration whose simulation meets it, and the curve of goodput against rate f
 
 Each candidate is a tensor-parallel degree, a chunk size and a ``--max-seqs``; for each, the fewest data-parallel
 replicas (behind the prefix router) that meet the SLO at the rate is found by simulation: doubling until it is met,
-then halving the interval; where disaggregation is searched too, the fewest prefill + decode workers (every split of
-each total tried). The cheapest candidate is the one with the fewest devices (replicas x TP, times the
-device's price), ties broken by goodput. Every simulation runs the engine's Scheduler (plan.simulator).
+then halving the interval; where disaggregation is searched too, the fewest prefill + decode workers the same way (a
+quarter, half and three quarters of each total prefilling), no more than the colocated answer needs. The cheapest
+candidate is the one with the fewest devices (engines x TP, times the device's price), ties broken by goodput.
+Every simulation runs the engine's Scheduler (plan.simulator).
 """
 
 from __future__ import annotations
@@ -100,15 +101,15 @@ class Space:
     max_concurrency: int | None = None
     front_s: float = 0.0  # the HTTP front (plan.profile's, on this machine; none assumed for a described device)
     tail_s: float = 0.0
-    # per TP degree, a disaggregated request's KV transfer by its prompt tokens; None: no disaggregated candidates
-    transfer: Callable[[int], Callable[[int], float]] | None = None
+    # per candidate, a disaggregated request's KV transfer by its prompt tokens; None: no disaggregated candidates
+    transfer: Callable[[Candidate], Callable[[int], float]] | None = None
 
 
 def simulate(space: Space, cand: Candidate, rate: float, slo: SloTargets, static: bool = False) -> Outcome:
     config = replace(space.base, num_blocks=space.pool_blocks(cand.tp), chunk_size=cand.chunk_size,
                      max_prefill=max(space.base.max_prefill, 1), max_seqs=cand.max_seqs,
                      max_decode=max(space.base.max_decode, cand.max_seqs))
-    transfer = space.transfer(cand.tp) if space.transfer is not None and cand.decoders else None
+    transfer = space.transfer(cand) if space.transfer is not None and cand.decoders else None
     sim = Simulation(config, space.costs(cand.tp), static, cand.replicas, front_s=space.front_s,
                      tail_s=space.tail_s, decoders=cand.decoders, transfer_s=transfer)
     run = sim.run(space.requests(rate), space.max_concurrency)
@@ -141,15 +142,36 @@ def fewest_replicas(space: Space, cand: Candidate, rate: float, slo: SloTargets)
     return best
 
 
-def fewest_split(space: Space, cand: Candidate, rate: float, slo: SloTargets) -> Outcome | None:
-    """Disaggregated: the fewest workers (prefill + decode, each at least one) meeting ``slo``, the best goodput
-    among the splits of that many."""
-    for total in range(2, space.max_replicas + 1):
-        met = [o for o in (simulate(space, replace(cand, replicas=p, decoders=total - p), rate, slo)
-                           for p in range(1, total)) if o.meets]
-        if met:
-            return max(met, key=lambda o: o.figures.get("goodput", 0.0))
-    return None
+SPLITS = (0.25, 0.5, 0.75)  # shares of a disaggregated deployment's workers that prefill
+
+
+def best_split(space: Space, cand: Candidate, total: int, rate: float, slo: SloTargets) -> Outcome | None:
+    """The best of a few prefill/decode splits of ``total`` workers (each side at least one) that meets ``slo``."""
+    prefills = sorted({min(total - 1, max(1, round(total * share))) for share in SPLITS})
+    met = [o for o in (simulate(space, replace(cand, replicas=p, decoders=total - p), rate, slo) for p in prefills)
+           if o.meets]
+    return max(met, key=lambda o: o.figures.get("goodput", 0.0)) if met else None
+
+
+def fewest_split(space: Space, cand: Candidate, rate: float, slo: SloTargets, at_most: int) -> Outcome | None:
+    """Disaggregated: the fewest workers (prefill + decode) meeting ``slo``, at most ``at_most`` (more could not be
+    cheaper than the colocated answer): doubling, then halving the interval."""
+    low, high, best = 1, 2, None
+    while high <= at_most:
+        best = best_split(space, cand, high, rate, slo)
+        if best is not None:
+            break
+        low, high = high, high * 2
+    if best is None:
+        return None
+    while high - low > 1:
+        mid = (low + high) // 2
+        out = best_split(space, cand, mid, rate, slo)
+        if out is not None:
+            high, best = mid, out
+        else:
+            low = mid
+    return best
 
 
 def search(space: Space, rate: float, slo: SloTargets, price: float = 1.0) -> tuple[Outcome | None, list[Outcome]]:
@@ -158,14 +180,14 @@ def search(space: Space, rate: float, slo: SloTargets, price: float = 1.0) -> tu
     for tp in space.tps:
         for chunk in space.chunk_sizes:
             for seqs in space.max_seqs:
-                ways = [fewest_replicas] + ([fewest_split] if space.transfer is not None else [])
-                for way in ways:
-                    try:
-                        out = way(space, Candidate(tp, chunk, seqs), rate, slo)
-                    except (SimulationError, ValueError):
-                        continue  # this TP degree cannot hold the model, or a request can never fit
-                    if out is not None:
-                        tried.append(out)
+                cand = Candidate(tp, chunk, seqs)
+                try:
+                    colocated = fewest_replicas(space, cand, rate, slo)
+                    at_most = colocated.candidate.replicas if colocated is not None else space.max_replicas
+                    split = fewest_split(space, cand, rate, slo, at_most) if space.transfer is not None else None
+                except (SimulationError, ValueError):
+                    continue  # this TP degree cannot hold the model, or a request can never fit
+                tried += [o for o in (colocated, split) if o is not None]
     if not tried:
         return None, tried
     best = min(tried, key=lambda o: (o.candidate.devices * price, -o.figures.get("goodput", 0.0)))

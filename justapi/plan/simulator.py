@@ -82,6 +82,9 @@ class Simulation:
             t = min(t_send, t_in, t_move, first.busy_until)
             if t == math.inf:
                 raise SimulationError(next((e.stuck() for e in self.engines if e.live), "nothing can run"))
+            if t > time_limit:  # the client gives up on what has not ended
+                now = time_limit
+                break
             now = max(now, t)
             if t == t_send:
                 for i in self.client.send_due(now):
@@ -92,11 +95,9 @@ class Simulation:
             for engine in self.engines:
                 if engine.busy_until == math.inf and engine.live:
                     engine.start_step(now, self.out)
-            if now > time_limit:
-                break
-        for engine in self.engines:
-            for i in engine.live.values():
-                self.out.results[i].error, self.out.results[i].end = "time limit", now
+        for res in self.out.results:
+            if not res.ok and not res.error:  # still queued, past the front, moving or running
+                res.error, res.end = "time limit", now
         self.out.elapsed = now
         self.out.preemptions = sum(e.scheduler.stats.num_preemptions for e in self.engines)
         return self.out
@@ -121,7 +122,11 @@ class Simulation:
             _, i, src, dst = heapq.heappop(self._moving)
             self.engines[src].scheduler.release_handoff(f"sim-{i}")
             self.pd.transferred(f"sim-{i}", 0, 0, 0.0)
-            self.engines[dst].add(i, self.requests[i], now, first_token=SIM_TOKEN)
+            refused = self.engines[dst].add(i, self.requests[i], now, first_token=SIM_TOKEN)
+            if refused is not None:  # as the worker pool fails it
+                self.out.results[i].error, self.out.results[i].end = refused, now
+                self.pd.finished(f"sim-{i}")
+                self.client.done(now)
 
     def _step_ended(self, engine: Replica, now: float) -> None:
         for i in engine.finish_step(self.out, self.tail_s):
@@ -131,11 +136,12 @@ class Simulation:
             if rid not in engine.live:
                 continue  # already moving
             i = engine.live.pop(rid)
-            engine.blocks.pop(rid, None)
-            for w in self.pd.pool("decode"):  # the decode workers' room, as their reports would say
+            for w in self.pd.pool("decode"):  # each decode worker's room as its report says, less what is on its way
                 sched = self.engines[w.rank].scheduler
-                w.free_blocks = sched.pool.num_free + sched.num_cached_blocks
-            dst = self.pd.route_decode(rid, len(self.requests[i].prompt) + 1)
+                coming = sum(-(-len(self.requests[j].prompt) // sched.block_size) for _, j, _, d in self._moving
+                             if d == w.rank)
+                w.free_blocks = sched.pool.num_free + sched.num_cached_blocks - coming
+            dst = self.pd.route_decode(rid, len(self.requests[i].prompt))  # as the worker pool asks
             heapq.heappush(self._moving, (now + self.transfer_s(len(self.requests[i].prompt)), i,
                                           self.engines.index(engine), dst))
 
