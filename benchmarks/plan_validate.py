@@ -27,9 +27,8 @@ from justapi.bench.client import read_step_log, run_workload  # noqa: E402
 from justapi.bench.workloads import arrival_times, build  # noqa: E402
 from justapi.engine.engine_core import scheduler_config  # noqa: E402
 from justapi.engine.model_process import ModelProcess  # noqa: E402
-from justapi.plan.cli import sim_requests  # noqa: E402
 from justapi.plan.profile import fit_records, measure, prompt_blocks, settled, step_samples  # noqa: E402
-from justapi.plan.simulator import Simulation  # noqa: E402
+from justapi.plan.simulator import Simulation, requests_of  # noqa: E402
 from justapi.startup import build_parser, engine_config  # noqa: E402
 
 # beside workloads.txt's W1-W3 (W3: Poisson arrivals): a prefix-heavy Poisson workload, four long system prompts
@@ -67,7 +66,7 @@ async def run_one(url: str, name: str, line: str, config, settings: dict, costs,
     measured = report.summarize(results, elapsed)
     sched = scheduler_config(config, settings["num_blocks"], settings["max_model_len"])
     run = Simulation(sched, costs, front_s=costs.front_s, tail_s=costs.tail_s).run(
-        sim_requests(jobs, tokenizer, starts), args.max_concurrency)
+        requests_of(jobs, tokenizer, starts), args.max_concurrency)
     simulated = report.summarize(run.results, run.elapsed)
     shapes, seconds = step_samples(records, prompt_blocks(results, tokenizer, config.block_size), config.block_size)
     waits = dict(measured=first_step_waits({f"{r.response_id}-0": r.start for r in results if r.ok},

@@ -31,7 +31,10 @@ def test_shape_of_cells():
 
 
 def test_rows_sharing_a_prompt_prefix_read_its_blocks_once():
-    from justapi.plan.cost_model import block_keys
+    from justapi.core.router import block_chain
+
+    def block_keys(ids):
+        return list(block_chain(ids, 16))
 
     prefix = list(range(100, 132))  # two blocks of 16
     blocks = {"a": block_keys(prefix + [1] * 20), "b": block_keys(prefix + [2] * 20), "c": block_keys([3] * 52)}

@@ -86,8 +86,13 @@ class PrefixRouter:
             shadow.popitem(last=False)
 
     def _chain(self, prompt: Sequence[int]) -> Iterator[int]:
-        """One hash per full block, each covering every block before it (as the radix cache keys blocks)."""
-        h, bs = 0, self.block_size
-        for i in range(len(prompt) // bs):
-            h = hash((h, tuple(prompt[i * bs : (i + 1) * bs])))
-            yield h
+        return block_chain(prompt, self.block_size)
+
+
+def block_chain(prompt: Sequence[int], block_size: int) -> Iterator[int]:
+    """One hash per full block, each covering every block before it (as the radix cache keys blocks): two prompts
+    share a block's hash exactly when they share everything up to its end (also the planner's, plan.cost_model)."""
+    h = 0
+    for i in range(len(prompt) // block_size):
+        h = hash((h, tuple(prompt[i * block_size : (i + 1) * block_size])))
+        yield h

@@ -15,9 +15,9 @@ from typing import Callable
 from ..bench.workloads import WorkloadSpec, arrival_times, build
 from ..config import SchedulerConfig
 from .cost_model import CostModel, load_costs
-from .hardware import HARDWARE, Hardware, ModelShape, RooflineCosts
-from .search import Candidate, Outcome, SloTargets, Space, goodput_curve, search, simulate
-from .simulator import SimRequest, StepCosts
+from .hardware import HARDWARE, Hardware, ModelShape, RooflineCosts, model_shape
+from .search import Candidate, Outcome, SloTargets, Space, search, simulate
+from .simulator import SimRequest, StepCosts, requests_of
 
 CURVE = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)  # the goodput curve's rates, times the asked rate
 SATURATED = 0.5  # the curve stops past the rate whose goodput falls below this share of the offered rate
@@ -43,13 +43,9 @@ def workload(spec: WorkloadSpec, vocab_size: int):
     """Requests of ``spec`` at a rate: a function of the rate (Poisson arrivals, seeded)."""
     text = IdText(vocab_size)
     jobs = build(spec, text)
-    if any(len(j.turns) != 1 or j.turns[0].prompt is None for j in jobs):
-        raise ValueError("plan takes completion workloads (random, shared-prefix, burst, --class), not chat turns")
 
     def at_rate(rate: float) -> list[SimRequest]:
-        starts = arrival_times(jobs, rate, "poisson", spec.seed)
-        return [SimRequest(text.encode(j.turns[0].prompt or ""), j.turns[0].max_tokens, at, j.kind)
-                for j, at in zip(jobs, starts)]
+        return requests_of(jobs, text, arrival_times(jobs, rate, "poisson", spec.seed))
 
     return at_rate
 
@@ -82,8 +78,6 @@ def target_for(model: str, hardware: str, fitted: CostModel | None, block_size: 
     if hardware not in HARDWARE:
         raise ValueError(f"unknown hardware {hardware!r}: 'this' (a fitted cost model) or one of "
                          f"{', '.join(HARDWARE)}")
-    from .hardware import model_shape
-
     hw: Hardware = HARDWARE[hardware]
     shape = model_shape(model, bytes_per_weight)
     tps = tuple(t for t in (1, 2, 4, 8) if t <= min(hw.devices, max_tp) and shape.heads % t == 0 and
@@ -109,7 +103,7 @@ def curve(space: Space, cand: Candidate, rate: float, slo: SloTargets) -> list[t
     """Goodput against rate for ``cand``, from a quarter of the asked rate until it saturates."""
     points: list[tuple[float, dict]] = []
     for k in CURVE:
-        points += goodput_curve(space, cand, [rate * k], slo)
+        points.append((rate * k, simulate(space, cand, rate * k, slo).figures))
         if points[-1][1].get("goodput", 0.0) < SATURATED * rate * k:
             break
     return points
@@ -133,11 +127,6 @@ def draw_curve(points: list[tuple[float, dict]], static: list[tuple[float, dict]
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def base_config(block_size: int, max_model_len: int, prefix_cache: bool) -> SchedulerConfig:
-    return SchedulerConfig(num_blocks=1, block_size=block_size, max_model_len=max_model_len,
-                           prefix_cache=prefix_cache)
 
 
 def fmt(figures: dict) -> str:
@@ -166,7 +155,8 @@ def answer(args) -> str:
                         suffixes_per_prefix=max(1, args.plan_requests // args.plan_prefixes), seed=args.plan_seed)
     max_len = settings.get("max_model_len", args.plan_max_model_len)
     space = Space(target.costs, target.blocks, workload(spec, vocab),
-                  base_config(block_size, max_len, bool(settings.get("prefix_cache", True))),
+                  SchedulerConfig(num_blocks=1, block_size=block_size, max_model_len=max_len,
+                                  prefix_cache=bool(settings.get("prefix_cache", True))),
                   tuple(t for t in args.plan_tp if t in target.tps), args.chunk_sizes, args.plan_max_seqs,
                   args.max_replicas, args.plan_concurrency, fitted.front_s if fitted else 0.0,
                   fitted.tail_s if fitted else 0.0, target.transfer if args.disaggregate else None)

@@ -16,7 +16,7 @@ from ..bench.workloads import WorkloadError, arrival_times, build
 from .cost_model import CostModelError, default_path, load_costs
 from .hardware import HARDWARE, MODELS
 from .search import SloTargets
-from .simulator import SimRequest, Simulation, SimulationError
+from .simulator import SimRequest, Simulation, SimulationError, requests_of
 
 
 class PlanError(Exception):
@@ -110,20 +110,6 @@ def cmd_profile(args, engine_config, build_parser) -> int:
     return 0
 
 
-def sim_requests(jobs, tokenizer, starts: list[float]) -> list[SimRequest]:
-    """A workload's jobs as the simulation's requests (a completion prompt each, tokenized as the server does)."""
-    out = []
-    for job, at in zip(jobs, starts):
-        if len(job.turns) != 1 or job.turns[0].prompt is None:
-            raise PlanError("the simulation takes completion prompts, one a request (random, shared-prefix, burst, "
-                            "--class, or jsonl prompts), not chat turns")
-        turn = job.turns[0]
-        priority = job.fields.get("priority", 0)
-        out.append(SimRequest(tokenizer.encode(turn.prompt), turn.max_tokens, at, job.kind,
-                              int(priority) if isinstance(priority, (int, float)) else 0, job.fields.get("user")))
-    return out
-
-
 def trace_requests(path: str, vocab_size: int, seed: int = 0) -> list[SimRequest]:
     """The requests of a recorded ``bench serve --json`` run: each sent when it was (from the first), with its
     prompt's length (random ids: a trace keeps no text) and the tokens it generated."""
@@ -158,7 +144,7 @@ def cmd_simulate(args, engine_config) -> int:
         requests, limit = trace_requests(args.trace, tokenizer.vocab_size, args.seed), None
     else:
         jobs = build(_spec(args), tokenizer)
-        requests = sim_requests(jobs, tokenizer, arrival_times(jobs, args.request_rate, args.arrival, args.seed))
+        requests = requests_of(jobs, tokenizer, arrival_times(jobs, args.request_rate, args.arrival, args.seed))
         limit = args.max_concurrency
     run = Simulation(sched, costs, config.static_batching, front_s=costs.front_s, tail_s=costs.tail_s).run(
         requests, limit, args.time_limit)

@@ -57,9 +57,10 @@ class StepShape:
         With ``blocks`` (request id -> its blocks), a block that several decoding rows hold counts once in their
         context and its other reads apart (``shared_context``): the step reads it from memory once, then from cache
         (measured: 32 rows sharing a 400-token prefix took 28-31 ms a step where 32 rows of 375 distinct tokens took
-        36). The blocks are physical block ids (the simulation's), or without them the prompts' block keys
-        (``block_keys``) with ``hits``, each request's prefix-cache hit in tokens: a block below a request's hit is
-        the cache's copy, shared; above it the request computed its own, which later requests may hit."""
+        36). The blocks are physical block ids (the simulation's), or without them the prompts' block hashes
+        (core.router.block_chain) with ``hits``, each request's prefix-cache hit in tokens: a block below a
+        request's hit is the cache's copy, shared; above it the request computed its own, which later requests may
+        hit."""
         rows = decodes = context = prefill = pairs = shared = 0
         cached: set = set()  # blocks read so far in the step that others may share
         own: set = set()  # blocks a request computed itself (prompt keys only): shared with later hits, not alike
@@ -92,17 +93,6 @@ class StepShape:
                 float(self.seqs), float(self.shared_context)]
 
 
-def block_keys(token_ids: Sequence[int], block_size: int = 16) -> list[Hashable]:
-    """One key per full block of a prompt, each covering every block before it (as the radix cache keys blocks):
-    two prompts share a block's key exactly when they share everything up to its end."""
-    keys: list[Hashable] = []
-    key: Hashable = None
-    for i in range(len(token_ids) // block_size):
-        key = hash((key, tuple(token_ids[i * block_size : (i + 1) * block_size])))
-        keys.append(key)
-    return keys
-
-
 FEATURES = ("base", "per_row", *(f"per_row_above_{k}" for k in KNOTS), "per_context", "per_pair", "per_seq",
             "per_shared_context")
 MIN_STEP_S = 1e-5  # a prediction is never below this (a fit's negative corner is noise, not a free step)
@@ -128,7 +118,6 @@ class CostModel:
     machine: str  # the CPU (or hardware description) it was measured on
     threads: int
     error: FitError | None = None
-    source: str = "measured"  # or "roofline: ..." for a hardware description's estimate
     settings: dict | None = None  # the serving settings of the profiled server (chunk size, pool, ...)
 
     def seconds(self, shape: StepShape) -> float:
@@ -149,7 +138,7 @@ class CostModel:
         err = self.error
         fit = (f"; held-out error: median {err.median_rel:.1%}, p90 {err.p90_rel:.1%} a step, total "
                f"{err.total_rel:+.1%} over {err.steps} steps") if err else ""
-        return f"{self.model} on {self.machine} ({self.threads} threads, {self.source}): {terms}{fit}"
+        return f"{self.model} on {self.machine} ({self.threads} threads): {terms}{fit}"
 
     def save(self, path: str) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -176,7 +165,7 @@ class CostModel:
             raise CostModelError(f"{path}: its coefficients are not {len(FEATURES)} finite numbers")
         error = FitError(**body["error"]) if body.get("error") else None
         return cls(tuple(float(c) for c in coefficients), str(body.get("model", "")), str(body.get("machine", "")),
-                   int(body.get("threads", 0)), error, str(body.get("source", "measured")), body.get("settings"))
+                   int(body.get("threads", 0)), error, body.get("settings"))
 
 
 PHYSICAL = tuple(FEATURES.index(f) for f in ("base", "per_context", "per_pair", "per_seq", "per_shared_context"))

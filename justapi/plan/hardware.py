@@ -1,6 +1,7 @@
 """Hardware from first principles: what a model's step reads and computes (``ModelShape``), what a machine reads and
-computes a second (``Hardware``: named descriptions, or this machine measured), and the roofline cost of a step
-shape from the two (``RooflineCosts``), for machines this project cannot run on.
+computes a second (``Hardware``: named descriptions; this machine's read and matmul rates measured, for
+benchmarks/bounds.py), and the roofline cost of a step shape from the two (``RooflineCosts``), for machines this
+project cannot run on.
 
 A step of R rows (tokens through the products) costs at least the roofline of its products plus that of its
 attention (separate kernels, run one after the other), the step's fixed overhead and tensor parallelism's
@@ -200,14 +201,6 @@ def measure_gflops(dtype_name: str) -> float:
         a @ b
         rate = max(rate, 2 * n ** 3 / best_seconds(lambda: a @ b) / 1e9)
     return rate
-
-
-def this_hardware(memory_gib: float) -> Hardware:
-    """This machine measured (read bandwidth, bf16 matmul rate), no overhead assumed: its roofline."""
-    from .cost_model import this_machine
-
-    return Hardware(this_machine(), measure_read_gbps(), measure_gflops("bfloat16") / 1e3, memory_gib,
-                    note="measured in this run; peaks reached in full, no overhead")
 
 
 @dataclass(frozen=True)

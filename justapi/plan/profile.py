@@ -23,7 +23,8 @@ from ..bench.cli import _step_log_position
 from ..bench.client import RequestResult, read_step_log, run_workload
 from ..bench.workloads import WorkloadSpec, arrival_times, build
 from ..config import EngineConfig, usable_cores
-from .cost_model import CostModel, StepShape, block_keys, fit, this_machine
+from ..core.router import block_chain
+from .cost_model import CostModel, StepShape, fit, this_machine
 
 SERVER_START_S = 600.0  # a large model's load
 
@@ -59,7 +60,7 @@ def phases(max_seqs: int, max_model_len: int, scale: float = 1.0) -> list[Phase]
 def step_samples(records: list[dict], blocks: dict | None = None,
                  block_size: int = 16) -> tuple[list[StepShape], list[float]]:
     """The shape and engine-thread seconds (commands + step + delivery) of each record that computed something;
-    ``blocks``: the requests' prompt block keys (``prompt_blocks``), for the context their rows share (each
+    ``blocks``: the requests' prompt block hashes (``prompt_blocks``), for the context their rows share (each
     request's prefix-cache hit read from where its first cell starts)."""
     hits: dict[str, int] = {}
     for rec in records:
@@ -149,9 +150,10 @@ async def settled(pid: int, still_s: float = 1.0, poll_s: float = 0.25, limit_s:
 
 
 def prompt_blocks(results: list[RequestResult], tokenizer, block_size: int) -> dict[str, list]:
-    """Each completion's prompt block keys (cost_model.block_keys), by the id its cells carry in the step log; the
-    prompt encoded as the server encodes it."""
-    return {f"{r.response_id}-0": block_keys(tokenizer.encode(r.prompt), block_size) for r in results if r.prompt}
+    """Each completion's prompt block hashes (core.router.block_chain), by the id its cells carry in the step log;
+    the prompt encoded as the server encodes it."""
+    return {f"{r.response_id}-0": list(block_chain(tokenizer.encode(r.prompt), block_size))
+            for r in results if r.prompt}
 
 
 async def measure(url: str, config: EngineConfig, tokenizer, scale: float = 1.0,

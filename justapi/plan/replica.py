@@ -87,13 +87,13 @@ class Replica:
         self.live[f"sim-{i}"] = i
         return None
 
-    def start_step(self, now: float, run: SimRun) -> bool:
-        """Schedule and run a step at ``now`` (its tokens are the runner's effect); False if there is nothing to
-        schedule. Its outputs wait for ``finish_step`` at ``busy_until``."""
+    def start_step(self, now: float, run: SimRun) -> None:
+        """Schedule and run a step at ``now`` (its tokens are the runner's effect), where there is one to schedule;
+        its outputs wait for ``finish_step`` at ``busy_until``."""
         self.now = max(self.now, now)
         sched = self.scheduler.schedule()
         if sched.empty:
-            return False
+            return
         sampled, blocks = {}, {}
         for rid, n in sched.num_scheduled_tokens.items():
             req = self.scheduler.requests[rid]
@@ -105,7 +105,6 @@ class Replica:
         seconds = self.costs.seconds(StepShape.of_cells(cells, blocks, self.scheduler.block_size))
         run.steps.append(SimStep(self.now, seconds, cells))
         self.busy_until = self.now + seconds
-        return True
 
     def finish_step(self, run: SimRun, tail_s: float = 0.0) -> list[int]:
         """The running step ends: its tokens reach their clients ``tail_s`` later; the requests that ended."""

@@ -107,8 +107,7 @@ class Space:
 
 def simulate(space: Space, cand: Candidate, rate: float, slo: SloTargets, static: bool = False) -> Outcome:
     config = replace(space.base, num_blocks=space.pool_blocks(cand.tp), chunk_size=cand.chunk_size,
-                     max_prefill=max(space.base.max_prefill, 1), max_seqs=cand.max_seqs,
-                     max_decode=max(space.base.max_decode, cand.max_seqs))
+                     max_seqs=cand.max_seqs, max_decode=max(space.base.max_decode, cand.max_seqs))
     transfer = space.transfer(cand) if space.transfer is not None and cand.decoders else None
     sim = Simulation(config, space.costs(cand.tp), static, cand.replicas, front_s=space.front_s,
                      tail_s=space.tail_s, decoders=cand.decoders, transfer_s=transfer)
@@ -193,7 +192,3 @@ def search(space: Space, rate: float, slo: SloTargets, price: float = 1.0) -> tu
     best = min(tried, key=lambda o: (o.candidate.devices * price, -o.figures.get("goodput", 0.0)))
     return best, tried
 
-
-def goodput_curve(space: Space, cand: Candidate, rates: list[float], slo: SloTargets) -> list[tuple[float, dict]]:
-    """The candidate's figures at each rate (goodput: requests a second that met the SLO)."""
-    return [(r, simulate(space, cand, r, slo).figures) for r in rates]

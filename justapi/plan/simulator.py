@@ -32,6 +32,20 @@ class SimulationError(RuntimeError):
     """A workload the simulated scheduler can never finish (it says why)."""
 
 
+def requests_of(jobs, tokenizer, starts: list[float]) -> list[SimRequest]:
+    """A bench workload's jobs as the simulation's requests, sent at ``starts``: a completion prompt each,
+    tokenized as the server does (or by plan.answer's ``IdText``), with its class's priority and user."""
+    out = []
+    for job, at in zip(jobs, starts):
+        if len(job.turns) != 1 or job.turns[0].prompt is None:
+            raise SimulationError("the simulation takes completion prompts, one a request (random, shared-prefix, "
+                                  "burst, --class, or jsonl prompts), not chat turns")
+        turn, priority = job.turns[0], job.fields.get("priority", 0)
+        out.append(SimRequest(tokenizer.encode(turn.prompt), turn.max_tokens, at, job.kind,
+                              int(priority) if isinstance(priority, (int, float)) else 0, job.fields.get("user")))
+    return out
+
+
 class Simulation:
     """``replicas`` engines of one configuration behind the router, or with ``decoders`` > 0 that many prefill
     workers and ``decoders`` decode workers; and bench serve's client, on one virtual clock, driven by ``run``."""
@@ -112,21 +126,23 @@ class Simulation:
         """Requests past the front go to the engine the PdScheduler picks; transfers ended join their decoder."""
         while self._inbound and self._inbound[0][0] <= now:
             i = heapq.heappop(self._inbound)[1]
-            req, res = self.requests[i], self.out.results[i]
+            req = self.requests[i]
             refused = self.engines[self.pd.route(f"sim-{i}", req.prompt)].add(i, req, now)
             if refused is not None:
-                res.error, res.end = refused, now
-                self.pd.finished(f"sim-{i}")
-                self.client.done(now)
+                self._refused(i, refused, now)
         while self._moving and self._moving[0][0] <= now:
             _, i, src, dst = heapq.heappop(self._moving)
             self.engines[src].scheduler.release_handoff(f"sim-{i}")
             self.pd.transferred(f"sim-{i}", 0, 0, 0.0)
             refused = self.engines[dst].add(i, self.requests[i], now, first_token=SIM_TOKEN)
             if refused is not None:  # as the worker pool fails it
-                self.out.results[i].error, self.out.results[i].end = refused, now
-                self.pd.finished(f"sim-{i}")
-                self.client.done(now)
+                self._refused(i, refused, now)
+
+    def _refused(self, i: int, why: str, now: float) -> None:
+        """An engine refused request ``i`` (it could never fit there): its client hears why at once."""
+        self.out.results[i].error, self.out.results[i].end = why, now
+        self.pd.finished(f"sim-{i}")
+        self.client.done(now)
 
     def _step_ended(self, engine: Replica, now: float) -> None:
         for i in engine.finish_step(self.out, self.tail_s):
