@@ -3,6 +3,7 @@
 usage: python benchmarks/step_bench.py forward [--base HEAD~1 | --disable KERNEL] [--reps 30]
        PYTHONPATH=DIR python benchmarks/step_bench.py forward --alone [--reps 30]
        python benchmarks/step_bench.py step [--steps 10] [--base REV | --disable KERNEL]
+       python benchmarks/step_bench.py compile [--reps 30]
 
 ``forward``: one step's forward pass (LlamaModel.forward and model/layers.py), the inputs captured from real steps
 (1, 8 and 32 decode rows, a 512-token prefill chunk), best of ``--reps`` x 5 calls each (a tenth as many for the
@@ -27,6 +28,13 @@ best of each kind of step are printed for both, with ratios. With ``--disable am
 config.OPTIONAL_KERNELS): the same, the two sides being a second engine loaded with that kernel off and the default
 one, each with its own 28 decoding requests.
 
+``compile``: whether ``torch.compile`` (inductor's C++ backend) would serve a decode step better than the project's
+own kernels and one-call decode step. The C++ kernels are pybind calls dynamo cannot trace, so inductor is given the
+forward it can trace whole: the pure-torch path (``JUSTAPI_KERNELS=0``; ``prepack`` off, as inductor cannot read
+oneDNN's opaque packed weights). Three processes, one after another, each timing 1, 8 and 32 decode rows (best of
+``--reps`` x 5): that path eager, that path compiled (``dynamic=False``, a graph per row count, compile time
+printed), and the default engine. Each side's greedy picks are checked against its own eager forward.
+
 (What a workload could reach at most on this machine: benchmarks/bounds.py.)
 """
 
@@ -40,6 +48,7 @@ import os
 import pstats
 import random
 import subprocess
+import sys
 import textwrap
 import threading
 import time
@@ -267,6 +276,59 @@ def compare_kernels(engine, rev: str, steps: int, decode, mixed) -> None:
     use_kernels(model, builds["working tree"])  # the working tree's build left in use
 
 
+# --- compile --------------------------------------------------------------------------------------------------------
+COMPILE_SIDES = {"torch eager": ("0", False), "torch compiled": ("0", True), "default": ("1", False)}
+
+
+def compile_sides(args) -> None:
+    """Each side in its own process (the kernels are chosen once a process), its JSON line collected and printed."""
+    import tempfile
+
+    results = {}
+    for name, (kernels, _) in COMPILE_SIDES.items():
+        # a fresh inductor cache: the compile time printed is a cold start's
+        env = dict(os.environ, JUSTAPI_KERNELS=kernels, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp())
+        out = subprocess.run([sys.executable, __file__, "compile", "--side", name, "--reps", str(args.reps)],
+                             env=env, capture_output=True, text=True, check=True).stdout
+        results[name] = json.loads(out.strip().splitlines()[-1])
+        print(name, json.dumps(results[name]), flush=True)
+    ours = results["default"]["ms"]
+    for name, r in results.items():
+        ratios = " / ".join(f"{r['ms'][n] / ours[n]:.2f}x" for n in ours)
+        print(f"{name:15s} ms at {'/'.join(ours)} rows: " + " / ".join(f"{r['ms'][n]:.2f}" for n in ours)
+              + f"  ({ratios} the default's)" + (f", compiled in {r['compile_s']:.1f} s" if r["compile_s"] else ""))
+
+
+def compile_side(args) -> None:
+    import torch
+
+    compiled = COMPILE_SIDES[args.side][1]
+    llm = LLM(default_model_path(), pool_blocks=512, show_progress=False,
+              disabled_kernels=("prepack",) if args.side != "default" else ())
+    model = llm.engine.model
+    inputs = capture(llm, (1, 8, 32))
+    # the KV caches as ordinary tensors: inductor cannot write into inference-mode ones
+    plain = lambda c: type(c)(plain(x) for x in c) if isinstance(c, (list, tuple)) else c.clone()  # noqa: E731
+    caches = plain(inputs[1][0][3])
+    inputs = {n: ((*a[:3], caches, *a[4:]), k) for n, (a, k) in inputs.items()}
+    call, seconds = model.forward, 0.0
+    if compiled:
+        torch._dynamo.config.recompile_limit = 64  # one graph per row count and metadata shape
+        raw = type(model).forward.__wrapped__  # outside inference mode, for the same reason as the caches
+        call = torch.compile(lambda *a, **k: raw(model, *a, **k), dynamic=False)
+        t = time.perf_counter()
+        with torch.no_grad():
+            for a, k in inputs.values():
+                call(*a, **k), call(*a, **k)
+        seconds = time.perf_counter() - t
+    with torch.no_grad():
+        same = {n: torch.equal(call(*a, **k).argmax(-1), model.forward(*a, **k).argmax(-1))
+                for n, (a, k) in inputs.items()}
+        ms = {n: best_of({"": (lambda: None, lambda: call(*a, **k))}, args.reps)[""] * 1e3
+              for n, (a, k) in inputs.items()}
+    print(json.dumps({"side": args.side, "compile_s": round(seconds, 1), "ms": ms, "same_greedy": same}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -279,7 +341,13 @@ def main() -> None:
     s.add_argument("--steps", type=int, default=10)
     s.add_argument("--base", default=None, help="a git revision whose kernels are timed against the working tree's")
     s.add_argument("--disable", default=None, help="a kernel (--disable-kernels) to time off against on")
+    c = sub.add_parser("compile", help="torch.compile of the pure-torch forward against the default engine")
+    c.add_argument("--reps", type=int, default=30)
+    c.add_argument("--side", choices=COMPILE_SIDES, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.command == "compile":
+        (compile_side if args.side else compile_sides)(args)
+        return
     {"forward": forward, "step": step}[args.command](args)
 
 
