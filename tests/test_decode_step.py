@@ -64,6 +64,20 @@ def test_native_decode_layers_give_the_loop_s_logits_bit_for_bit(tmp_path, arch,
     assert all(same for _, same in steps), steps
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_a_fused_weight_of_outputs_not_in_whole_units_decodes_natively_as_the_loop_does(tmp_path, qtype):
+    """Q/K/V of 8 query heads and one K/V head of 20 (200 rows, 12.5 units of 16): the units hold it padded with
+    zero rows, and the native step keeps its 200 outputs as the loop does."""
+    path = write_tiny_model(str(tmp_path / "odd.gguf"), "qwen3", qtype=qtype, hidden=64, intermediate=128,
+                            num_heads=8, num_kv_heads=1, head_dim=20)
+    steps: list = []
+    llm = LLM(path, pool_blocks=64, show_progress=False)
+    qkv = llm.engine.model.layers[0].attn.qkv
+    assert qkv.shape[0] == 200 and {r.kernel for r in qkv.routes} <= {"amx", "dpbf16", "q4_small", "q8_small"}
+    both_ways(llm, steps)
+    assert len(steps) >= 10 and all(same for _, same in steps), steps
+
+
 def test_smollm2_and_gemma3_decode_natively_as_the_loop_does(real_model_path, gemma3_path):
     for path in (real_model_path, gemma3_path):
         steps: list = []

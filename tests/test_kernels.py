@@ -291,6 +291,48 @@ def test_8bit_units_with_zeros_or_16_wide_groups(cpp_kernels, kernel, group, zer
         cpp_kernels.q8_small_matmul(torch.randn(1, k), packed, n, group=32 if group == 16 else 16, has_zero=zero)
 
 
+@pytest.mark.parametrize("off", [(), ("amx",)], ids=["default", "amx-off"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_weight_of_outputs_not_in_whole_units_is_padded_and_cut(cpp_kernels, bits, off):
+    """A hybrid's fused input projection (Qwen3.5's q, k, v, z, b and alpha: 2328 rows in the benchmark's shape)
+    need not be a multiple of the units' 16 outputs: its rows are padded with zeros and the product cut back, so
+    the units' routes serve it at every batch size instead of a dense copy, each output the one its route gives
+    the same rows padded by hand (the routes of a padded weight's batch sizes compared where they are the same)."""
+    from justapi.model.kernel_policy import KernelPolicy
+    from justapi.model.quant import Int4Weight, Int8Weight, Q4Unpacked, Q8Unpacked
+
+    policy = KernelPolicy.make(torch.bfloat16, cpp_kernels, off)
+    if not (policy.uses("amx") or policy.uses("dpbf16")):
+        pytest.skip("no units' kernel on this CPU")
+    g = torch.Generator().manual_seed(3)
+    n, k = 40, 96
+
+    def unpacked(rows: int):  # the weight's n rows, and zero rows up to ``rows``
+        pad = lambda t: torch.cat([t, t.new_zeros(rows - n, *t.shape[1:])])  # noqa: E731
+        return Q4Unpacked(pad(q4), pad(scale), pad(zero)) if bits == 4 else Q8Unpacked(pad(q8), pad(scale))
+
+    kind = Int4Weight if bits == 4 else Int8Weight
+
+    q4 = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    q8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    scale = (torch.rand(n, k // 32, generator=g) * 0.01 + 1e-4).to(torch.bfloat16).float()
+    zero = (torch.randn(n, k // 32, generator=g) * 0.05).to(torch.bfloat16).float()
+    odd, whole = kind(unpacked(n), policy), kind(unpacked(48), policy)
+    exact_w = unpacked(n).dequantize().double()
+    assert {r.kernel for r in odd.routes} <= {"amx", "dpbf16", "q4_small", "q8_small"}, odd.routes
+    assert not hasattr(odd, "dense") and odd.units_out == 48
+    for rows in (1, 2, 3, 4, 8, 17, 70):
+        x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+        got = odd.matmul(x)
+        assert got.shape == (rows, n) and got.is_contiguous()
+        route = lambda w: next(r.kernel for r in w.routes if rows <= r.max_rows)  # noqa: E731
+        if route(odd) == route(whole):
+            assert torch.equal(got, whole.matmul(x)[:, :n]), rows
+        exact = x.double() @ exact_w.T  # within the bf16 roundings of the weights, the rows' sums and the result
+        bound = (x.double().abs() @ exact_w.abs().T) * 2 ** -7
+        assert ((got.double() - exact).abs() <= bound).all(), rows
+
+
 def _rows_to_16_bits(x: torch.Tensor) -> torch.Tensor:
     """q_matmul's rounding of fp32 rows: per group of 32, round(x * 32258 / amax) * (amax / 32258), ties to even."""
     groups = x.view(x.shape[0], -1, 32)

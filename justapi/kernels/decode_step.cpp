@@ -53,6 +53,7 @@ struct Linear {
   std::vector<Route> routes;  // empty: a plain tensor weight (t0 of `plain`), multiplied by at::linear
   Tensor plain;
   at::ScalarType dtype;  // the products' (the weight's self.dtype)
+  int64_t out_features;  // the weight's outputs: a unit kernel computes them padded to whole units (quant.py)
 
   Tensor run(const Route& r, const Tensor& x) const {
     const auto in = [&](at::ScalarType d) { return x.scalar_type() == d ? x : x.to(d); };
@@ -97,6 +98,7 @@ struct Linear {
     for (const Route& r : routes) {
       if (rows > r.max_rows) continue;
       Tensor y = run(r, x);
+      if (y.size(1) != out_features) y = y.narrow(1, 0, out_features).contiguous();
       y = y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
       return bias.has_value() ? y + *bias : y;
     }
@@ -116,10 +118,11 @@ struct Layer {
 
 Linear make_linear(const py::object& w) {
   Linear lin;
-  if (py::isinstance<py::tuple>(w)) {  // (dtype is bf16, [(max_rows, kernel, tensors, out, group, bits, int8, zero)])
+  if (py::isinstance<py::tuple>(w)) {  // (bf16, outputs, [(max_rows, kernel, tensors, out, group, bits, int8, zero)])
     auto parts = w.cast<py::tuple>();
     lin.dtype = parts[0].cast<bool>() ? at::kBFloat16 : at::kFloat;
-    for (const auto& r : parts[1].cast<py::list>()) {
+    lin.out_features = parts[1].cast<int64_t>();
+    for (const auto& r : parts[2].cast<py::list>()) {
       auto f = r.cast<py::tuple>();
       lin.routes.push_back(Route{f[0].cast<int64_t>(), kernel_of(f[1].cast<std::string>()),
                                  f[2].cast<std::vector<Tensor>>(), f[3].cast<int64_t>(), f[4].cast<int64_t>(),
@@ -128,6 +131,7 @@ Linear make_linear(const py::object& w) {
   } else {
     lin.plain = w.cast<Tensor>();
     lin.dtype = lin.plain.scalar_type();
+    lin.out_features = lin.plain.size(0);
   }
   return lin;
 }

@@ -64,7 +64,8 @@ def _layer_args(layer, ropes: list) -> tuple:
 
 
 def _weight(w):
-    """A plain tensor as it is; a routed weight as (computes in bf16, its routes as quant's ``native_routes``)."""
+    """A plain tensor as it is; a routed weight as (computes in bf16, its outputs, its routes as quant's
+    ``native_routes``)."""
     if isinstance(w, torch.Tensor):
         if w.is_mkldnn:
             raise NotNative("a plain weight in oneDNN's prepacked layout")
@@ -72,4 +73,4 @@ def _weight(w):
     routes = w.native_routes() if isinstance(w, _RoutedWeight) else None
     if routes is None:
         raise NotNative(f"a {type(w).__name__} weight with a route no native call has")
-    return (w.dtype == torch.bfloat16, routes)
+    return (w.dtype == torch.bfloat16, w.shape[0], routes)

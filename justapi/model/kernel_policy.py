@@ -221,7 +221,7 @@ class KernelPolicy:
 
     def _units_kernel(self, shape: tuple[int, int]) -> str | None:
         """The kernel that multiplies bf16 rows by packed units (int4_matmul.cpp, units_avx512.cpp), if any here."""
-        if not amx_fits(shape):
+        if shape[1] % GROUP_SIZE:  # the units take groups of 32 inputs (their outputs are padded to units of 16)
             return None
         return "amx" if self.uses("amx") else "dpbf16" if self.uses("dpbf16") else None
 
@@ -257,11 +257,6 @@ class KernelPolicy:
             "  8-bit linears: " + describe_routes(self.q8_routes(shape)).replace("dense", dense),
             "  8-bit LM head: " + describe_routes(self.head_routes(shape, True)).replace("dense", dense),
         ]
-
-
-def amx_fits(shape: tuple[int, int]) -> bool:
-    """Whether the AMX kernels take an [out, in] weight (16 outputs a tile, groups of 32 inputs)."""
-    return shape[0] % 16 == 0 and shape[1] % GROUP_SIZE == 0
 
 
 def describe_routes(routes: tuple[Route, ...]) -> str:

@@ -10,6 +10,15 @@ from .kernel_policy import ALL_ROWS, GROUP_SIZE, PREPACK_ROWS_HINT, KernelPolicy
 from .unpack import Q4Unpacked, Q8Unpacked
 
 Q_MATMUL_OUTPUTS = 8  # outputs side by side in q_matmul's layout
+UNIT_OUTPUTS = 16  # outputs a unit holds (kernels/q_units.h): a weight's rows are padded with zeros to a multiple
+UNIT_KERNELS = ("amx", "dpbf16", "q4_small", "q8_small")  # the routes that read the units
+
+
+def _padded_rows(t: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """``t`` [out, ...] with zero rows appended up to ``rows``."""
+    if t is None or t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
 
 
 def prepack_linear(w: torch.Tensor) -> torch.Tensor:
@@ -67,16 +76,27 @@ class _RoutedWeight:
                    "dense": ("dense",)}
 
     def native_routes(self) -> list[tuple] | None:
-        """Each route as DecodeLayers takes it, (max_rows, kernel, forms, out_features, group, bits, 8-bit,
-        has_zero); None where a route has no native call (model.decode_plan)."""
+        """Each route as DecodeLayers takes it, (max_rows, kernel, forms, outputs the kernel computes, group, bits,
+        8-bit, has_zero); None where a route has no native call (model.decode_plan). A unit kernel computes the
+        padded rows too (``units_out``); DecodeLayers keeps the weight's ``out_features`` of them."""
         if any(route.kernel not in self.ROUTE_FORMS for route in self.routes):
             return None
         unit = getattr(self, "unit", {})
         bits = 4 if getattr(self, "q_offset", None) is not None else 8  # q_matmul's, as _run_q_matmul gives it
         forms = {kernel: [getattr(self, name) for name in names if getattr(self, name, None) is not None]
                  for kernel, names in self.ROUTE_FORMS.items()}
-        return [(route.max_rows, route.kernel, forms[route.kernel], self.shape[0], unit.get("group", GROUP_SIZE), bits,
-                 isinstance(self, _Int8Forms), bool(unit.get("has_zero", False))) for route in self.routes]
+        return [(route.max_rows, route.kernel, forms[route.kernel],
+                 self.units_out if route.kernel in UNIT_KERNELS else self.shape[0], unit.get("group", GROUP_SIZE),
+                 bits, isinstance(self, _Int8Forms), bool(unit.get("has_zero", False))) for route in self.routes]
+
+    @property
+    def units_out(self) -> int:
+        """The rows the units hold: the weight's outputs padded to whole units."""
+        return -(-self.shape[0] // UNIT_OUTPUTS) * UNIT_OUTPUTS
+
+    def _outputs(self, y: torch.Tensor) -> torch.Tensor:
+        """A unit kernel's product [rows, units_out] cut to the weight's outputs."""
+        return y if y.shape[1] == self.shape[0] else y[:, : self.shape[0]].contiguous()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [rows, in] (any float dtype) → [rows, out] in ``self.dtype``."""
@@ -97,7 +117,7 @@ class _RoutedWeight:
     def _small_rows(self, kernel, x: torch.Tensor, **unit) -> torch.Tensor:
         """q4_small / q8_small: the kernel takes fp32 or bf16 rows and returns the product in their dtype."""
         x = x if x.dtype in (torch.float32, torch.bfloat16) else x.to(self.dtype)
-        y = kernel(x, self.units, self.shape[0], **unit)
+        y = self._outputs(kernel(x, self.units, self.units_out, **unit))
         return y if y.dtype == self.dtype else y.to(self.dtype)
 
     def _dense_form(self, w: torch.Tensor) -> torch.Tensor:
@@ -145,12 +165,14 @@ class Int4Weight(_RoutedWeight):
 
     def _build_amx(self) -> None:  # bf16-rounded scale and zero: the values the other routes compute with
         if not hasattr(self, "units"):  # one form for the amx, dpbf16 and q4_small routes
-            w = self._w
-            self.units = self.kernels.int4_amx_pack(w.q.contiguous(), w.scale.to(torch.bfloat16).float(),
-                                                    w.zero.to(torch.bfloat16).float())
+            w, rows = self._w, self.units_out
+            self.units = self.kernels.int4_amx_pack(_padded_rows(w.q, rows).contiguous(),
+                                                    _padded_rows(w.scale.to(torch.bfloat16).float(), rows),
+                                                    _padded_rows(w.zero.to(torch.bfloat16).float(), rows))
 
     def _run_amx(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.int4_amx_matmul(x if x.dtype == self.dtype else x.to(self.dtype), self.units, self.shape[0])
+        x = x if x.dtype == self.dtype else x.to(self.dtype)
+        return self._outputs(self.kernels.int4_amx_matmul(x, self.units, self.units_out))
 
     _build_dpbf16 = _build_q4_small = _build_amx  # the same units
 
@@ -158,8 +180,8 @@ class Int4Weight(_RoutedWeight):
         return self._small_rows(self.kernels.int4_small_matmul, x)
 
     def _run_dpbf16(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.int4_dpbf16_matmul(x if x.dtype == self.dtype else x.to(self.dtype), self.units,
-                                               self.shape[0])
+        x = x if x.dtype == self.dtype else x.to(self.dtype)
+        return self._outputs(self.kernels.int4_dpbf16_matmul(x, self.units, self.units_out))
 
     def _build_dense(self) -> None:
         w = self._w
@@ -197,19 +219,20 @@ class _Int8Forms(_RoutedWeight):
 
     def _build_units(self) -> None:  # the form of the amx, dpbf16 and q8_small routes: built once for all
         if not hasattr(self, "units"):
-            w = self._q8
-            self.units = self.kernels.q8_amx_pack(w.q, w.scale, w.zero, w.group)
+            w, rows = self._q8, self.units_out
+            self.units = self.kernels.q8_amx_pack(_padded_rows(w.q, rows), _padded_rows(w.scale, rows),
+                                                  _padded_rows(w.zero, rows), w.group)
             self.unit = dict(group=w.group, has_zero=w.zero is not None)  # the unit format, for the kernels
 
     _build_amx = _build_dpbf16 = _build_q8_small = _build_units
 
     def _run_amx(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.q8_amx_matmul(x if x.dtype == self.dtype else x.to(self.dtype), self.units, self.shape[0],
-                                          **self.unit)
+        x = x if x.dtype == self.dtype else x.to(self.dtype)
+        return self._outputs(self.kernels.q8_amx_matmul(x, self.units, self.units_out, **self.unit))
 
     def _run_dpbf16(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.q8_dpbf16_matmul(x if x.dtype == self.dtype else x.to(self.dtype), self.units,
-                                             self.shape[0], **self.unit)
+        x = x if x.dtype == self.dtype else x.to(self.dtype)
+        return self._outputs(self.kernels.q8_dpbf16_matmul(x, self.units, self.units_out, **self.unit))
 
     def _run_q8_small(self, x: torch.Tensor) -> torch.Tensor:
         return self._small_rows(self.kernels.q8_small_matmul, x, **self.unit)
@@ -223,7 +246,7 @@ class _Int8Forms(_RoutedWeight):
         # each index below takes only the rows' own bytes: block and output within it in one gather from a view
         # (gathering whole blocks first, then the outputs, copied 16x the bytes: ~3 ms of a 373-token step)
         if hasattr(self, "units"):  # blocks of 16 outputs: 512 bytes of integers, S sets of 16 fp32 scales (zeros)
-            blocks, per_block = self.shape[0] // 16, 16
+            blocks, per_block = self.units_out // UNIT_OUTPUTS, UNIT_OUTPUTS
             block, out = ids // per_block, ids % per_block
             sets = GROUP_SIZE // self.unit["group"]
             words = self.units.view(torch.float32).view(blocks, groups, -1)
