@@ -11,7 +11,10 @@ test extra is needed). Random weights decode as fast as trained ones; the vocabu
 LM head costs little and the layers dominate.
 
     .venv/bin/python benchmarks/hybrid_bench.py [--hidden 768] [--layers 12] [--qtype Q8_0] [--out FILE.json]
-        [--disable delta_rule]
+        [--disable delta_rule] [--archs qwen35 ...] [--throughput-only]
+
+Two revisions side by side: ``PYTHONPATH=DIR`` names a checkout of the other one (its kernels built in place), and
+``--archs qwen35 --throughput-only`` (prefill and decode only, no peer) run alternately for each.
 """
 
 from __future__ import annotations
@@ -221,15 +224,26 @@ def main() -> None:
     ap.add_argument("--out", help="also write the figures to this JSON file")
     ap.add_argument("--disable", nargs="*", default=(), help="kernels off in the throughput runs (--disable-kernels), "
                     "e.g. delta_rule for the torch path of the recurrence")
+    ap.add_argument("--archs", nargs="+", default=["qwen3", "qwen35", "lfm2"], choices=["qwen3", "qwen35", "lfm2"])
+    ap.add_argument("--throughput-only", action="store_true", help="prefill and decode only: no peer, no cache runs")
     args = ap.parse_args()
+    import justapi
+
+    print("justapi from", justapi.__file__, flush=True)
     results = {}
     with tempfile.TemporaryDirectory() as folder:
         for arch, path in write_models(folder, args).items():
-            results[arch] = {"justapi": measure(path, args), "llama.cpp": llama_server(path, args)}
-            if arch != "qwen3":
-                results[arch]["recurrence_share"] = recurrence_share(path, args)
-            results[arch]["shared_prompt"] = shared_prompt(path, args)
+            if arch not in args.archs:
+                continue
+            results[arch] = {"justapi": measure(path, args)}
+            if not args.throughput_only:
+                results[arch]["llama.cpp"] = llama_server(path, args)
+                if arch != "qwen3":
+                    results[arch]["recurrence_share"] = recurrence_share(path, args)
+                results[arch]["shared_prompt"] = shared_prompt(path, args)
             print(arch, json.dumps(results[arch]), flush=True)
+    if args.throughput_only or "qwen3" not in results:
+        return
     base = results["qwen3"]["justapi"]
     print(f"{'model':<8}{'prefill':>10}{'decode 1':>10}{'decode 8':>10}{'state/seq':>12}{'KV/token':>10}"
           f"{'llama.cpp prefill / decode 1 / 8':>34}")
