@@ -8,7 +8,8 @@ The three files share their sizes: qwen3 (every layer attention), qwen35 (Gated 
 attention) and lfm2 (short convolutions, every third layer attention), written as llama.cpp's converter lays them
 out by the tests' writers (tests/tiny_gguf.py, tests/tiny_hybrid.py; transformers draws the weights, so the repo's
 test extra is needed). Random weights decode as fast as trained ones; the vocabulary is the tests' small one, so the
-LM head costs little and the layers dominate.
+LM head costs little and the layers dominate. Beside them, measured the same way, the real models: SmolLM2-135M
+(Q4_1, its 49k vocabulary) and Gemma 3 270M (Q4_K_M, 262k).
 
     .venv/bin/python benchmarks/hybrid_bench.py [--hidden 768] [--layers 12] [--qtype Q8_0] [--out FILE.json]
         [--disable delta_rule] [--archs qwen35 ...] [--throughput-only]
@@ -33,6 +34,18 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 LLAMA_SERVER = os.path.expanduser("~/.cache/justapi-peers/build/llama.cpp/bin/llama-server")
+
+
+ARCHS = ("qwen3", "qwen35", "lfm2", "smollm2", "gemma3")
+
+
+def real_models() -> dict[str, str]:
+    """The real models' files: {name: path}."""
+    from models_bench import gemma3_path
+
+    from justapi.model.gguf_loader import default_model_path
+
+    return {"smollm2": default_model_path(), "gemma3": gemma3_path()}
 
 
 def write_models(folder: str, args) -> dict[str, str]:
@@ -65,7 +78,7 @@ def measure(path: str, args) -> dict:
     rng = random.Random(0)
     prompt = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
     run = lambda prompts, n: llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))  # noqa: E731
-    run([prompt(64)], 8)  # warm-up: first-call costs out of the figures
+    run([prompt(args.prompt)], 8)  # warm-up: first-call costs (a full chunk's too) out of the figures
     figures = {}
     t = time.perf_counter()
     run([prompt(args.prompt) for _ in range(8)], 1)
@@ -224,7 +237,7 @@ def main() -> None:
     ap.add_argument("--out", help="also write the figures to this JSON file")
     ap.add_argument("--disable", nargs="*", default=(), help="kernels off in the throughput runs (--disable-kernels), "
                     "e.g. delta_rule for the torch path of the recurrence")
-    ap.add_argument("--archs", nargs="+", default=["qwen3", "qwen35", "lfm2"], choices=["qwen3", "qwen35", "lfm2"])
+    ap.add_argument("--archs", nargs="+", default=list(ARCHS), choices=ARCHS)
     ap.add_argument("--throughput-only", action="store_true", help="prefill and decode only: no peer, no cache runs")
     args = ap.parse_args()
     import justapi
@@ -232,13 +245,13 @@ def main() -> None:
     print("justapi from", justapi.__file__, flush=True)
     results = {}
     with tempfile.TemporaryDirectory() as folder:
-        for arch, path in write_models(folder, args).items():
+        for arch, path in (write_models(folder, args) | real_models()).items():
             if arch not in args.archs:
                 continue
             results[arch] = {"justapi": measure(path, args)}
             if not args.throughput_only:
                 results[arch]["llama.cpp"] = llama_server(path, args)
-                if arch != "qwen3":
+                if arch in ("qwen35", "lfm2"):
                     results[arch]["recurrence_share"] = recurrence_share(path, args)
                 results[arch]["shared_prompt"] = shared_prompt(path, args)
             print(arch, json.dumps(results[arch]), flush=True)

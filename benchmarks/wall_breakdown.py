@@ -95,6 +95,8 @@ def run_workload(args, workload: str, out_json: Path) -> tuple[float, float]:
     """Run ``justapi bench serve`` once; its (start, end) on this machine's monotonic clock."""
     cmd = [str(BIN / "justapi"), "bench", "serve", "--base-url", f"http://127.0.0.1:{args.port}", "--name", "justapi",
            *WORKLOADS[workload].split(), "--json", str(out_json)]
+    if args.model:  # prompts of the workload's lengths in the served model's own tokens
+        cmd += ["--tokenizer", args.model]
     start = time.monotonic()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=1800)
     return start, time.monotonic()
@@ -367,7 +369,7 @@ def first_token_lines(parts: list[dict]) -> list[str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", nargs="+", default=["W1", "W2", "W3"], choices=sorted(set(WORKLOADS) - {"S1"}))
+    p.add_argument("--workload", nargs="+", default=["W1", "W2", "W3"], choices=sorted(WORKLOADS))
     p.add_argument("--model", help="GGUF to serve (default: the server's default, SmolLM2)")
     p.add_argument("--port", type=int, default=8030)
     p.add_argument("--rate", type=int, default=50, help="py-spy samples per second (its own cost grows with it)")
