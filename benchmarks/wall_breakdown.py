@@ -178,6 +178,12 @@ MODULE_CATEGORIES = [  # the leaf-most justapi frame's file → the category
     ("justapi/engine/output_processor.py", "detokenize"), ("justapi/model/tokenizer.py", "detokenize"),
     ("justapi/engine/async_llm.py", "engine loop"), ("justapi/engine/", "engine loop"),
 ]
+# with --native, a sample inside the one-call decode step (kernels/decode_step.cpp, no Python frame inside) by the
+# first of these its native frames name
+NATIVE_STEP_PARTS = [("small_rows", "products: q4_small / q8_small"), ("int4pack_mm", "products: torch_int4"),
+                     ("dpbf16", "products: dpbf16"), ("int4_matmul.cpp", "products: amx"),
+                     ("q_matmul.cpp", "products: q_matmul"), ("paged_attention.cpp", "attention: decode"),
+                     ("layer_ops.cpp", "layer ops"), ("gelu", "layer ops"), ("silu", "layer ops")]
 FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^():]+)(?::(?P<line>\d+))?\)$")
 # attention.py's lines by number, to tell which kernel a sample in paged_attention was calling
 ATTENTION_LINES = (Path(__file__).parent.parent / "justapi/model/attention.py").read_text().splitlines()
@@ -213,23 +219,44 @@ def engine_category(frames: list[str]) -> tuple[str, str | None]:
     if "(threading.py" in names and "step (justapi/engine" not in names:
         return "idle (no work)", None
     category = "engine loop"
+    step = next((i for i, f in enumerate(frames) if "DecodeLayers" in f), None)
+    if step is not None:  # the native decode step (--native): its kernel's frames, not Python's, say what it runs
+        inside = " ".join(frames[step:])
+        part = next((c for key, c in NATIVE_STEP_PARTS if key in inside), "other")
+        return "native decode step: " + part, _wait(frames)
     for frame in reversed(frames):
         m = FRAME.match(frame)
         if m is None or "justapi/" not in m.group("file") or not m.group("file").endswith(".py"):
             continue  # the category is the Python code's; a C++ frame only names a kernel
         category = next((c for prefix, c in MODULE_CATEGORIES if m.group("file").startswith(prefix)), category)
         if category == "products":  # quant.py's _run_<route> runs one kernel route (model/kernel_policy.py)
-            route = m.group("func").rpartition(".")[2]  # py-spy may name the class: _RoutedWeight._run_q_matmul
-            category = f"products: {route[5:] if route.startswith('_run_') else 'python (forms, views)'}"
+            category = f"products: {_route(frames) or 'python (forms, views)'}"
         elif category == "attention":
             category = attention_part(m.group("func").rpartition(".")[2], m.group("line"))
         break
-    leaf = " ".join(frames[-3:])  # native frames (--native): what the thread waits on
+    return category, _wait(frames)
+
+
+def _route(frames: list[str]) -> str | None:
+    """The kernel route of the innermost quant.py ``_run_<route>`` frame (a helper it calls, such as _small_rows,
+    may be the leaf-most one); None outside one."""
+    for frame in reversed(frames):
+        m = FRAME.match(frame)
+        if m and m.group("file").startswith("justapi/model/quant.py"):
+            func = m.group("func").rpartition(".")[2]  # py-spy may name the class: _RoutedWeight._run_q_matmul
+            if func.startswith("_run_"):
+                return func[5:]
+    return None
+
+
+def _wait(frames: list[str]) -> str | None:
+    """What the sample's thread waits on, from its native frames (--native): the GIL, an OpenMP barrier, or None."""
+    leaf = " ".join(frames[-3:])
     if "pthread_cond_timedwait" in leaf or "gil_scoped_acquire" in leaf or "take_gil" in leaf:
-        return category, "GIL"
+        return "GIL"
     if "libgomp" in leaf and "justapi/kernels" not in leaf and "libtorch_cpu" not in leaf:
-        return category, "OpenMP barrier"
-    return category, None
+        return "OpenMP barrier"
+    return None
 
 
 def loop_category(frames: list[str]) -> str:
