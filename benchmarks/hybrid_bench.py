@@ -68,8 +68,8 @@ def write_models(folder: str, args) -> dict[str, str]:
 
 
 def measure(path: str, args) -> dict:
-    """Prefill tok/s (8 prompts of --prompt tokens, one token out), decode tok/s at 1 and 8 sequences (--output
-    tokens each), and the bytes one sequence keeps: its states and its KV per token."""
+    """Prefill tok/s (8 prompts of --prompt tokens, one token out; the best of 3), decode tok/s at 1 and 8 sequences
+    (--output tokens each), and the bytes one sequence keeps: its states and its KV per token."""
     from justapi import LLM, SamplingParams
     from justapi.model.state_cache import state_bytes_per_seq
 
@@ -79,10 +79,11 @@ def measure(path: str, args) -> dict:
     prompt = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
     run = lambda prompts, n: llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))  # noqa: E731
     run([prompt(args.prompt)], 8)  # warm-up: first-call costs (a full chunk's too) out of the figures
-    figures = {}
-    t = time.perf_counter()
-    run([prompt(args.prompt) for _ in range(8)], 1)
-    figures["prefill_tok_s"] = 8 * args.prompt / (time.perf_counter() - t)
+    figures = {"prefill_tok_s": 0.0}
+    for _ in range(3):  # the best of 3: the first runs also fault in the KV pool's untouched pages
+        t = time.perf_counter()
+        run([prompt(args.prompt) for _ in range(8)], 1)
+        figures["prefill_tok_s"] = max(figures["prefill_tok_s"], 8 * args.prompt / (time.perf_counter() - t))
     for batch in (1, 8):
         prompts = [prompt(16) for _ in range(batch)]
         t = time.perf_counter()
