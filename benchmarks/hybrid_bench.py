@@ -68,8 +68,8 @@ def write_models(folder: str, args) -> dict[str, str]:
 
 
 def measure(path: str, args) -> dict:
-    """Prefill tok/s (8 prompts of --prompt tokens, one token out; the best of 3), decode tok/s at 1 and 8 sequences
-    (--output tokens each), and the bytes one sequence keeps: its states and its KV per token."""
+    """Prefill tok/s (8 prompts of --prompt tokens, one token out) and decode tok/s at 1 and 8 sequences (--output
+    tokens each), each the best of 3, and the bytes one sequence keeps: its states and its KV per token."""
     from justapi import LLM, SamplingParams
     from justapi.model.state_cache import state_bytes_per_seq
 
@@ -84,11 +84,13 @@ def measure(path: str, args) -> dict:
         t = time.perf_counter()
         run([prompt(args.prompt) for _ in range(8)], 1)
         figures["prefill_tok_s"] = max(figures["prefill_tok_s"], 8 * args.prompt / (time.perf_counter() - t))
-    for batch in (1, 8):
-        prompts = [prompt(16) for _ in range(batch)]
-        t = time.perf_counter()
-        run(prompts, args.output)
-        figures[f"decode_tok_s_{batch}"] = batch * args.output / (time.perf_counter() - t)
+    for batch in (1, 8):  # the best of 3, as this VM's speed drifts within a minute
+        for _ in range(3):
+            prompts = [prompt(16) for _ in range(batch)]
+            t = time.perf_counter()
+            run(prompts, args.output)
+            rate = batch * args.output / (time.perf_counter() - t)
+            figures[f"decode_tok_s_{batch}"] = max(figures.get(f"decode_tok_s_{batch}", 0.0), rate)
     rank = llm.engine.executor.rank
     figures["state_bytes_per_seq"] = state_bytes_per_seq(llm.engine.model)
     figures["kv_bytes_per_token"] = rank.kv_bytes_per_block() // rank.config.block_size
@@ -208,10 +210,12 @@ def llama_server(path: str, args) -> dict | None:
             return time.perf_counter() - t
 
         complete(prompt(64), 8)  # warm-up
-        figures = {"prefill_tok_s": 8 * args.prompt / together([prompt(args.prompt) for _ in range(8)], 1)}
+        best = lambda f: max(f() for _ in range(3))  # noqa: E731 - the best of 3, as measure() takes
+        prefill = lambda: 8 * args.prompt / together([prompt(args.prompt) for _ in range(8)], 1)  # noqa: E731
+        figures = {"prefill_tok_s": best(prefill)}
         for batch in (1, 8):
-            figures[f"decode_tok_s_{batch}"] = batch * args.output / together([prompt(16) for _ in range(batch)],
-                                                                               args.output)
+            figures[f"decode_tok_s_{batch}"] = best(
+                lambda: batch * args.output / together([prompt(16) for _ in range(batch)], args.output))
         return figures
     finally:
         server.terminate()
