@@ -250,7 +250,9 @@ def main() -> None:
     print("justapi from", justapi.__file__, flush=True)
     results = {}
     with tempfile.TemporaryDirectory() as folder:
-        for arch, path in (write_models(folder, args) | real_models()).items():
+        paths = write_models(folder, args) if set(args.archs) & {"qwen3", "qwen35", "lfm2"} else {}
+        paths |= real_models() if set(args.archs) & {"smollm2", "gemma3"} else {}
+        for arch, path in paths.items():
             if arch not in args.archs:
                 continue
             results[arch] = {"justapi": measure(path, args)}
@@ -260,6 +262,9 @@ def main() -> None:
                     results[arch]["recurrence_share"] = recurrence_share(path, args)
                 results[arch]["shared_prompt"] = shared_prompt(path, args)
             print(arch, json.dumps(results[arch]), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=1)
     if args.throughput_only or "qwen3" not in results:
         return
     base = results["qwen3"]["justapi"]
@@ -275,9 +280,6 @@ def main() -> None:
     for arch, r in results.items():
         print(arch, "recurrences' share of decode:", f"{r.get('recurrence_share', 0):.1%};", "shared prompt:",
               json.dumps(r["shared_prompt"]))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

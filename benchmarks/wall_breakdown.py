@@ -180,10 +180,15 @@ MODULE_CATEGORIES = [  # the leaf-most justapi frame's file → the category
 ]
 # with --native, a sample inside the one-call decode step (kernels/decode_step.cpp, no Python frame inside) by the
 # first of these its native frames name
-NATIVE_STEP_PARTS = [("small_rows", "products: q4_small / q8_small"), ("int4pack_mm", "products: torch_int4"),
-                     ("dpbf16", "products: dpbf16"), ("int4_matmul.cpp", "products: amx"),
-                     ("q_matmul.cpp", "products: q_matmul"), ("paged_attention.cpp", "attention: decode"),
-                     ("layer_ops.cpp", "layer ops"), ("gelu", "layer ops"), ("silu", "layer ops")]
+# (source files where the kernels carry debug information, function names where they do not: a JUSTAPI_KERNELS_MARCH
+# build)
+NATIVE_STEP_PARTS = [("small_rows", "products: q4_small / q8_small"), ("small_matmul", "products: q4_small / q8_small"),
+                     ("int4pack_mm", "products: torch_int4"), ("dpbf16", "products: dpbf16"),
+                     ("int4_matmul.cpp", "products: amx"), ("_amx_", "products: amx"),
+                     ("q_matmul", "products: q_matmul"), ("paged_attention.cpp", "attention: decode"),
+                     ("decode_attention", "attention: decode"), ("attend_", "attention: decode"),
+                     ("layer_ops.cpp", "layer ops"), ("rope_write", "layer ops"), ("add_rms_norm", "layer ops"),
+                     ("gelu", "layer ops"), ("silu", "layer ops")]
 FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^():]+)(?::(?P<line>\d+))?\)$")
 # attention.py's lines by number, to tell which kernel a sample in paged_attention was calling
 ATTENTION_LINES = (Path(__file__).parent.parent / "justapi/model/attention.py").read_text().splitlines()
