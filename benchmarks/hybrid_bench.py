@@ -67,6 +67,11 @@ def write_models(folder: str, args) -> dict[str, str]:
     return paths
 
 
+def best_of_3(rate) -> float:
+    """The highest of three calls of ``rate()``: this VM's speed drifts within a minute."""
+    return max(rate() for _ in range(3))
+
+
 def measure(path: str, args) -> dict:
     """Prefill tok/s (8 prompts of --prompt tokens, one token out) and decode tok/s at 1 and 8 sequences (--output
     tokens each), each the best of 3, and the bytes one sequence keeps: its states and its KV per token."""
@@ -79,18 +84,16 @@ def measure(path: str, args) -> dict:
     prompt = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
     run = lambda prompts, n: llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))  # noqa: E731
     run([prompt(args.prompt)], 8)  # warm-up: first-call costs (a full chunk's too) out of the figures
-    figures = {"prefill_tok_s": 0.0}
-    for _ in range(3):  # the best of 3: the first runs also fault in the KV pool's untouched pages
+    def rate(batch: int, prompt_len: int, out: int, tokens: int) -> float:  # tokens counted a second
+        prompts = [prompt(prompt_len) for _ in range(batch)]
         t = time.perf_counter()
-        run([prompt(args.prompt) for _ in range(8)], 1)
-        figures["prefill_tok_s"] = max(figures["prefill_tok_s"], 8 * args.prompt / (time.perf_counter() - t))
-    for batch in (1, 8):  # the best of 3, as this VM's speed drifts within a minute
-        for _ in range(3):
-            prompts = [prompt(16) for _ in range(batch)]
-            t = time.perf_counter()
-            run(prompts, args.output)
-            rate = batch * args.output / (time.perf_counter() - t)
-            figures[f"decode_tok_s_{batch}"] = max(figures.get(f"decode_tok_s_{batch}", 0.0), rate)
+        run(prompts, out)
+        return tokens / (time.perf_counter() - t)
+
+    # (the first prefills also fault in the KV pool's untouched pages: the best of 3 leaves that out too)
+    figures = {"prefill_tok_s": best_of_3(lambda: rate(8, args.prompt, 1, 8 * args.prompt))}
+    for batch in (1, 8):
+        figures[f"decode_tok_s_{batch}"] = best_of_3(lambda: rate(batch, 16, args.output, batch * args.output))  # noqa: B023
     rank = llm.engine.executor.rank
     figures["state_bytes_per_seq"] = state_bytes_per_seq(llm.engine.model)
     figures["kv_bytes_per_token"] = rank.kv_bytes_per_block() // rank.config.block_size
@@ -210,12 +213,11 @@ def llama_server(path: str, args) -> dict | None:
             return time.perf_counter() - t
 
         complete(prompt(64), 8)  # warm-up
-        best = lambda f: max(f() for _ in range(3))  # noqa: E731 - the best of 3, as measure() takes
-        prefill = lambda: 8 * args.prompt / together([prompt(args.prompt) for _ in range(8)], 1)  # noqa: E731
-        figures = {"prefill_tok_s": best(prefill)}
+        figures = {"prefill_tok_s": best_of_3(
+            lambda: 8 * args.prompt / together([prompt(args.prompt) for _ in range(8)], 1))}
         for batch in (1, 8):
-            figures[f"decode_tok_s_{batch}"] = best(
-                lambda: batch * args.output / together([prompt(16) for _ in range(batch)], args.output))
+            figures[f"decode_tok_s_{batch}"] = best_of_3(
+                lambda: batch * args.output / together([prompt(16) for _ in range(batch)], args.output))  # noqa: B023
         return figures
     finally:
         server.terminate()

@@ -11,7 +11,6 @@ from .unpack import Q4Unpacked, Q8Unpacked
 
 Q_MATMUL_OUTPUTS = 8  # outputs side by side in q_matmul's layout
 UNIT_OUTPUTS = 16  # outputs a unit holds (kernels/q_units.h): a weight's rows are padded with zeros to a multiple
-UNIT_KERNELS = ("amx", "dpbf16", "q4_small", "q8_small")  # the routes that read the units
 
 
 def _padded_rows(t: torch.Tensor | None, rows: int) -> torch.Tensor | None:
@@ -44,7 +43,7 @@ def pack_for_q_matmul(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
     8c+4..8c+7 in the high ones. Returns (bytes [blocks, …], scale, offset), the terms [blocks, in / 32, 8]."""
     out, cols = q.shape
     blocks, groups = -(-out // Q_MATMUL_OUTPUTS), cols // GROUP_SIZE
-    pad = lambda t: torch.cat([t, t.new_zeros(blocks * Q_MATMUL_OUTPUTS - out, t.shape[1])])  # noqa: E731
+    pad = lambda t: _padded_rows(t, blocks * Q_MATMUL_OUTPUTS).contiguous()  # noqa: E731
     q = pad(q)
     if offset is not None:  # [block, output, group, chunk, half, input]  ->  [block, group, chunk, half, output, input]
         v = q.view(blocks, Q_MATMUL_OUTPUTS, groups, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)
@@ -86,8 +85,9 @@ class _RoutedWeight:
         forms = {kernel: [getattr(self, name) for name in names if getattr(self, name, None) is not None]
                  for kernel, names in self.ROUTE_FORMS.items()}
         return [(route.max_rows, route.kernel, forms[route.kernel],
-                 self.units_out if route.kernel in UNIT_KERNELS else self.shape[0], unit.get("group", GROUP_SIZE),
-                 bits, isinstance(self, _Int8Forms), bool(unit.get("has_zero", False))) for route in self.routes]
+                 self.units_out if self.ROUTE_FORMS[route.kernel] == ("units",) else self.shape[0],
+                 unit.get("group", GROUP_SIZE), bits, isinstance(self, _Int8Forms), bool(unit.get("has_zero", False)))
+                for route in self.routes]
 
     @property
     def units_out(self) -> int:
