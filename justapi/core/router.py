@@ -69,7 +69,7 @@ class PrefixRouter:
         """Leading full blocks of ``prompt`` the engine was last sent (as far as the shadow remembers)."""
         shadow: Mapping[int, None] = self._shadows.get(engine, {})
         hit = 0
-        for h in self._chain(prompt):
+        for h in block_chain(prompt, self.block_size):
             if h not in shadow:
                 break
             hit += 1
@@ -79,14 +79,12 @@ class PrefixRouter:
         if engine not in self._shadows:
             self.add(engine, self._capacity.get(engine, 1 << 16))
         shadow = self._shadows[engine]
-        for h in reversed(list(self._chain(prompt))):  # the first block most recent: the deepest go first, as
-            shadow[h] = None                             # the radix cache evicts leaves before what they extend
+        # the first block most recent: the deepest go first, as the radix cache evicts leaves before what they extend
+        for h in reversed(list(block_chain(prompt, self.block_size))):
+            shadow[h] = None
             shadow.move_to_end(h)
         while len(shadow) > self._capacity[engine]:
             shadow.popitem(last=False)
-
-    def _chain(self, prompt: Sequence[int]) -> Iterator[int]:
-        return block_chain(prompt, self.block_size)
 
 
 def block_chain(prompt: Sequence[int], block_size: int) -> Iterator[int]:
