@@ -314,9 +314,11 @@ def test_data_parallel_replicas_share_the_directory(tiny_model, tmp_path):
         files = lambda: sum(f.endswith(".kv") for _, _, names in os.walk(disk) for f in names)  # noqa: E731
         wait_until(lambda: files() >= 20, 30, "the first replica's blocks on disk")
         _answer(srv.url, shared + [6])
+        # each replica's counters reach /metrics with its next load report: wait for both replicas' to arrive
         text = wait_until(lambda: (t := httpx.get(srv.url + "/metrics").text) and labelled(
-            t, "justapi_prefix_cache_hits_by_tier", tier="disk") >= 20 and t, 30, "the second replica's disk hits")
-        assert metric(text, "justapi_prefix_cache_disk_written_blocks_total") >= 20
+            t, "justapi_prefix_cache_hits_by_tier", tier="disk") >= 20 and metric(
+            t, "justapi_prefix_cache_disk_written_blocks_total") >= 20 and t, 30,
+            "the second replica's disk hits and the first one's writes")
         assert undocumented_metrics(text) == set()
     finally:
         assert srv.stop() == 0
