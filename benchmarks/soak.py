@@ -374,6 +374,7 @@ class Soak:
         self.prefixes = [" ".join(rng.choice(WORDS) for _ in range(60)) for _ in range(4)]
         self.start = time.monotonic()
         self.end = self.start + args.minutes * 60  # brought forward if the server dies
+        self.min_requests = args.min_requests
         self.died_at: float | None = None
         self.sent = 0
         self.counts: dict[str, Counter] = defaultdict(Counter)
@@ -412,9 +413,16 @@ class Soak:
         if len(self.lost) <= 20:
             print(f"LOST {json.dumps(entry)}", file=sys.stderr, flush=True)
 
+    def going(self) -> bool:
+        """Whether to send another request: until the end of the run and at least --min-requests sent, unless the
+        server is gone."""
+        if self.died_at is not None:
+            return False
+        return time.monotonic() < self.end or self.sent < self.min_requests
+
     async def worker(self) -> None:
         """Requests one after another until the end of the run."""
-        while time.monotonic() < self.end:
+        while self.going():
             self.sent += 1
             await self.one(self.sent - 1)
 
@@ -658,6 +666,8 @@ def machine() -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, required=True, help="how long traffic runs (30 for the real soak)")
+    ap.add_argument("--min-requests", type=int, default=0,
+                    help="send at least this many, past --minutes if need be (a count that does not depend on speed)")
     ap.add_argument("--concurrency", type=int, default=16, help="requests in flight (the server's --max-seqs here)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, help="write every figure here")
